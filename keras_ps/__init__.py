@@ -1,0 +1,33 @@
+"""keras_ps: parameter-server training for Keras 3."""
+
+import os as _os
+
+# Calls to a dead task must fail at once instead of waiting for it to return;
+# this has to be in the environment before TF starts gRPC.
+_os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+
+from keras_ps import cluster  # noqa: E402
+from keras_ps import partitioners  # noqa: E402
+from keras_ps.cluster import LocalCluster  # noqa: E402
+from keras_ps.cluster import create_in_process_cluster  # noqa: E402
+from keras_ps.coordinator import ClusterCoordinator  # noqa: E402
+from keras_ps.coordinator import PerWorkerValues  # noqa: E402
+from keras_ps.coordinator import RemoteValue  # noqa: E402
+from keras_ps.errors import KerasPSError  # noqa: E402
+from keras_ps.sharded_variable import ShardedVariable  # noqa: E402
+from keras_ps.strategy import ParameterServerStrategy  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterCoordinator",
+    "KerasPSError",
+    "LocalCluster",
+    "ParameterServerStrategy",
+    "PerWorkerValues",
+    "RemoteValue",
+    "ShardedVariable",
+    "cluster",
+    "create_in_process_cluster",
+    "partitioners",
+]

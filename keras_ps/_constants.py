@@ -1,0 +1,59 @@
+"""Every tuning knob of keras_ps: its environment variable and its default.
+
+Read once, when a component that uses the knob is created; an explicit
+constructor argument wins over the environment.
+"""
+
+import os
+
+# The most closures of one function the coordinator packs into a single remote
+# call to a worker. Packing is what makes dispatch cheap; 1 turns it off.
+MAX_PACK_ENV_VAR = "KERAS_PS_MAX_PACK"
+DEFAULT_MAX_PACK = 16
+
+# Seconds a connectivity probe of one task (gRPC channel readiness) may take
+# before the task counts as unreachable.
+PROBE_TIMEOUT_ENV_VAR = "KERAS_PS_PROBE_TIMEOUT"
+DEFAULT_PROBE_TIMEOUT = 2.0
+
+# Seconds between probes of a failed worker while waiting for it to come back.
+RECOVERY_INTERVAL_ENV_VAR = "KERAS_PS_RECOVERY_INTERVAL"
+DEFAULT_RECOVERY_INTERVAL = 0.5
+
+# Seconds a single scheduled call may run on a worker before the worker counts
+# as hung (a stopped process answers no RPC); 0 disables the watchdog.
+CLOSURE_TIMEOUT_ENV_VAR = "KERAS_PS_CLOSURE_TIMEOUT"
+DEFAULT_CLOSURE_TIMEOUT = 0.0
+
+# Seconds join() tolerates having no healthy worker before it raises
+# NoWorkersAvailableError (0 waits forever, as TF does).
+NO_WORKER_TIMEOUT_ENV_VAR = "KERAS_PS_NO_WORKER_TIMEOUT"
+DEFAULT_NO_WORKER_TIMEOUT = 0.0
+
+
+def env_float(name, default):
+    """Reads a float knob; a malformed value is an error that names it."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return float(default)
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be a number. Received: "
+            f"{name}={raw!r}. Unset it to use the default {default}."
+        ) from None
+
+
+def env_int(name, default):
+    """Reads an int knob; a malformed value is an error that names it."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return int(default)
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be an integer. Received: "
+            f"{name}={raw!r}. Unset it to use the default {default}."
+        ) from None

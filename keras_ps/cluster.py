@@ -1,0 +1,365 @@
+"""Cluster specs, TF_CONFIG, and local clusters for tests and demos.
+
+Task types: `chief` (the coordinator, runs the user's program), `ps`
+(parameter servers), `worker`, and `evaluator` (a sidecar that is never part
+of the training cluster).
+"""
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import portpicker
+import tensorflow as tf
+
+from keras_ps.errors import ClusterConfigError
+
+logger = logging.getLogger(__name__)
+
+TASK_TYPES = ("chief", "ps", "worker", "evaluator")
+# Jobs that take part in the eager training cluster. The evaluator is not one:
+# listing it in the server def makes TF's native coordinator hang
+# (tensorflow/tensorflow#46169).
+TRAINING_JOBS = ("chief", "ps", "worker")
+_FIX = "Use a dict like {'ps': ['host:port', ...], 'worker': ['host:port', ...]}."
+
+
+def _check_address(job, index, address):
+    if not isinstance(address, str) or ":" not in address:
+        raise ClusterConfigError(
+            f"Task {job}:{index} has an invalid address. Received: {address!r}. "
+            "Expected 'host:port'."
+        )
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ClusterConfigError(
+            f"Task {job}:{index} has an invalid address. Received: {address!r}. "
+            "Expected 'host:port' with a port in 1..65535."
+        )
+
+
+def normalize_cluster_spec(spec):
+    """Validates a cluster spec and returns it as {job: [address, ...]}.
+
+    Args:
+        spec: a dict, a `tf.train.ClusterSpec` or a cluster resolver.
+
+    Raises:
+        ClusterConfigError: unknown job names, malformed or duplicate addresses,
+            or sparse task indices.
+    """
+    if isinstance(spec, tf.distribute.cluster_resolver.ClusterResolver):
+        spec = spec.cluster_spec()
+    if isinstance(spec, tf.train.ClusterSpec):
+        spec = spec.as_dict()
+    if not isinstance(spec, dict):
+        raise ClusterConfigError(
+            f"A cluster spec must be a dict. Received: {spec!r}. {_FIX}"
+        )
+    result = {}
+    seen = {}
+    for job, tasks in spec.items():
+        if job not in TASK_TYPES:
+            raise ClusterConfigError(
+                f"Unknown task type in the cluster spec. Received: {job!r}. "
+                f"Expected one of {list(TASK_TYPES)}."
+            )
+        if isinstance(tasks, dict):
+            indices = sorted(int(i) for i in tasks)
+            if indices != list(range(len(indices))):
+                raise ClusterConfigError(
+                    f"Job {job!r} must number its tasks 0..n-1. Received "
+                    f"indices {indices}."
+                )
+            tasks = [tasks[i] if i in tasks else tasks[str(i)] for i in indices]
+        if isinstance(tasks, str) or not isinstance(tasks, (list, tuple)):
+            raise ClusterConfigError(
+                f"Job {job!r} must list its task addresses. Received: "
+                f"{tasks!r}. {_FIX}"
+            )
+        for i, address in enumerate(tasks):
+            _check_address(job, i, address)
+            if address in seen:
+                raise ClusterConfigError(
+                    f"Address {address!r} is used by both {seen[address]} and "
+                    f"{job}:{i}. Every task needs its own host:port."
+                )
+            seen[address] = f"{job}:{i}"
+        result[job] = list(tasks)
+    return result
+
+
+def parse_tf_config(raw=None, require_cluster=True):
+    """Parses TF_CONFIG (the environment variable, or `raw`).
+
+    Returns:
+        (cluster, task_type, task_index): the validated cluster dict (empty if
+        absent and not required), the task type and index.
+
+    Raises:
+        ClusterConfigError: malformed JSON, unknown task type, an index outside
+            the job, or a missing cluster section.
+    """
+    if raw is None:
+        raw = os.environ.get("TF_CONFIG", "")
+    if isinstance(raw, str):
+        if not raw.strip():
+            raise ClusterConfigError(
+                "TF_CONFIG is not set. Set it to JSON like "
+                '{"cluster": {...}, "task": {"type": "worker", "index": 0}}.'
+            )
+        try:
+            config = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ClusterConfigError(
+                f"TF_CONFIG is not valid JSON ({e.msg} at position {e.pos}). "
+                f"Received: {raw[:200]!r}."
+            ) from None
+    else:
+        config = raw
+    if not isinstance(config, dict):
+        raise ClusterConfigError(
+            f"TF_CONFIG must be a JSON object. Received: {config!r}."
+        )
+    task = config.get("task")
+    if not isinstance(task, dict) or "type" not in task:
+        raise ClusterConfigError(
+            "TF_CONFIG has no task section. Received: "
+            f"task={task!r}. Expected \"task\": {{\"type\": ..., \"index\": ...}}."
+        )
+    task_type = task["type"]
+    if task_type not in TASK_TYPES:
+        raise ClusterConfigError(
+            f"Unknown task type in TF_CONFIG. Received: type={task_type!r}. "
+            f"Expected one of {list(TASK_TYPES)}."
+        )
+    try:
+        task_index = int(task.get("index", 0))
+    except (TypeError, ValueError):
+        raise ClusterConfigError(
+            f"TF_CONFIG task index must be an integer. Received: "
+            f"index={task.get('index')!r}."
+        ) from None
+    if "cluster" not in config:
+        if require_cluster:
+            raise ClusterConfigError(
+                f"TF_CONFIG has no cluster section (task {task_type}:"
+                f"{task_index}). Add \"cluster\": {{\"ps\": [...], "
+                "\"worker\": [...]}."
+            )
+        return {}, task_type, task_index
+    cluster = normalize_cluster_spec(config["cluster"])
+    if task_type != "evaluator":
+        tasks = cluster.get(task_type, [])
+        if not 0 <= task_index < len(tasks):
+            raise ClusterConfigError(
+                f"TF_CONFIG task index is out of range. Received: "
+                f"{task_type}:{task_index}, but the cluster lists "
+                f"{len(tasks)} {task_type} task(s)."
+            )
+    return cluster, task_type, task_index
+
+
+def resolver_from_tf_config():
+    """A cluster resolver for this process' TF_CONFIG, validated first."""
+    cluster, task_type, task_index = parse_tf_config()
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster),
+        task_type=task_type,
+        task_id=task_index,
+        rpc_layer="grpc",
+    )
+
+
+def resolver_from_spec(spec):
+    """A cluster resolver for a plain {job: [addresses]} dict."""
+    return tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(normalize_cluster_spec(spec)), rpc_layer="grpc"
+    )
+
+
+def training_cluster(spec):
+    """The jobs of `spec` that take part in training (drops the evaluator)."""
+    spec = normalize_cluster_spec(spec)
+    return {job: tasks for job, tasks in spec.items() if job in TRAINING_JOBS}
+
+
+def _local_spec(num_workers, num_ps):
+    def pick():
+        return f"localhost:{portpicker.pick_unused_port()}"
+
+    return {
+        "worker": [pick() for _ in range(num_workers)],
+        "ps": [pick() for _ in range(num_ps)],
+    }
+
+
+_IN_PROCESS_SERVERS = []
+
+
+def create_in_process_cluster(num_workers, num_ps):
+    """Starts ps and worker servers inside this process (as TF's tutorial does).
+
+    Returns:
+        A cluster resolver for the new cluster. The servers live until the
+        process exits.
+    """
+    spec = _local_spec(num_workers, num_ps)
+    cluster = tf.train.ClusterSpec(spec)
+    config = tf.compat.v1.ConfigProto()
+    # Every server in this process shares the cores: without enough inter-op
+    # threads, a worker's blocking ops starve each other and calls hang.
+    config.inter_op_parallelism_threads = num_workers + 1
+    for job, tasks in spec.items():
+        for i in range(len(tasks)):
+            _IN_PROCESS_SERVERS.append(
+                tf.distribute.Server(
+                    cluster, job_name=job, task_index=i, protocol="grpc",
+                    config=config, start=True,
+                )
+            )
+    return resolver_from_spec(spec)
+
+
+def wait_for_port(address, timeout, process=None):
+    """Waits until `address` accepts TCP connections; False on timeout."""
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            return False
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class LocalCluster:
+    """A ps/worker cluster of real processes on this machine's loopback.
+
+    Each task runs `python -m keras_ps.server` in its own process, on a free
+    port, and can be stopped (SIGTERM), killed (SIGKILL), paused (SIGSTOP),
+    resumed and restarted on the same address.
+
+    Args:
+        num_workers: number of worker tasks.
+        num_ps: number of parameter-server tasks.
+        log_dir: where each task's output goes (a temporary folder if None).
+        env: extra environment variables for every task.
+
+    Example:
+    ```python
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+    ```
+    """
+
+    def __init__(self, num_workers=2, num_ps=1, log_dir=None, env=None,
+                 start_timeout=60.0):
+        if num_workers < 1 or num_ps < 1:
+            raise ClusterConfigError(
+                "A LocalCluster needs at least one worker and one ps. "
+                f"Received: num_workers={num_workers}, num_ps={num_ps}."
+            )
+        self.spec = _local_spec(num_workers, num_ps)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="keras_ps_cluster_")
+        self._env = dict(env or {})
+        self._start_timeout = start_timeout
+        self._procs = {}
+        self._logs = {}
+        for job in ("ps", "worker"):
+            for i in range(len(self.spec[job])):
+                self._launch(job, i)
+        for job in ("ps", "worker"):
+            for i in range(len(self.spec[job])):
+                self._wait_ready(job, i)
+
+    @property
+    def resolver(self):
+        """A cluster resolver for this cluster (the coordinator is this process)."""
+        return resolver_from_spec(self.spec)
+
+    def address(self, job, index):
+        return self.spec[job][index]
+
+    def pid(self, job, index):
+        return self._procs[(job, index)].pid
+
+    def _launch(self, job, index):
+        env = dict(os.environ)
+        env.update(self._env)
+        env.pop("TF_CONFIG", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
+        log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
+        log = open(log_path, "ab")
+        self._logs[(job, index)] = log
+        self._procs[(job, index)] = subprocess.Popen(
+            [sys.executable, "-m", "keras_ps.server",
+             "--cluster_spec", json.dumps(self.spec),
+             "--job_name", job, "--task_index", str(index)],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        logger.info("[cluster] started %s:%d at %s (pid %d)", job, index,
+                    self.spec[job][index], self._procs[(job, index)].pid)
+
+    def _wait_ready(self, job, index):
+        proc = self._procs[(job, index)]
+        if not wait_for_port(self.spec[job][index], self._start_timeout, proc):
+            raise RuntimeError(
+                f"Task {job}:{index} did not start within "
+                f"{self._start_timeout}s; see {self.log_dir}/{job}-{index}.log"
+            )
+
+    def kill(self, job, index):
+        """SIGKILLs a task (as a preemption would) and reaps it."""
+        proc = self._procs[(job, index)]
+        proc.kill()
+        proc.wait()
+        logger.info("[cluster] killed %s:%d", job, index)
+
+    def stop(self, job, index, timeout=10.0):
+        """SIGTERMs a task and waits for it to exit; returns its exit code."""
+        proc = self._procs[(job, index)]
+        proc.terminate()
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def pause(self, job, index):
+        self._procs[(job, index)].send_signal(19)  # SIGSTOP
+
+    def resume(self, job, index):
+        self._procs[(job, index)].send_signal(18)  # SIGCONT
+
+    def restart(self, job, index):
+        """Starts a stopped or killed task again on the same address."""
+        proc = self._procs[(job, index)]
+        if proc.poll() is None:
+            self.kill(job, index)
+        # The old process' socket may linger briefly; the server retries bind.
+        self._launch(job, index)
+        self._wait_ready(job, index)
+
+    def shutdown(self):
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs.values():
+            proc.wait()
+        for log in self._logs.values():
+            log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,152 @@
+"""Closures (scheduled calls) and the queue that hands them to workers."""
+
+import collections
+import logging
+import threading
+
+import tensorflow as tf
+
+from keras_ps.coordinator.values import RemoteValue
+from keras_ps.errors import ClosureCancelledError
+
+logger = logging.getLogger(__name__)
+
+
+class Closure:
+    """One scheduled call: a tf.function, its arguments, its RemoteValue."""
+
+    __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker")
+
+    def __init__(self, fn, args, kwargs, per_worker):
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.per_worker = per_worker  # args hold PerWorkerValues to substitute
+        self.remote_value = RemoteValue()
+
+    def cancel(self):
+        self.remote_value._set_error(ClosureCancelledError(
+            "This scheduled function was cancelled because an earlier one "
+            "failed. Fix that error and schedule it again."))
+
+
+class ClosureQueue:
+    """Pending closures, the in-flight count, and the first error.
+
+    Thread-safe. Workers take batches of closures of one function (packing);
+    the coordinator waits for the queue to drain.
+    """
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._pending = collections.deque()
+        self._inflight = 0
+        self._error = None  # first application error, raised once
+        self._fatal = None  # a ps failure: raised until the coordinator restarts
+        self._stopped = False
+
+    def put(self, closure):
+        with self._cv:
+            self._raise_if_error_locked()
+            self._pending.append(closure)
+            self._cv.notify()
+
+    def take(self, max_pack, num_takers):
+        """Blocks for work; returns a list of closures of one function, or None
+        when the queue stops."""
+        with self._cv:
+            while not self._pending and not self._stopped:
+                self._cv.wait()
+            if self._stopped:
+                return None
+            # Take a fair share so one worker doesn't starve the others.
+            share = -(-len(self._pending) // max(1, num_takers))
+            limit = max(1, min(max_pack, share))
+            # Powers of two only: each pack size is a separate trace.
+            limit = 1 << (limit.bit_length() - 1)
+            first = self._pending.popleft()
+            batch = [first]
+            while (len(batch) < limit and self._pending
+                   and self._pending[0].fn is first.fn):
+                batch.append(self._pending.popleft())
+            self._inflight += len(batch)
+            return batch
+
+    def put_back(self, closures):
+        """Requeues closures whose worker was lost (at-least-once)."""
+        with self._cv:
+            self._inflight -= len(closures)
+            if self._error is not None or self._fatal is not None:
+                for c in closures:
+                    c.cancel()
+            else:
+                self._pending.extendleft(reversed(closures))
+                self._cv.notify_all()
+            self._cv.notify_all()
+
+    def mark_finished(self, count):
+        with self._cv:
+            self._inflight -= count
+            self._cv.notify_all()
+
+    def mark_failed(self, count, error):
+        """An application error: cancel everything pending, remember the error."""
+        with self._cv:
+            self._inflight -= count
+            if self._error is None:
+                self._error = error
+            self._cancel_pending_locked()
+            self._cv.notify_all()
+
+    def mark_fatal(self, count, error):
+        with self._cv:
+            self._inflight -= count
+            if self._fatal is None:
+                self._fatal = error
+            self._cancel_pending_locked()
+            self._cv.notify_all()
+
+    def _cancel_pending_locked(self):
+        while self._pending:
+            self._pending.popleft().cancel()
+
+    def _raise_if_error_locked(self):
+        if self._fatal is not None:
+            raise self._fatal
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def raise_if_error(self):
+        with self._cv:
+            self._raise_if_error_locked()
+
+    def done(self):
+        with self._cv:
+            self._raise_if_error_locked()
+            return not self._pending and self._inflight == 0
+
+    def wait(self, timeout=None, idle_check=None):
+        """Waits until nothing is pending or in flight; raises the first error.
+
+        `idle_check` is called periodically and may raise (e.g. when no worker
+        has been healthy for too long)."""
+        with self._cv:
+            while True:
+                if self._fatal is not None or self._error is not None:
+                    self._raise_if_error_locked()
+                if not self._pending and self._inflight == 0:
+                    return
+                self._cv.wait(0.5)
+                if idle_check is not None:
+                    idle_check()
+
+    def stop(self):
+        with self._cv:
+            self._stopped = True
+            self._cancel_pending_locked()
+            self._cv.notify_all()
+
+    def counts(self):
+        with self._cv:
+            return len(self._pending), self._inflight

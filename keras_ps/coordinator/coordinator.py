@@ -1,0 +1,246 @@
+"""ClusterCoordinator: schedules tf.functions on workers, asynchronously."""
+
+import logging
+import threading
+import time
+import weakref
+
+import tensorflow as tf
+
+from keras_ps import _constants
+from keras_ps import _tf_adapter
+from keras_ps import strategy as strategy_lib
+from keras_ps.coordinator import worker as worker_lib
+from keras_ps.coordinator.closures import Closure, ClosureQueue
+from keras_ps.coordinator.datasets import PerWorkerDataset
+from keras_ps.coordinator.values import PerWorkerValues, RemoteValue
+from keras_ps.errors import NoWorkersAvailableError
+
+logger = logging.getLogger(__name__)
+
+
+def _is_tf_function(fn):
+    return hasattr(fn, "get_concrete_function")
+
+
+class ClusterCoordinator:
+    """Runs scheduled `tf.function`s on the workers of a ParameterServerStrategy.
+
+    Execution is at-least-once: a function whose worker is lost is run again
+    on another worker. The first error a function raises comes out once from
+    `schedule`, `join` or `done`; functions still pending then are cancelled.
+    Consecutive closures of one function are packed into a single remote call
+    (up to `max_pack`), which is what makes dispatch cheap.
+
+    Args:
+        strategy: a `keras_ps.ParameterServerStrategy`.
+        max_pack: most closures per remote call (default from
+            `KERAS_PS_MAX_PACK`, 16); 1 disables packing.
+
+    Example:
+    ```python
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(10)]
+    coordinator.join()
+    ```
+    """
+
+    def __init__(self, strategy, max_pack=None):
+        if not isinstance(strategy, strategy_lib.ParameterServerStrategy):
+            raise TypeError(
+                "ClusterCoordinator needs a keras_ps.ParameterServerStrategy. "
+                f"Received: strategy={strategy!r}.")
+        self.strategy = strategy
+        self.max_pack = max_pack or _constants.env_int(
+            _constants.MAX_PACK_ENV_VAR, _constants.DEFAULT_MAX_PACK)
+        if self.max_pack < 1:
+            raise ValueError(
+                f"max_pack must be at least 1. Received: max_pack={self.max_pack}.")
+        self.probe_timeout = _constants.env_float(
+            _constants.PROBE_TIMEOUT_ENV_VAR, _constants.DEFAULT_PROBE_TIMEOUT)
+        self.recovery_interval = _constants.env_float(
+            _constants.RECOVERY_INTERVAL_ENV_VAR,
+            _constants.DEFAULT_RECOVERY_INTERVAL)
+        self.no_worker_timeout = _constants.env_float(
+            _constants.NO_WORKER_TIMEOUT_ENV_VAR,
+            _constants.DEFAULT_NO_WORKER_TIMEOUT)
+        spec = strategy.cluster_spec
+        self.ps_addresses = list(spec["ps"])
+        self.local_device = "/job:chief/replica:0/task:0/device:CPU:0"
+        self._queue = ClosureQueue()
+        self._packed = {}
+        self._packed_lock = threading.Lock()
+        self._reconnect_lock = threading.Lock()
+        self._datasets = weakref.WeakSet()
+        self._unhealthy_since = None
+        self._workers = [worker_lib.Worker(self, i, address)
+                         for i, address in enumerate(spec["worker"])]
+        for w in self._workers:
+            w.start()
+
+    # -- public API ------------------------------------------------------------
+    @property
+    def num_workers(self):
+        return len(self._workers)
+
+    @property
+    def workers(self):
+        """The Worker objects (index, address, state, closures_run)."""
+        return tuple(self._workers)
+
+    def schedule(self, fn, args=None, kwargs=None):
+        """Schedules `fn(*args, **kwargs)` on some worker; returns a RemoteValue.
+
+        Args:
+            fn: a `tf.function`.
+            args, kwargs: its arguments; `PerWorkerValues` (such as per-worker
+                iterators) are replaced by the chosen worker's element.
+
+        Raises:
+            TypeError: `fn` is not a tf.function, or an argument is a
+                RemoteValue.
+            The first error of an earlier scheduled function, once.
+            ParameterServerUnavailableError: a ps was lost.
+        """
+        if not _is_tf_function(fn):
+            raise TypeError(
+                "coordinator.schedule needs a tf.function. Received: "
+                f"fn={getattr(fn, '__name__', fn)!r} of type "
+                f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
+        args = tuple(args or ())
+        kwargs = dict(kwargs or {})
+        per_worker = False
+        for value in tf.nest.flatten((args, kwargs)):
+            if isinstance(value, RemoteValue):
+                raise TypeError(
+                    "A RemoteValue was passed as an argument to schedule. "
+                    f"Received: {value!r}. Call .fetch() on it first, or "
+                    "return the value from the scheduled function that needs it.")
+            if isinstance(value, PerWorkerValues):
+                per_worker = True
+        closure = Closure(fn, args, kwargs, per_worker)
+        self._queue.put(closure)
+        return closure.remote_value
+
+    def join(self):
+        """Blocks until every scheduled function has run.
+
+        Raises:
+            The first error of a scheduled function (once), a
+            ParameterServerUnavailableError, or NoWorkersAvailableError when no
+            worker was healthy for KERAS_PS_NO_WORKER_TIMEOUT seconds.
+        """
+        self._queue.wait(idle_check=self._check_workers)
+
+    def done(self):
+        """True when every scheduled function has run (raises as `join`)."""
+        return self._queue.done()
+
+    def fetch(self, values):
+        """Fetches RemoteValues (and PerWorkerValues of them) in a structure."""
+        def one(v):
+            if isinstance(v, RemoteValue):
+                return v.fetch()
+            if isinstance(v, PerWorkerValues):
+                return tuple(one(x) for x in v.values)
+            return v
+        return tf.nest.map_structure(one, values)
+
+    def create_per_worker_dataset(self, dataset_fn):
+        """Creates `dataset_fn()` (or a tf.data.Dataset) on every worker.
+
+        `dataset_fn` may take a `tf.distribute.InputContext` telling the
+        worker's index (`input_pipeline_id`) and the number of workers
+        (`num_input_pipelines`), so each worker can read its own shard.
+        """
+        dataset = PerWorkerDataset(self, dataset_fn)
+        self._datasets.add(dataset)
+        return dataset
+
+    def shutdown(self):
+        for w in self._workers:
+            w.stop()
+        self._queue.stop()
+
+    # -- internals used by workers ---------------------------------------------
+    def num_healthy(self):
+        return sum(w.state is worker_lib.WorkerState.HEALTHY for w in self._workers)
+
+    def dead_ps(self):
+        return [i for i, address in enumerate(self.ps_addresses)
+                if not worker_lib.probe(address, self.probe_timeout)]
+
+    def _check_workers(self):
+        if self.num_healthy():
+            self._unhealthy_since = None
+            return
+        now = time.monotonic()
+        if self._unhealthy_since is None:
+            self._unhealthy_since = now
+            logger.warning("[chief] no healthy worker; waiting for one to return")
+        if self.no_worker_timeout and now - self._unhealthy_since > self.no_worker_timeout:
+            raise NoWorkersAvailableError(
+                f"No worker has been reachable for {self.no_worker_timeout:.0f}s "
+                f"(workers: {[w.address for w in self._workers]}). Restart the "
+                "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
+
+    def _notify_worker_change(self):
+        self._unhealthy_since = None
+
+    def _reconnect(self):
+        """Re-creates the eager contexts so a restarted worker is usable."""
+        with self._reconnect_lock:
+            _tf_adapter.update_server_def(_tf_adapter.get_server_def())
+
+    def _rebuild_resources(self, index):
+        for dataset in list(self._datasets):
+            dataset._rebuild(index)
+
+    def _packed_function(self, fn, count):
+        key = (fn, count)
+        packed = self._packed.get(key)
+        if packed is None:
+            with self._packed_lock:
+                packed = self._packed.get(key)
+                if packed is None:
+                    def run_all(calls):
+                        return [fn(*args, **kwargs) for args, kwargs in calls]
+                    packed = tf.function(run_all)
+                    self._packed[key] = packed
+        return packed
+
+
+def worker_index():
+    """Inside a scheduled tf.function: the index of the worker running it.
+
+    A scalar int64 tensor fed at every call, so one traced function serves
+    every worker (e.g. `dataset.shard(num_workers(), worker_index())`).
+
+    Raises:
+        RuntimeError: called outside a tf.function.
+    """
+    return _call_time_value(0, "keras_ps_worker_index")
+
+
+def num_workers():
+    """Inside a scheduled tf.function: how many workers the cluster has."""
+    return _call_time_value(1, "keras_ps_num_workers")
+
+
+def _call_time_value(position, name):
+    if not _tf_adapter.inside_function():
+        raise RuntimeError(
+            f"keras_ps.coordinator.{name[9:]}() must be called inside a "
+            "tf.function that is scheduled with coordinator.schedule.")
+
+    def value():
+        current = strategy_lib.current_worker()
+        if current is None:
+            raise RuntimeError(
+                "This tf.function reads the worker index, so it can only run "
+                "through coordinator.schedule.")
+        return tf.constant(current[position], tf.int64)
+
+    return _tf_adapter.capture_call_time_value(
+        value, tf.TensorSpec([], tf.int64), name)

@@ -1,0 +1,89 @@
+"""Per-worker datasets and iterators, rebuilt when a worker comes back."""
+
+import inspect
+import logging
+
+import tensorflow as tf
+
+from keras_ps import strategy as strategy_lib
+from keras_ps.coordinator.values import PerWorkerValues
+
+logger = logging.getLogger(__name__)
+
+
+def _takes_context(fn):
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                          p.VAR_POSITIONAL) for p in params)
+
+
+def _no_variables(next_creator, **kwargs):
+    raise ValueError(
+        "dataset_fn created a variable (name="
+        f"{kwargs.get('name')!r}). A dataset_fn runs on every worker and may "
+        "not create variables: create lookup tables and preprocessing layers "
+        "under strategy.scope() before calling create_per_worker_dataset, and "
+        "only use them inside dataset_fn.")
+
+
+class PerWorkerDataset:
+    """A dataset created on every worker by `coordinator.create_per_worker_dataset`.
+
+    `iter()` gives a `PerWorkerValues` of iterators to pass to `schedule`.
+    """
+
+    def __init__(self, coordinator, dataset_or_fn):
+        self._coordinator = coordinator
+        if isinstance(dataset_or_fn, tf.data.Dataset):
+            dataset = dataset_or_fn
+            self._fn = lambda: dataset
+            self._with_context = False
+        elif callable(dataset_or_fn):
+            self._fn = dataset_or_fn
+            self._with_context = _takes_context(dataset_or_fn)
+        else:
+            raise TypeError(
+                "create_per_worker_dataset needs a dataset_fn or a "
+                f"tf.data.Dataset. Received: {dataset_or_fn!r}.")
+        self._datasets = [None] * coordinator.num_workers
+        self._iterators = []  # PerWorkerValues handed out, rebuilt on recovery
+        for i in range(coordinator.num_workers):
+            self._datasets[i] = self._build(i)
+
+    def _build(self, index):
+        strategy = self._coordinator.strategy
+        num = self._coordinator.num_workers
+        with tf.device(strategy_lib.worker_device(index)), \
+                strategy_lib._DispatchScope(index, num), \
+                tf.variable_creator_scope(_no_variables):
+            if self._with_context:
+                context = strategy.input_context()
+                fn = lambda: self._fn(context)
+            else:
+                fn = self._fn
+            dataset = tf.function(fn)()
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                f"dataset_fn must return a tf.data.Dataset. Received: "
+                f"{type(dataset).__name__} from {self._fn!r}.")
+        return dataset
+
+    def _iter_on(self, index):
+        with tf.device(strategy_lib.worker_device(index)):
+            return iter(self._datasets[index])
+
+    def __iter__(self):
+        iterators = PerWorkerValues(
+            [self._iter_on(i) for i in range(self._coordinator.num_workers)])
+        self._iterators.append(iterators)
+        return iterators
+
+    def _rebuild(self, index):
+        """Recreates worker `index`'s dataset and every iterator on it."""
+        self._datasets[index] = self._build(index)
+        for iterators in self._iterators:
+            iterators._replace(index, self._iter_on(index))
+        logger.info("[worker:%d] per-worker dataset rebuilt", index)

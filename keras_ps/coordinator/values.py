@@ -1,0 +1,108 @@
+"""Values the coordinator hands out: RemoteValue and PerWorkerValues."""
+
+import enum
+import threading
+
+import tensorflow as tf
+
+
+class RemoteValueStatus(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class RemoteValue:
+    """The future result of a scheduled function.
+
+    `fetch()` blocks until the function has run and returns numpy values;
+    `get()` returns the same values as tensors on the coordinator. Both raise
+    the function's error if it failed, or `tf.errors.CancelledError` if it
+    was cancelled because another function failed first.
+    """
+
+    __slots__ = ("_event", "_status", "_values", "_error", "__weakref__")
+
+    def __init__(self):
+        self._event = threading.Event()
+        self._status = RemoteValueStatus.PENDING
+        self._values = None
+        self._error = None
+
+    @property
+    def status(self):
+        return self._status
+
+    def _set_values(self, values):
+        if self._status is RemoteValueStatus.PENDING:
+            self._values = values
+            self._status = RemoteValueStatus.READY
+            self._event.set()
+
+    def _set_error(self, error):
+        if self._status is RemoteValueStatus.PENDING:
+            self._error = error
+            self._status = RemoteValueStatus.FAILED
+            self._event.set()
+
+    def _wait(self, timeout=None):
+        if not self._event.wait(timeout):
+            raise TimeoutError(
+                f"The scheduled function did not finish within {timeout}s. "
+                "Call coordinator.join() to see errors from the cluster.")
+        if self._error is not None:
+            raise self._error
+
+    def get(self, timeout=None):
+        """The result as tensors on the coordinator (blocks until ready)."""
+        self._wait(timeout)
+        return self._values
+
+    def fetch(self, timeout=None):
+        """The result as numpy values (blocks until ready)."""
+        self._wait(timeout)
+        return tf.nest.map_structure(_to_numpy, self._values)
+
+    def __repr__(self):
+        return f"<RemoteValue {self._status.value}>"
+
+
+def _to_numpy(value):
+    return value.numpy() if hasattr(value, "numpy") else value
+
+
+class PerWorkerValues:
+    """One value per worker (e.g. each worker's dataset iterator).
+
+    Pass it to `coordinator.schedule`: each closure receives the value of the
+    worker it runs on. It is not an iterator itself; call `next()` inside the
+    scheduled `tf.function`.
+    """
+
+    def __init__(self, values):
+        self._values = list(values)
+
+    @property
+    def values(self):
+        return tuple(self._values)
+
+    def _replace(self, index, value):
+        self._values[index] = value
+
+    def __len__(self):
+        return len(self._values)
+
+    def __next__(self):
+        raise TypeError(
+            "next() was called on PerWorkerValues (a per-worker iterator) on "
+            "the coordinator. Call next(iterator) inside the tf.function you "
+            "pass to coordinator.schedule(fn, args=(iterator,)) instead.")
+
+    def __iter__(self):
+        raise TypeError(
+            "PerWorkerValues cannot be iterated on the coordinator. Pass it "
+            "to coordinator.schedule(fn, args=(value,)); each worker gets its "
+            "own element.")
+
+    def __repr__(self):
+        return f"<PerWorkerValues of {len(self._values)} workers>"

@@ -1,0 +1,191 @@
+"""One thread per worker task: takes closures, runs them, handles failures."""
+
+import enum
+import logging
+import threading
+import time
+
+import grpc
+import tensorflow as tf
+
+from keras_ps import _tf_adapter
+from keras_ps import strategy as strategy_lib
+from keras_ps.coordinator import failure_policy
+from keras_ps.coordinator.failure_policy import Decision
+from keras_ps.coordinator.values import PerWorkerValues
+from keras_ps.errors import ParameterServerUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerState(enum.Enum):
+    HEALTHY = "healthy"
+    FAILED = "failed"  # unreachable; closures go to other workers
+    RECOVERING = "recovering"  # answers again; context and datasets rebuilt
+    STOPPED = "stopped"
+
+
+def probe(address, timeout):
+    """True if a gRPC server answers at `address` within `timeout` seconds.
+
+    Works on a stopped (SIGSTOP) process too: the kernel accepts the TCP
+    connection but the HTTP/2 handshake never completes.
+    """
+    channel = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        channel.close()
+
+
+class Worker:
+    """Runs closures on `/job:worker/task:<index>` from the coordinator's queue."""
+
+    def __init__(self, coordinator, index, address):
+        self.index = index
+        self.address = address
+        self.device = strategy_lib.worker_device(index)
+        self.state = WorkerState.HEALTHY
+        self.closures_run = 0
+        self._coordinator = coordinator
+        self._queue = coordinator._queue
+        self._state_lock = threading.Lock()
+        self._state_changed = threading.Condition(self._state_lock)
+        self._thread = threading.Thread(
+            target=self._run, name=f"keras_ps-worker-{index}", daemon=True)
+
+    def start(self):
+        self._thread.start()
+
+    # -- state -----------------------------------------------------------------
+    def transition(self, new_state, reason):
+        with self._state_lock:
+            old, self.state = self.state, new_state
+            self._state_changed.notify_all()
+        if old is not new_state:
+            logger.info("[worker:%d] %s -> %s (%s)", self.index, old.value,
+                        new_state.value, reason)
+
+    def wait_for_state(self, state, timeout):
+        deadline = time.monotonic() + timeout
+        with self._state_lock:
+            while self.state is not state:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._state_changed.wait(remaining)
+            return True
+
+    def stop(self):
+        self.transition(WorkerState.STOPPED, "coordinator shut down")
+
+    # -- the loop --------------------------------------------------------------
+    def _run(self):
+        while self.state is not WorkerState.STOPPED:
+            if self.state is not WorkerState.HEALTHY:
+                self._recover()
+                continue
+            batch = self._queue.take(
+                self._coordinator.max_pack, self._coordinator.num_healthy())
+            if batch is None:
+                return
+            if self.state is not WorkerState.HEALTHY:
+                self._queue.put_back(batch)
+                continue
+            self._process(batch)
+
+    def _process(self, batch):
+        try:
+            outputs = self._execute(batch)
+        except Exception as error:  # decided below, never swallowed
+            self._on_failure(batch, error)
+            return
+        for closure, output in zip(batch, outputs):
+            closure.remote_value._set_values(output)
+        self.closures_run += len(batch)
+        self._queue.mark_finished(len(batch))
+
+    def _execute(self, batch):
+        coordinator = self._coordinator
+        with tf.device(self.device), strategy_lib._DispatchScope(
+                self.index, coordinator.num_workers):
+            if len(batch) == 1:
+                c = batch[0]
+                args, kwargs = self._select(c)
+                results = [c.fn(*args, **kwargs)]
+            else:
+                packed = coordinator._packed_function(batch[0].fn, len(batch))
+                results = packed([self._select(c) for c in batch])
+        # Copy results to the coordinator now: the worker may be gone later.
+        return [self._to_local(r) for r in results]
+
+    def _select(self, closure):
+        if not closure.per_worker:
+            return closure.args, closure.kwargs
+        pick = lambda v: v.values[self.index] if isinstance(v, PerWorkerValues) else v
+        return (tf.nest.map_structure(pick, closure.args),
+                tf.nest.map_structure(pick, closure.kwargs))
+
+    def _to_local(self, result):
+        if result is None:
+            return None
+        with tf.device(self._coordinator.local_device):
+            return tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+                result)
+
+    def _on_failure(self, batch, error):
+        worker_alive = probe(self.address, self._coordinator.probe_timeout)
+        dead_ps = []
+        if failure_policy.is_connectivity_error(error) or not worker_alive:
+            dead_ps = self._coordinator.dead_ps()
+        decision = failure_policy.decide(error, worker_alive, dead_ps)
+        logger.info("[worker:%d] closure failed with %s; worker %s, dead ps %s "
+                    "-> %s", self.index, type(error).__name__,
+                    "answers" if worker_alive else "unreachable", dead_ps,
+                    decision.value)
+        if decision is Decision.RETRY_ELSEWHERE:
+            self.transition(WorkerState.FAILED, type(error).__name__)
+            self._queue.put_back(batch)
+        elif decision is Decision.RAISE_PS_FAILURE:
+            addresses = [self._coordinator.ps_addresses[i] for i in dead_ps]
+            fatal = ParameterServerUnavailableError(
+                f"Parameter server(s) {dead_ps} at {addresses} cannot be "
+                "reached; the model's variables there are lost. Restart the "
+                "job (ps tasks included) and resume from the last checkpoint, "
+                "e.g. with keras_ps.callbacks.BackupAndRestore. Cause: "
+                f"{type(error).__name__}")
+            for c in batch:
+                c.remote_value._set_error(fatal)
+            self._queue.mark_fatal(len(batch), fatal)
+        else:
+            batch[0].remote_value._set_error(error)
+            for c in batch[1:]:
+                c.cancel()
+            self._queue.mark_failed(len(batch), error)
+
+    def _recover(self):
+        """Waits until the worker answers, then rebuilds its context and data."""
+        interval = self._coordinator.recovery_interval
+        while self.state is WorkerState.FAILED:
+            if probe(self.address, self._coordinator.probe_timeout):
+                self.transition(WorkerState.RECOVERING, "answers again")
+                break
+            time.sleep(interval)
+        if self.state is not WorkerState.RECOVERING:
+            return
+        try:
+            self._coordinator._reconnect()
+            self._coordinator._rebuild_resources(self.index)
+        except Exception as error:  # still flaky: back to FAILED, try again
+            logger.info("[worker:%d] recovery failed (%s: %s); retrying",
+                        self.index, type(error).__name__,
+                        str(error).splitlines()[0] if str(error) else "")
+            self.transition(WorkerState.FAILED, "recovery failed")
+            time.sleep(interval)
+            return
+        self.transition(WorkerState.HEALTHY, "context and datasets rebuilt")
+        self._coordinator._notify_worker_change()

@@ -1,0 +1,62 @@
+"""The keras_ps error hierarchy.
+
+Every error keras_ps raises on purpose derives from `KerasPSError`, so a user
+can catch them all at once. Errors that replace a standard Python or TF error
+also derive from it (`ClusterConfigError` is a `ValueError`,
+`ParameterServerUnavailableError` is a `tf.errors.UnavailableError`), so code
+written against TF's native strategy keeps working. All are picklable.
+"""
+
+import tensorflow as tf
+
+
+class KerasPSError(Exception):
+    """Base class of every error keras_ps raises on purpose."""
+
+
+class ClusterConfigError(KerasPSError, ValueError):
+    """A cluster spec, TF_CONFIG or resolver that keras_ps cannot use."""
+
+
+class PartitionerError(KerasPSError, ValueError):
+    """A variable partitioner returned a spec keras_ps cannot apply."""
+
+
+class _TFErrorMixin(KerasPSError):
+    """Makes a `tf.errors.OpError` subclass picklable with its message."""
+
+    def __reduce__(self):
+        return (type(self), (self.message,))
+
+
+class ParameterServerUnavailableError(_TFErrorMixin, tf.errors.UnavailableError):
+    """A parameter server cannot be reached; training cannot go on.
+
+    PS tasks hold the model's state, so keras_ps never retries around them:
+    restart the job and restore from the last checkpoint (see
+    `keras_ps.callbacks.BackupAndRestore`).
+    """
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+class NoWorkersAvailableError(_TFErrorMixin, tf.errors.UnavailableError):
+    """Every worker has been unreachable for longer than the allowed time."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+class ClosureCancelledError(_TFErrorMixin, tf.errors.CancelledError):
+    """A scheduled function was cancelled because another one failed first."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
+class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
+    """A scheduled function's input is a RemoteValue whose function failed."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)

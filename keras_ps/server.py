@@ -1,0 +1,113 @@
+"""`python -m keras_ps.server`: run one ps or worker task until SIGTERM.
+
+The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index.
+Bad configuration ends the process with a one-line error and exit code 2.
+"""
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+
+
+def _fail(message):
+    print(f"keras_ps.server: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
+def _port_free(address):
+    host, _, port = address.rpartition(":")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(port)))
+        except OSError:
+            return False
+    return True
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="keras_ps.server", description="Run a keras_ps ps or worker task."
+    )
+    parser.add_argument("--cluster_spec", help="JSON {job: [host:port, ...]}")
+    parser.add_argument("--job_name", choices=None)
+    parser.add_argument("--task_index", type=int, default=0)
+    parser.add_argument("--inter_op_threads", type=int, default=0,
+                        help="inter-op threads (0: max(4, cores))")
+    args = parser.parse_args(argv)
+
+    # Must be set before TF starts gRPC: calls to a dead task fail at once
+    # instead of waiting for it to come back.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    from keras_ps import cluster as cluster_lib
+    from keras_ps.errors import ClusterConfigError
+
+    try:
+        if args.cluster_spec is not None:
+            try:
+                spec = json.loads(args.cluster_spec)
+            except json.JSONDecodeError as e:
+                raise ClusterConfigError(
+                    f"--cluster_spec is not valid JSON ({e.msg}). Received: "
+                    f"{args.cluster_spec[:200]!r}."
+                ) from None
+            config = {"cluster": spec,
+                      "task": {"type": args.job_name, "index": args.task_index}}
+            cluster, job, index = cluster_lib.parse_tf_config(config)
+        else:
+            cluster, job, index = cluster_lib.parse_tf_config()
+        if job not in ("ps", "worker"):
+            raise ClusterConfigError(
+                f"keras_ps.server runs ps and worker tasks. Received: task "
+                f"type {job!r}. Run the chief as your training script and the "
+                "evaluator with `python -m keras_ps.evaluator`."
+            )
+    except ClusterConfigError as e:
+        return _fail(str(e))
+
+    address = cluster[job][index]
+    if not _port_free(address):
+        return _fail(
+            f"port of {job}:{index} ({address}) is already in use. Stop the "
+            "process holding it or give this task another port."
+        )
+
+    import tensorflow as tf
+
+    training = cluster_lib.training_cluster(cluster)
+    config = tf.compat.v1.ConfigProto()
+    config.inter_op_parallelism_threads = (
+        args.inter_op_threads or max(4, os.cpu_count() or 1))
+    try:
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(training), job_name=job, task_index=index,
+            protocol="grpc", config=config, start=True,
+        )
+    except Exception as e:  # TF raises UnknownError for bind failures.
+        return _fail(f"could not start {job}:{index} at {address}: "
+                     f"{str(e).splitlines()[0]}")
+
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    print(f"keras_ps.server: {job}:{index} serving at {address}", flush=True)
+    while not stop.wait(1.0):
+        pass
+    print(f"keras_ps.server: {job}:{index} stopping on signal ({server.target})",
+          flush=True)
+    sys.stdout.flush()
+    # TF's server has no clean shutdown in 2.x; leave without running its
+    # destructors (which can block on in-flight RPCs).
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

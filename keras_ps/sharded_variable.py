@@ -1,0 +1,195 @@
+"""ShardedVariable: one logical variable split by rows over the ps tasks.
+
+Created by `ParameterServerStrategy` when its `variable_partitioner` asks for
+more than one shard. Shards are ordinary variables, so gradients, optimizer
+slots and updates work on each shard where it lives. A checkpoint holds the
+whole variable as one tensor, so it restores into any number of shards or
+into a plain variable.
+"""
+
+import logging
+
+import tensorflow as tf
+
+from keras_ps import partitioners as partitioners_lib
+
+logger = logging.getLogger(__name__)
+
+
+class ShardedVariable(tf.__internal__.tracking.Trackable):
+    """A variable split on axis 0 into `variables`, each on its own ps.
+
+    Args:
+        variables: the shards, in row order; equal shapes past axis 0.
+        name: the logical variable's name.
+    """
+
+    def __init__(self, variables, name=None):
+        variables = list(variables)
+        if not variables:
+            raise ValueError("A ShardedVariable needs at least one shard. Received: [].")
+        rest = variables[0].shape[1:]
+        for v in variables:
+            if v.shape[1:] != rest or v.dtype != variables[0].dtype:
+                raise ValueError(
+                    "Shards must agree on dtype and on every axis but the first. "
+                    f"Received shapes {[tuple(x.shape) for x in variables]}.")
+        self._variables = variables
+        self._name = name or variables[0].name.split("/part_")[0]
+        self._row_offsets = [0]
+        for v in variables:
+            self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
+
+    @property
+    def variables(self):
+        """The shards (each a tf.Variable on its own ps)."""
+        return list(self._variables)
+
+    @property
+    def name(self):
+        return self._name
+
+    @property
+    def dtype(self):
+        return self._variables[0].dtype
+
+    @property
+    def shape(self):
+        return tf.TensorShape([self._row_offsets[-1]]).concatenate(
+            self._variables[0].shape[1:])
+
+    @property
+    def trainable(self):
+        return self._variables[0].trainable
+
+    def read_value(self):
+        """The whole variable as one tensor (concatenates every shard)."""
+        return tf.concat([v.read_value() for v in self._variables], axis=0)
+
+    def value(self):
+        return self.read_value()
+
+    def numpy(self):
+        return self.read_value().numpy()
+
+    def _split(self, value):
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        sizes = [int(v.shape[0]) for v in self._variables]
+        return tf.split(value, sizes, axis=0)
+
+    def assign(self, value):
+        for v, part in zip(self._variables, self._split(value)):
+            v.assign(part)
+        return self
+
+    def assign_add(self, value):
+        for v, part in zip(self._variables, self._split(value)):
+            v.assign_add(part)
+        return self
+
+    def assign_sub(self, value):
+        for v, part in zip(self._variables, self._split(value)):
+            v.assign_sub(part)
+        return self
+
+    def _route(self, ids):
+        """For each shard: (positions in `ids`, local row ids) of its rows."""
+        ids = tf.convert_to_tensor(ids, dtype=tf.int64)
+        bounds = tf.constant(self._row_offsets[1:-1], dtype=tf.int64)
+        shard = tf.searchsorted(bounds, ids, side="right")
+        offsets = tf.constant(self._row_offsets[:-1], dtype=tf.int64)
+        local = ids - tf.gather(offsets, shard)
+        shard32 = tf.cast(shard, tf.int32)
+        n = len(self._variables)
+        positions = tf.dynamic_partition(tf.range(tf.size(ids)), shard32, n)
+        locals_ = tf.dynamic_partition(local, shard32, n)
+        return positions, locals_
+
+    def _scatter(self, method, sparse_delta):
+        flat_ids = tf.reshape(sparse_delta.indices, [-1])
+        values = tf.reshape(sparse_delta.values,
+                            tf.concat([[-1], tf.shape(sparse_delta.values)[
+                                tf.rank(sparse_delta.indices):]], 0))
+        positions, locals_ = self._route(flat_ids)
+        for v, pos, rows in zip(self._variables, positions, locals_):
+            getattr(v, method)(tf.IndexedSlices(tf.gather(values, pos), rows))
+        return self
+
+    def scatter_update(self, sparse_delta):
+        return self._scatter("scatter_update", sparse_delta)
+
+    def scatter_add(self, sparse_delta):
+        return self._scatter("scatter_add", sparse_delta)
+
+    def scatter_sub(self, sparse_delta):
+        return self._scatter("scatter_sub", sparse_delta)
+
+    def embedding_lookup(self, ids):
+        """Rows `ids` of the variable, gathering only those rows from each shard."""
+        ids = tf.convert_to_tensor(ids)
+        flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
+        positions, locals_ = self._route(flat)
+        parts = []
+        for v, rows in zip(self._variables, locals_):
+            with tf.device(v.device):
+                parts.append(tf.gather(v, rows))
+        gathered = tf.dynamic_stitch(positions, parts)
+        return tf.reshape(gathered, tf.concat(
+            [tf.shape(ids), tf.shape(gathered)[1:]], 0))
+
+    # -- checkpointing: the whole variable as one tensor ------------------------
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.read_value()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        value = restored_tensors["VARIABLE_VALUE"]
+        if value.shape != self.shape:
+            raise ValueError(
+                f"Checkpoint value for {self._name!r} has shape "
+                f"{tuple(value.shape)}, but the variable has shape "
+                f"{tuple(self.shape)}. Restore into a model built the same way.")
+        return self.assign(value)
+
+    def __repr__(self):
+        return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
+                f"shards={len(self._variables)}>")
+
+
+def _to_tensor(var, dtype=None, name=None, as_ref=False):
+    del name, as_ref
+    value = var.read_value()
+    if dtype is not None and dtype != value.dtype:
+        value = tf.cast(value, dtype)
+    return value
+
+
+tf.register_tensor_conversion_function(ShardedVariable, _to_tensor)
+
+
+def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
+    """Creates a ShardedVariable if `partitioner` asks for 2+ shards, else None."""
+    initial_value = kwargs.get("initial_value")
+    shape = kwargs.get("shape")
+    if callable(initial_value):
+        if shape is None or not tf.TensorShape(shape).is_fully_defined():
+            return None
+        initial_value = initial_value()
+    initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+    shape = initial_value.shape
+    if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
+        return None
+    name = kwargs.get("name") or "Variable"
+    spec = partitioner(shape, initial_value.dtype)
+    num_shards = partitioners_lib.validate_partition_spec(spec, shape, name)
+    if num_shards <= 1:
+        return None
+    shards = []
+    for i, (start, stop) in enumerate(
+            partitioners_lib.shard_row_ranges(int(shape[0]), num_shards)):
+        shard_kwargs = dict(kwargs)
+        shard_kwargs["initial_value"] = initial_value[start:stop]
+        shard_kwargs["shape"] = None
+        shard_kwargs["name"] = f"{name}/part_{i}"
+        shards.append(extended._create_shard(next_creator, shard_kwargs))
+    logger.info("[chief] %s %s split into %d shards", name, tuple(shape), num_shards)
+    return ShardedVariable(shards, name=name)
