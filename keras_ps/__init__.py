@@ -5,6 +5,11 @@ import os as _os
 # Calls to a dead task must fail at once instead of waiting for it to return;
 # this has to be in the environment before TF starts gRPC.
 _os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+# Streaming enqueue keeps RPCs outstanding to a worker; when that worker dies
+# the stream can stall the caller's next remote op forever. One RPC at a time
+# per worker (as TF's own strategy sets) makes failures surface as errors.
+_os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
+_os.environ.setdefault("TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY", "True")
 
 from keras_ps import cluster  # noqa: E402
 from keras_ps import partitioners  # noqa: E402

@@ -20,6 +20,12 @@ DEFAULT_PROBE_TIMEOUT = 2.0
 RECOVERY_INTERVAL_ENV_VAR = "KERAS_PS_RECOVERY_INTERVAL"
 DEFAULT_RECOVERY_INTERVAL = 0.5
 
+# Whether a failed worker that answers again is re-admitted (experimental:
+# on TF 2.21, rebuilding a restarted worker's eager context invalidates the
+# variable handles that scheduled functions captured; see README "Known limits").
+READMIT_WORKERS_ENV_VAR = "KERAS_PS_READMIT_WORKERS"
+DEFAULT_READMIT_WORKERS = 0
+
 # Seconds a single scheduled call may run on a worker before the worker counts
 # as hung (a stopped process answers no RPC); 0 disables the watchdog.
 CLOSURE_TIMEOUT_ENV_VAR = "KERAS_PS_CLOSURE_TIMEOUT"

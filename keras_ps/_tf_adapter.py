@@ -56,3 +56,14 @@ def capture_call_time_value(closure, spec, name):
 
 def inside_function():
     return ops.inside_function()
+
+
+def reset_thread_executor():
+    """Gives the calling thread a fresh default eager executor.
+
+    After a worker dies, an executor that existed before the failure can
+    block forever on its next remote op (seen on TF 2.21 with a sync
+    executor); a new one works at once. No public API sets a thread's
+    executor.
+    """
+    context.context().executor = executor_lib.new_executor(enable_async=False)

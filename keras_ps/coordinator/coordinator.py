@@ -65,15 +65,21 @@ class ClusterCoordinator:
         self.no_worker_timeout = _constants.env_float(
             _constants.NO_WORKER_TIMEOUT_ENV_VAR,
             _constants.DEFAULT_NO_WORKER_TIMEOUT)
+        self.readmit_workers = bool(_constants.env_int(
+            _constants.READMIT_WORKERS_ENV_VAR,
+            _constants.DEFAULT_READMIT_WORKERS))
         spec = strategy.cluster_spec
         self.ps_addresses = list(spec["ps"])
         self.local_device = "/job:chief/replica:0/task:0/device:CPU:0"
         self._queue = ClosureQueue()
         self._packed = {}
         self._packed_lock = threading.Lock()
-        self._reconnect_lock = threading.Lock()
+        self._gate = _SharedExclusiveLock()
+        self.reconnect_generation = 0
         self._datasets = weakref.WeakSet()
         self._unhealthy_since = None
+        self._failure_generation = 0
+        self._seen_failures = threading.local()
         self._workers = [worker_lib.Worker(self, i, address)
                          for i, address in enumerate(spec["worker"])]
         for w in self._workers:
@@ -131,11 +137,25 @@ class ClusterCoordinator:
             ParameterServerUnavailableError, or NoWorkersAvailableError when no
             worker was healthy for KERAS_PS_NO_WORKER_TIMEOUT seconds.
         """
-        self._queue.wait(idle_check=self._check_workers)
+        try:
+            self._queue.wait(idle_check=self._check_workers)
+        finally:
+            self._refresh_caller_executor()
+
+    def _refresh_caller_executor(self):
+        """After a worker failure, the caller's executor may be stuck on the
+        dead task; give the calling thread a new one (see _tf_adapter)."""
+        generation = self._failure_generation
+        if getattr(self._seen_failures, "generation", 0) != generation:
+            _tf_adapter.reset_thread_executor()
+            self._seen_failures.generation = generation
 
     def done(self):
         """True when every scheduled function has run (raises as `join`)."""
-        return self._queue.done()
+        try:
+            return self._queue.done()
+        finally:
+            self._refresh_caller_executor()
 
     def fetch(self, values):
         """Fetches RemoteValues (and PerWorkerValues of them) in a structure."""
@@ -185,17 +205,26 @@ class ClusterCoordinator:
                 f"(workers: {[w.address for w in self._workers]}). Restart the "
                 "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
 
+    def _note_failure(self):
+        self._failure_generation += 1
+
     def _notify_worker_change(self):
         self._unhealthy_since = None
 
-    def _reconnect(self):
-        """Re-creates the eager contexts so a restarted worker is usable."""
-        with self._reconnect_lock:
-            _tf_adapter.update_server_def(_tf_adapter.get_server_def())
+    def _reconnect_and_rebuild(self, recovered_index):
+        """Re-creates the eager contexts so a restarted worker is usable.
 
-    def _rebuild_resources(self, index):
-        for dataset in list(self._datasets):
-            dataset._rebuild(index)
+        Updating the server def invalidates every worker's remote handles, so
+        all per-worker datasets are rebuilt, with no closure in flight.
+        """
+        with self._gate.exclusive():
+            _tf_adapter.update_server_def(_tf_adapter.get_server_def())
+            self.reconnect_generation += 1
+            for w in self._workers:
+                if w.index == recovered_index or \
+                        w.state is worker_lib.WorkerState.HEALTHY:
+                    for dataset in list(self._datasets):
+                        dataset._rebuild(w.index)
 
     def _packed_function(self, fn, count):
         key = (fn, count)
@@ -205,10 +234,63 @@ class ClusterCoordinator:
                 packed = self._packed.get(key)
                 if packed is None:
                     def run_all(calls):
-                        return [fn(*args, **kwargs) for args, kwargs in calls]
+                        results = [fn(*args, **kwargs) for args, kwargs in calls]
+                        # Automatic control dependencies make every output of
+                        # a tf.function wait for all its stateful ops.
+                        return results, tf.constant(True)
                     packed = tf.function(run_all)
                     self._packed[key] = packed
         return packed
+
+
+class _SharedExclusiveLock:
+    """Many closures run at once (shared); a reconnect runs alone (exclusive)."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+
+    def shared(self):
+        return _Held(self._acquire_shared, self._release_shared)
+
+    def exclusive(self):
+        return _Held(self._acquire_exclusive, self._release_exclusive)
+
+    def _acquire_shared(self):
+        with self._cv:
+            while self._exclusive:
+                self._cv.wait()
+            self._shared += 1
+
+    def _release_shared(self):
+        with self._cv:
+            self._shared -= 1
+            self._cv.notify_all()
+
+    def _acquire_exclusive(self):
+        with self._cv:
+            while self._exclusive:
+                self._cv.wait()
+            self._exclusive = True
+            while self._shared:
+                self._cv.wait()
+
+    def _release_exclusive(self):
+        with self._cv:
+            self._exclusive = False
+            self._cv.notify_all()
+
+
+class _Held:
+    def __init__(self, acquire, release):
+        self._acquire, self._release = acquire, release
+
+    def __enter__(self):
+        self._acquire()
+
+    def __exit__(self, *exc):
+        self._release()
 
 
 def worker_index():

@@ -5,6 +5,7 @@ import logging
 
 import tensorflow as tf
 
+from keras_ps import _tf_adapter
 from keras_ps import strategy as strategy_lib
 from keras_ps.coordinator.values import PerWorkerValues
 
@@ -29,6 +30,18 @@ def _no_variables(next_creator, **kwargs):
         "only use them inside dataset_fn.")
 
 
+_EXECUTORS = {}
+
+
+def _own_executor(index):
+    """Ops for worker `index` go through an executor of its own: a pending op
+    on a dead worker then cannot stall the caller's default executor (which
+    would hang the user's next `v.numpy()` on the coordinator)."""
+    if index not in _EXECUTORS:
+        _EXECUTORS[index] = _tf_adapter.new_executor(enable_async=False)
+    return _tf_adapter.executor_scope(_EXECUTORS[index])
+
+
 class PerWorkerDataset:
     """A dataset created on every worker by `coordinator.create_per_worker_dataset`.
 
@@ -38,8 +51,14 @@ class PerWorkerDataset:
     def __init__(self, coordinator, dataset_or_fn):
         self._coordinator = coordinator
         if isinstance(dataset_or_fn, tf.data.Dataset):
+            # A dataset made on the coordinator travels as its serialized
+            # graph and is rebuilt on each worker (its variant can't be copied).
             dataset = dataset_or_fn
-            self._fn = lambda: dataset
+            graph = tf.raw_ops.DatasetToGraphV2(
+                input_dataset=tf.data.experimental.to_variant(dataset))
+            spec = dataset.element_spec
+            self._fn = lambda: tf.data.experimental.from_variant(
+                tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
             self._with_context = False
         elif callable(dataset_or_fn):
             self._fn = dataset_or_fn
@@ -57,6 +76,7 @@ class PerWorkerDataset:
         strategy = self._coordinator.strategy
         num = self._coordinator.num_workers
         with tf.device(strategy_lib.worker_device(index)), \
+                _own_executor(index), \
                 strategy_lib._DispatchScope(index, num), \
                 tf.variable_creator_scope(_no_variables):
             if self._with_context:
@@ -72,7 +92,7 @@ class PerWorkerDataset:
         return dataset
 
     def _iter_on(self, index):
-        with tf.device(strategy_lib.worker_device(index)):
+        with tf.device(strategy_lib.worker_device(index)), _own_executor(index):
             return iter(self._datasets[index])
 
     def __iter__(self):

@@ -50,6 +50,10 @@ class Worker:
         self.device = strategy_lib.worker_device(index)
         self.state = WorkerState.HEALTHY
         self.closures_run = 0
+        self._consecutive_failures = 0
+        # Until its first success after recovery, any error of this worker is
+        # blamed on the recovery, not on the user's function.
+        self._just_recovered = False
         self._coordinator = coordinator
         self._queue = coordinator._queue
         self._state_lock = threading.Lock()
@@ -98,27 +102,31 @@ class Worker:
             self._process(batch)
 
     def _process(self, batch):
+        generation = self._coordinator.reconnect_generation
         try:
-            outputs = self._execute(batch)
+            with self._coordinator._gate.shared():
+                generation = self._coordinator.reconnect_generation
+                outputs = self._execute(batch)
         except Exception as error:  # decided below, never swallowed
-            self._on_failure(batch, error)
+            stale = generation != self._coordinator.reconnect_generation
+            self._on_failure(batch, error, stale)
             return
         for closure, output in zip(batch, outputs):
             closure.remote_value._set_values(output)
         self.closures_run += len(batch)
+        self._consecutive_failures = 0
+        self._just_recovered = False
         self._queue.mark_finished(len(batch))
 
     def _execute(self, batch):
         coordinator = self._coordinator
+        packed = coordinator._packed_function(batch[0].fn, len(batch))
         with tf.device(self.device), strategy_lib._DispatchScope(
                 self.index, coordinator.num_workers):
-            if len(batch) == 1:
-                c = batch[0]
-                args, kwargs = self._select(c)
-                results = [c.fn(*args, **kwargs)]
-            else:
-                packed = coordinator._packed_function(batch[0].fn, len(batch))
-                results = packed([self._select(c) for c in batch])
+            results, token = packed([self._select(c) for c in batch])
+        # A remote call returns once it is enqueued; fetching the token (an
+        # output of the same function) waits until every step has run.
+        token.numpy()
         # Copy results to the coordinator now: the worker may be gone later.
         return [self._to_local(r) for r in results]
 
@@ -137,17 +145,23 @@ class Worker:
                 lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
                 result)
 
-    def _on_failure(self, batch, error):
+    def _on_failure(self, batch, error, stale=False):
         worker_alive = probe(self.address, self._coordinator.probe_timeout)
         dead_ps = []
         if failure_policy.is_connectivity_error(error) or not worker_alive:
             dead_ps = self._coordinator.dead_ps()
-        decision = failure_policy.decide(error, worker_alive, dead_ps)
+        self._consecutive_failures += 1
+        decision = failure_policy.decide(
+            error, worker_alive, dead_ps, context_lost=self._just_recovered or stale,
+            consecutive_failures=self._consecutive_failures)
         logger.info("[worker:%d] closure failed with %s; worker %s, dead ps %s "
                     "-> %s", self.index, type(error).__name__,
                     "answers" if worker_alive else "unreachable", dead_ps,
                     decision.value)
-        if decision is Decision.RETRY_ELSEWHERE:
+        self._coordinator._note_failure()
+        if decision is Decision.RETRY:
+            self._queue.put_back(batch)
+        elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
             self._queue.put_back(batch)
         elif decision is Decision.RAISE_PS_FAILURE:
@@ -170,6 +184,11 @@ class Worker:
     def _recover(self):
         """Waits until the worker answers, then rebuilds its context and data."""
         interval = self._coordinator.recovery_interval
+        if not self._coordinator.readmit_workers:
+            logger.info("[worker:%d] stays out of training (re-admission is "
+                        "off: KERAS_PS_READMIT_WORKERS=0)", self.index)
+            self.wait_for_state(WorkerState.STOPPED, timeout=1e9)
+            return
         while self.state is WorkerState.FAILED:
             if probe(self.address, self._coordinator.probe_timeout):
                 self.transition(WorkerState.RECOVERING, "answers again")
@@ -178,8 +197,7 @@ class Worker:
         if self.state is not WorkerState.RECOVERING:
             return
         try:
-            self._coordinator._reconnect()
-            self._coordinator._rebuild_resources(self.index)
+            self._coordinator._reconnect_and_rebuild(self.index)
         except Exception as error:  # still flaky: back to FAILED, try again
             logger.info("[worker:%d] recovery failed (%s: %s); retrying",
                         self.index, type(error).__name__,
@@ -187,5 +205,6 @@ class Worker:
             self.transition(WorkerState.FAILED, "recovery failed")
             time.sleep(interval)
             return
+        self._just_recovered = True
         self.transition(WorkerState.HEALTHY, "context and datasets rebuilt")
         self._coordinator._notify_worker_change()

@@ -1,0 +1,42 @@
+"""Shared fixtures. A process can connect to one cluster only (TF's eager
+context), so most tests share one real multi-process LocalCluster; tests that
+kill tasks run their own coordinator process (tests/_fault_job.py)."""
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import portpicker  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    import keras_ps
+
+    with keras_ps.LocalCluster(num_workers=2, num_ps=3) as local:
+        yield local
+
+
+@pytest.fixture(scope="session")
+def strategy(cluster):
+    import tensorflow as tf
+
+    import keras_ps
+
+    spec = dict(cluster.spec)
+    # Kubernetes operators list the evaluator in every task's TF_CONFIG;
+    # TF's native coordinator hangs on it (tensorflow/tensorflow#46169).
+    spec["evaluator"] = [f"localhost:{portpicker.pick_unused_port()}"]
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(spec), rpc_layer="grpc")
+    return keras_ps.ParameterServerStrategy(resolver)
+
+
+@pytest.fixture(scope="session")
+def coordinator(strategy):
+    import keras_ps
+
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    yield coordinator
+    coordinator.shutdown()

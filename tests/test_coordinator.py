@@ -1,0 +1,189 @@
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ps
+from keras_ps.coordinator import worker_index, num_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_seed_example_fetch(strategy, coordinator):
+    @tf.function
+    def worker_fn(iterator):
+        def replica_fn(inputs):
+            return tf.math.reduce_sum(inputs)
+        return strategy.run(replica_fn, args=(next(iterator),))
+
+    def dataset_fn():
+        return tf.data.Dataset.from_tensor_slices([3] * 3)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    result = coordinator.schedule(worker_fn, args=(iterator,))
+    assert coordinator.fetch(result) == 3
+    assert result.fetch() == 3
+    assert result.get().numpy() == 3
+
+
+def test_seed_example_assign_add(strategy, coordinator):
+    with strategy.scope():
+        v = tf.Variable(initial_value=0, dtype=tf.int32)
+
+    @tf.function
+    def worker_fn():
+        v.assign_add(1)
+        return v.read_value()
+
+    result = coordinator.schedule(worker_fn)
+    coordinator.join()
+    assert result.fetch() == 1
+    assert v.numpy() == 1
+
+
+def test_many_packed_steps_each_run_once(strategy, coordinator):
+    with strategy.scope():
+        total = tf.Variable(0.0)
+
+    def dataset_fn():
+        return tf.data.Dataset.from_tensors(1.0).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def step(it):
+        x = next(it)
+        total.assign_add(x)
+        return x * 2
+
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(300)]
+    coordinator.join()
+    assert total.numpy() == 300.0  # no failures: exactly once
+    assert all(r.fetch() == 2.0 for r in results)
+    assert all(w.closures_run > 0 for w in coordinator.workers)
+
+
+def test_worker_index_inside_scheduled_function(coordinator):
+    @tf.function
+    def who():
+        return worker_index(), num_workers()
+
+    results = [coordinator.schedule(who) for _ in range(40)]
+    coordinator.join()
+    seen = {tuple(int(x) for x in r.fetch()) for r in results}
+    assert seen <= {(0, 2), (1, 2)}
+    assert {i for i, _ in seen} == {0, 1} or len(seen) == 1
+
+
+def test_dataset_fn_sees_input_context(coordinator):
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensors(
+            [context.input_pipeline_id, context.num_input_pipelines]).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def read(it):
+        return next(it), worker_index()
+
+    results = [coordinator.schedule(read, args=(iterator,)) for _ in range(40)]
+    coordinator.join()
+    for r in results:
+        (pipeline, count), index = r.fetch()
+        assert pipeline == index and count == 2
+
+
+def test_per_worker_dataset_from_dataset(coordinator):
+    dataset = tf.data.Dataset.range(5).repeat()
+    iterator = iter(coordinator.create_per_worker_dataset(dataset))
+
+    @tf.function
+    def read(it):
+        return next(it)
+
+    result = coordinator.schedule(read, args=(iterator,))
+    assert result.fetch() == 0
+
+
+def test_application_error_raised_once_then_usable(strategy, coordinator):
+    with strategy.scope():
+        x = tf.Variable(1.0)
+
+    @tf.function
+    def bad():
+        return tf.debugging.check_numerics(x / 0.0 * 0.0, "loss is NaN")
+
+    @tf.function
+    def slow_ok():
+        return x + 1.0
+
+    first = coordinator.schedule(bad)
+    pending = [coordinator.schedule(slow_ok) for _ in range(200)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="loss is NaN"):
+        coordinator.join()
+    coordinator.join()  # raised once only
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        first.fetch()
+    cancelled = 0
+    for r in pending:
+        try:
+            r.fetch()
+        except tf.errors.CancelledError:
+            cancelled += 1
+    assert cancelled > 0
+    again = coordinator.schedule(slow_ok)
+    assert again.fetch() == 2.0
+
+
+def test_schedule_requires_tf_function(coordinator):
+    def plain():
+        return 1
+
+    with pytest.raises(TypeError, match="plain.*tf.function"):
+        coordinator.schedule(plain)
+
+
+def test_remote_value_argument_rejected(coordinator):
+    @tf.function
+    def one():
+        return tf.constant(1)
+
+    value = coordinator.schedule(one)
+    with pytest.raises(TypeError, match="RemoteValue.*fetch"):
+        coordinator.schedule(one, args=(value,))
+    coordinator.join()
+
+
+def test_next_on_per_worker_values(coordinator):
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(3)))
+    with pytest.raises(TypeError, match="inside the tf.function"):
+        next(iterator)
+
+
+def test_dataset_fn_that_creates_variables(coordinator):
+    def dataset_fn():
+        tf.Variable(1.0, name="oops")
+        return tf.data.Dataset.range(3)
+
+    with pytest.raises(ValueError, match="oops.*may not create variables"):
+        coordinator.create_per_worker_dataset(dataset_fn)
+
+
+def test_out_of_range_inside_scheduled_function(coordinator):
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(1)))
+
+    @tf.function
+    def read(it):
+        return next(it)
+
+    results = [coordinator.schedule(read, args=(iterator,)) for _ in range(6)]
+    with pytest.raises(tf.errors.OutOfRangeError):
+        coordinator.join()
+    coordinator.join()
+    assert sum(r.status.value == "ready" for r in results) >= 1
+
+
+def test_worker_index_outside_function():
+    with pytest.raises(RuntimeError, match="inside a tf.function"):
+        worker_index()
