@@ -1,0 +1,71 @@
+"""A coordinator process for fault tests: prints JSON lines the test reads.
+
+Usage: python tests/_fault_job.py worker_kill|ps_kill
+"""
+
+import json
+import sys
+import time
+
+import tensorflow as tf
+
+import keras_ps
+
+
+def say(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def main(mode):
+    from tensorflow.python.data.experimental.ops import testing  # sleep-bound steps
+
+    with keras_ps.LocalCluster(num_workers=3 if mode == "worker_kill" else 2,
+                               num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+
+        def dataset_fn():
+            return tf.data.Dataset.from_tensors(1.0).repeat().apply(
+                testing.sleep(5000))
+
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+        @tf.function
+        def step(it):
+            total.assign_add(next(it))
+
+        if mode == "worker_kill":
+            steps = 500
+            for _ in range(steps):
+                coordinator.schedule(step, args=(iterator,))
+            # Kill worker 1 once it has run some closures.
+            deadline = time.monotonic() + 60
+            while coordinator.workers[1].closures_run < 20:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("worker 1 never ran")
+                time.sleep(0.01)
+            cluster.kill("worker", 1)
+            coordinator.join()
+            say(steps=steps, total=float(total.numpy()),
+                per_worker=[w.closures_run for w in coordinator.workers],
+                states=[w.state.value for w in coordinator.workers])
+        else:
+            for _ in range(20):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            cluster.kill("ps", 0)
+            start = time.monotonic()
+            try:
+                for _ in range(100):
+                    coordinator.schedule(step, args=(iterator,))
+                coordinator.join()
+                say(error=None)
+            except tf.errors.UnavailableError as e:
+                say(error=type(e).__name__, seconds=time.monotonic() - start,
+                    message=str(e))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,39 @@
+"""Real failures: SIGKILL of worker and ps processes under a running loop."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+JOB = os.path.join(os.path.dirname(__file__), "_fault_job.py")
+
+
+def run_job(mode, timeout):
+    proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
+                          text=True, timeout=timeout)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(240)
+def test_worker_killed_mid_loop():
+    result = run_job("worker_kill", timeout=220)
+    # join() returned; every closure ran at least once (at-least-once: a
+    # killed worker's in-flight batch may have partly run before it died).
+    assert result["total"] >= result["steps"]
+    # At most one packed batch (16 closures) per worker is re-run.
+    assert result["total"] <= result["steps"] + 16 * 3
+    assert sum(result["per_worker"]) == result["steps"]
+    assert result["states"][1] == "failed"
+    assert result["per_worker"][0] > 0 and result["per_worker"][2] > 0
+
+
+@pytest.mark.timeout(120)
+def test_ps_killed_raises_within_10s():
+    result = run_job("ps_kill", timeout=100)
+    assert result["error"] == "ParameterServerUnavailableError"
+    assert result["seconds"] < 10
+    assert "Restart the job" in result["message"]
