@@ -94,7 +94,7 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
 
     def _route(self, ids):
         """For each shard: (positions in `ids`, local row ids) of its rows."""
-        ids = tf.convert_to_tensor(ids, dtype=tf.int64)
+        ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
         bounds = tf.constant(self._row_offsets[1:-1], dtype=tf.int64)
         shard = tf.searchsorted(bounds, ids, side="right")
         offsets = tf.constant(self._row_offsets[:-1], dtype=tf.int64)

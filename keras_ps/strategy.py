@@ -143,10 +143,22 @@ def cluster_device_filters(spec):
     return filters
 
 
+_connected = None  # the cluster this process is connected to
+
+
 def _connect(spec):
+    """Connects this process (as the coordinator) to the cluster, once.
+
+    Reconnecting would invalidate every remote handle, so a second strategy on
+    the same cluster reuses the connection.
+    """
+    global _connected
     jobs = {job: spec[job] for job in ("ps", "worker")}
     if spec.get(COORDINATOR_JOB):
         jobs[COORDINATOR_JOB] = spec[COORDINATOR_JOB][:1]
+    if _connected == jobs:
+        return
+    _connected = jobs
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(jobs), rpc_layer="grpc")
     tf.config.experimental_connect_to_cluster(
