@@ -25,7 +25,7 @@ shift || true
 case "$cmd" in
   demo)
     ensure_venv
-    exec .venv/bin/python -m keras_ps.demo "$@"
+    TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-3}" exec .venv/bin/python -m keras_ps.demo "$@"
     ;;
   test)
     ensure_venv

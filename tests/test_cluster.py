@@ -1,0 +1,116 @@
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import portpicker
+import pytest
+
+from keras_ps import cluster as cluster_lib
+from keras_ps.errors import ClusterConfigError
+
+pytestmark = pytest.mark.timeout(120)
+
+GOOD = {"cluster": {"ps": ["localhost:2001"], "worker": ["localhost:2002"]},
+        "task": {"type": "worker", "index": 0}}
+
+
+@pytest.mark.parametrize("raw, needle", [
+    ("", "TF_CONFIG is not set"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    (json.dumps({"cluster": GOOD["cluster"]}), "no task section"),
+    (json.dumps({**GOOD, "task": {"type": "trainer", "index": 0}}), "'trainer'"),
+    (json.dumps({**GOOD, "task": {"type": "worker", "index": 3}}),
+     "worker:3, but the cluster lists 1"),
+    (json.dumps({**GOOD, "task": {"type": "worker", "index": "x"}}), "index='x'"),
+    (json.dumps({"task": {"type": "worker", "index": 0}}), "no cluster section"),
+    (json.dumps({**GOOD, "cluster": {"ps": ["localhost:1"], "worker": ["localhost:1"]}}),
+     "used by both ps:0 and worker:0"),
+    (json.dumps({**GOOD, "cluster": {"ps": "localhost:1", "worker": ["localhost:2"]}}),
+     "must list its task addresses"),
+    (json.dumps({**GOOD, "cluster": {"ps": ["nohost"], "worker": ["localhost:2"]}}),
+     "'nohost'"),
+    (json.dumps({**GOOD, "cluster": {"ps": ["h:99999"], "worker": ["localhost:2"]}}),
+     "'h:99999'"),
+])
+def test_bad_tf_config(raw, needle):
+    with pytest.raises(ClusterConfigError) as info:
+        cluster_lib.parse_tf_config(raw)
+    assert needle in str(info.value)
+
+
+def test_good_tf_config_and_evaluator_without_cluster():
+    cluster, task_type, index = cluster_lib.parse_tf_config(json.dumps(GOOD))
+    assert (task_type, index) == ("worker", 0) and cluster["ps"] == ["localhost:2001"]
+    assert cluster_lib.parse_tf_config(
+        json.dumps({"task": {"type": "evaluator", "index": 0}}),
+        require_cluster=False) == ({}, "evaluator", 0)
+
+
+def _server(env_tf_config=None, args=(), timeout=60):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    if env_tf_config is not None:
+        env["TF_CONFIG"] = env_tf_config
+    return subprocess.run([sys.executable, "-m", "keras_ps.server", *args],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("tf_config, needle", [
+    ("{oops", "not valid JSON"),
+    (json.dumps({**GOOD, "task": {"type": "gpu", "index": 0}}), "'gpu'"),
+    (json.dumps({**GOOD, "task": {"type": "ps", "index": 5}}), "ps:5"),
+    (json.dumps({**GOOD, "task": {"type": "chief", "index": 0},
+                 "cluster": {**GOOD["cluster"], "chief": ["localhost:2003"]}}),
+     "runs ps and worker tasks"),
+])
+def test_server_cli_one_line_errors(tf_config, needle):
+    result = _server(tf_config)
+    assert result.returncode == 2
+    lines = [l for l in result.stderr.splitlines() if l.startswith("keras_ps.server")]
+    assert len(lines) == 1 and needle in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_server_cli_port_in_use():
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        spec = {"ps": [f"localhost:{port}"], "worker": ["localhost:1"]}
+        result = _server(args=["--cluster_spec", json.dumps(spec),
+                               "--job_name", "ps", "--task_index", "0"])
+    assert result.returncode == 2
+    assert "already in use" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_server_exits_cleanly_on_sigterm():
+    port = portpicker.pick_unused_port()
+    spec = {"ps": [f"localhost:{port}"], "worker": [f"localhost:{portpicker.pick_unused_port()}"]}
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "keras_ps.server", "--cluster_spec", json.dumps(spec),
+         "--job_name", "ps", "--task_index", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert cluster_lib.wait_for_port(f"localhost:{port}", 60, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert "stopping on signal" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_local_cluster_kill_and_restart():
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1) as local:
+        address = local.address("worker", 0)
+        old = local.pid("worker", 0)
+        local.kill("worker", 0)
+        assert not cluster_lib.wait_for_port(address, 0.5)
+        local.restart("worker", 0)
+        assert local.pid("worker", 0) != old
+        assert cluster_lib.wait_for_port(address, 5)
