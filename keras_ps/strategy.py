@@ -7,7 +7,6 @@ and replica contexts) work with it unchanged. Scheduling lives in
 """
 
 import itertools
-import os
 import logging
 import threading
 
@@ -164,8 +163,7 @@ def _connect(spec):
     tf.config.experimental_connect_to_cluster(
         resolver, job_name=COORDINATOR_JOB, task_index=0,
         make_master_device_default=False,
-        cluster_device_filters=(None if os.environ.get("KERAS_PS_NO_FILTERS")
-                                else cluster_device_filters(jobs)))
+        cluster_device_filters=cluster_device_filters(jobs))
 
 
 class _Extended(tf.compat.v1.distribute.StrategyExtended):
