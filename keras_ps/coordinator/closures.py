@@ -15,7 +15,8 @@ logger = logging.getLogger(__name__)
 class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
-    __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker")
+    __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
+                 "generation")
 
     def __init__(self, fn, args, kwargs, per_worker):
         self.fn = fn
@@ -23,6 +24,7 @@ class Closure:
         self.kwargs = kwargs
         self.per_worker = per_worker  # args hold PerWorkerValues to substitute
         self.remote_value = RemoteValue()
+        self.generation = 0  # error generation when a worker took it
 
     def cancel(self):
         self.remote_value._set_error(ClosureCancelledError(
@@ -44,6 +46,9 @@ class ClosureQueue:
         self._error = None  # first application error, raised once
         self._fatal = None  # a ps failure: raised until the coordinator restarts
         self._stopped = False
+        # Bumped by every application error: errors of closures taken before
+        # it (already in flight) are not raised again.
+        self._generation = 0
 
     def put(self, closure):
         with self._cv:
@@ -70,6 +75,8 @@ class ClosureQueue:
                    and self._pending[0].fn is first.fn):
                 batch.append(self._pending.popleft())
             self._inflight += len(batch)
+            for closure in batch:
+                closure.generation = self._generation
             return batch
 
     def put_back(self, closures):
@@ -89,12 +96,14 @@ class ClosureQueue:
             self._inflight -= count
             self._cv.notify_all()
 
-    def mark_failed(self, count, error):
-        """An application error: cancel everything pending, remember the error."""
+    def mark_failed(self, count, error, generation):
+        """An application error: cancel everything pending, remember the error
+        (unless an error of the same generation was already reported)."""
         with self._cv:
             self._inflight -= count
-            if self._error is None:
+            if generation == self._generation:
                 self._error = error
+                self._generation += 1
             self._cancel_pending_locked()
             self._cv.notify_all()
 

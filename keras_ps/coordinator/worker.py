@@ -179,7 +179,7 @@ class Worker:
             batch[0].remote_value._set_error(error)
             for c in batch[1:]:
                 c.cancel()
-            self._queue.mark_failed(len(batch), error)
+            self._queue.mark_failed(len(batch), error, batch[0].generation)
 
     def _recover(self):
         """Waits until the worker answers, then rebuilds its context and data."""
