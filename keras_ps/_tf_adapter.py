@@ -7,7 +7,6 @@ loudly there, not deep inside training. Supported range: see setup.cfg.
 
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context
-from tensorflow.python.eager import executor as executor_lib
 from tensorflow.python.framework import ops
 
 # Strategy plumbing: `tf.distribute.Strategy`/`StrategyExtended` are public
@@ -22,16 +21,6 @@ STRATEGY_HOOKS = (
     "_experimental_distribute_values_from_function", "_num_replicas_in_sync",
 )
 StrategyExtendedBase = distribute_lib.StrategyExtendedV1
-
-
-def new_executor(enable_async):
-    """A fresh eager executor (no public API; TF's coordinator uses one per worker)."""
-    return executor_lib.new_executor(enable_async=enable_async)
-
-
-def executor_scope(executor):
-    """Runs eager ops in `executor` (no public API)."""
-    return context.executor_scope(executor)
 
 
 def update_server_def(server_def):
@@ -57,13 +46,3 @@ def capture_call_time_value(closure, spec, name):
 def inside_function():
     return ops.inside_function()
 
-
-def reset_thread_executor():
-    """Gives the calling thread a fresh default eager executor.
-
-    After a worker dies, an executor that existed before the failure can
-    block forever on its next remote op (seen on TF 2.21 with a sync
-    executor); a new one works at once. No public API sets a thread's
-    executor.
-    """
-    context.context().executor = executor_lib.new_executor(enable_async=False)

@@ -78,8 +78,6 @@ class ClusterCoordinator:
         self.reconnect_generation = 0
         self._datasets = weakref.WeakSet()
         self._unhealthy_since = None
-        self._failure_generation = 0
-        self._seen_failures = threading.local()
         self._workers = [worker_lib.Worker(self, i, address)
                          for i, address in enumerate(spec["worker"])]
         for w in self._workers:
@@ -137,25 +135,11 @@ class ClusterCoordinator:
             ParameterServerUnavailableError, or NoWorkersAvailableError when no
             worker was healthy for KERAS_PS_NO_WORKER_TIMEOUT seconds.
         """
-        try:
-            self._queue.wait(idle_check=self._check_workers)
-        finally:
-            self._refresh_caller_executor()
-
-    def _refresh_caller_executor(self):
-        """After a worker failure, the caller's executor may be stuck on the
-        dead task; give the calling thread a new one (see _tf_adapter)."""
-        generation = self._failure_generation
-        if getattr(self._seen_failures, "generation", 0) != generation:
-            _tf_adapter.reset_thread_executor()
-            self._seen_failures.generation = generation
+        self._queue.wait(idle_check=self._check_workers)
 
     def done(self):
         """True when every scheduled function has run (raises as `join`)."""
-        try:
-            return self._queue.done()
-        finally:
-            self._refresh_caller_executor()
+        return self._queue.done()
 
     def fetch(self, values):
         """Fetches RemoteValues (and PerWorkerValues of them) in a structure."""
@@ -204,9 +188,6 @@ class ClusterCoordinator:
                 f"No worker has been reachable for {self.no_worker_timeout:.0f}s "
                 f"(workers: {[w.address for w in self._workers]}). Restart the "
                 "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
-
-    def _note_failure(self):
-        self._failure_generation += 1
 
     def _notify_worker_change(self):
         self._unhealthy_since = None

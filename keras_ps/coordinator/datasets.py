@@ -5,7 +5,6 @@ import logging
 
 import tensorflow as tf
 
-from keras_ps import _tf_adapter
 from keras_ps import strategy as strategy_lib
 from keras_ps.coordinator.values import PerWorkerValues
 
@@ -28,18 +27,6 @@ def _no_variables(next_creator, **kwargs):
         "not create variables: create lookup tables and preprocessing layers "
         "under strategy.scope() before calling create_per_worker_dataset, and "
         "only use them inside dataset_fn.")
-
-
-_EXECUTORS = {}
-
-
-def _own_executor(index):
-    """Ops for worker `index` go through an executor of its own: a pending op
-    on a dead worker then cannot stall the caller's default executor (which
-    would hang the user's next `v.numpy()` on the coordinator)."""
-    if index not in _EXECUTORS:
-        _EXECUTORS[index] = _tf_adapter.new_executor(enable_async=False)
-    return _tf_adapter.executor_scope(_EXECUTORS[index])
 
 
 class PerWorkerDataset:
@@ -76,7 +63,6 @@ class PerWorkerDataset:
         strategy = self._coordinator.strategy
         num = self._coordinator.num_workers
         with tf.device(strategy_lib.worker_device(index)), \
-                _own_executor(index), \
                 strategy_lib._DispatchScope(index, num), \
                 tf.variable_creator_scope(_no_variables):
             if self._with_context:
@@ -92,7 +78,7 @@ class PerWorkerDataset:
         return dataset
 
     def _iter_on(self, index):
-        with tf.device(strategy_lib.worker_device(index)), _own_executor(index):
+        with tf.device(strategy_lib.worker_device(index)):
             return iter(self._datasets[index])
 
     def __iter__(self):

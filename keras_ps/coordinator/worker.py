@@ -8,7 +8,6 @@ import time
 import grpc
 import tensorflow as tf
 
-from keras_ps import _tf_adapter
 from keras_ps import strategy as strategy_lib
 from keras_ps.coordinator import failure_policy
 from keras_ps.coordinator.failure_policy import Decision
@@ -158,7 +157,6 @@ class Worker:
                     "-> %s", self.index, type(error).__name__,
                     "answers" if worker_alive else "unreachable", dead_ps,
                     decision.value)
-        self._coordinator._note_failure()
         if decision is Decision.RETRY:
             self._queue.put_back(batch)
         elif decision is Decision.RETRY_ELSEWHERE:

@@ -2,10 +2,10 @@
 
 The logic is split in two layers, as in torchelastic's rendezvous:
 
-* small pure functions (`decide_phase`, `lease_expired`, `meeting_outcome`,
-  ...) that take plain values and return a decision;
-* `MembershipState`, which holds the state and applies those decisions under
-  one lock. Every public method reads the time from an injected clock, so the
+* small pure functions in `_decisions.py` (`decide_phase`, `lease_expired`,
+  `meeting_outcome`, ...) that take plain values and return a decision;
+* `MembershipState` here, which holds the state and applies those decisions
+  under one lock. Every public method reads the time from an injected clock, so the
   whole thing is unit-testable with a fake clock.
 
 Time-based transitions (gather window closing, leases lapsing, meetings
@@ -23,6 +23,11 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from keras_ps.elastic import api
+from keras_ps.elastic._decisions import decide_phase
+from keras_ps.elastic._decisions import describe_addresses
+from keras_ps.elastic._decisions import lease_expired
+from keras_ps.elastic._decisions import lowest_free_slot
+from keras_ps.elastic._decisions import meeting_outcome
 from keras_ps.elastic.api import MeetingKind
 from keras_ps.elastic.api import MeetingState
 from keras_ps.elastic.api import NodeState
@@ -32,68 +37,6 @@ from keras_ps.elastic.api import RendezvousPhase
 logger = logging.getLogger(__name__)
 
 _INF = math.inf
-_MAX_LISTED = 20  # addresses named in an error message
-
-
-# --------------------------------------------------------------------------
-# Pure decisions.
-# --------------------------------------------------------------------------
-
-
-def decide_phase(phase: RendezvousPhase, registered: int, min_nodes: int,
-                 max_nodes: int, gather_deadline: Optional[float],
-                 gather_timeout: float, now: float
-                 ) -> Tuple[RendezvousPhase, Optional[float], bool]:
-    """Decides the next phase before the cluster spec is established.
-
-    Returns:
-        (phase, gather_deadline, establish): `establish` is True when the
-        first cluster spec should be published now.
-    """
-    if phase in (RendezvousPhase.ESTABLISHED, RendezvousPhase.CLOSED):
-        return phase, gather_deadline, False
-    if registered < min_nodes:
-        return RendezvousPhase.AWAITING_MIN, None, False
-    if registered >= max_nodes or gather_timeout == 0:
-        return RendezvousPhase.GATHERING, gather_deadline, True
-    if phase is RendezvousPhase.AWAITING_MIN or gather_deadline is None:
-        return RendezvousPhase.GATHERING, now + gather_timeout, False
-    return RendezvousPhase.GATHERING, gather_deadline, now >= gather_deadline
-
-
-def lease_expired(last_seen: float, inflight: int, now: float,
-                  keepalive_timeout: float) -> bool:
-    """A node's lease lapsed: no call in flight and none for too long."""
-    return inflight == 0 and now - last_seen > keepalive_timeout
-
-
-def lowest_free_slot(slots: List[Optional[str]]) -> int:
-    """Index a newly admitted node takes: the first freed place, else the
-    end (so nodes that stay keep their index)."""
-    for index, address in enumerate(slots):
-        if address is None:
-            return index
-    return len(slots)
-
-
-def meeting_outcome(participants, arrived, deadline: float,
-                    now: float) -> MeetingState:
-    """A meeting completes when every participant arrived, and fails when
-    its deadline passes first."""
-    if all(p in arrived for p in participants):
-        return MeetingState.COMPLETE
-    if now >= deadline:
-        return MeetingState.FAILED
-    return MeetingState.OPEN
-
-
-def describe_addresses(addresses, limit: int = _MAX_LISTED) -> str:
-    """'a, b and 3 more' for error messages."""
-    addresses = list(addresses)
-    shown = ", ".join(addresses[:limit])
-    if len(addresses) > limit:
-        shown += f" and {len(addresses) - limit} more"
-    return shown
 
 
 # --------------------------------------------------------------------------

@@ -1,0 +1,38 @@
+"""Elastic membership for keras_ps: the rendezvous server and its client.
+
+See keras_ps/elastic/README.md. Nothing here imports TensorFlow.
+"""
+
+from keras_ps.elastic.api import ClusterSpec
+from keras_ps.elastic.api import MembershipChange
+from keras_ps.elastic.api import NodeState
+from keras_ps.elastic.api import RendezvousAuthError
+from keras_ps.elastic.api import RendezvousClosedError
+from keras_ps.elastic.api import RendezvousConfig
+from keras_ps.elastic.api import RendezvousError
+from keras_ps.elastic.api import RendezvousInvalidArgumentError
+from keras_ps.elastic.api import RendezvousResourceExhaustedError
+from keras_ps.elastic.api import RendezvousStateError
+from keras_ps.elastic.api import RendezvousTimeoutError
+from keras_ps.elastic.api import RendezvousUnknownNodeError
+from keras_ps.elastic.api import WaitingNodes
+from keras_ps.elastic.client import RendezvousClient
+from keras_ps.elastic.server import RendezvousServer
+
+__all__ = [
+    "ClusterSpec",
+    "MembershipChange",
+    "NodeState",
+    "RendezvousAuthError",
+    "RendezvousClient",
+    "RendezvousClosedError",
+    "RendezvousConfig",
+    "RendezvousError",
+    "RendezvousInvalidArgumentError",
+    "RendezvousResourceExhaustedError",
+    "RendezvousServer",
+    "RendezvousStateError",
+    "RendezvousTimeoutError",
+    "RendezvousUnknownNodeError",
+    "WaitingNodes",
+]
