@@ -26,11 +26,6 @@ DEFAULT_RECOVERY_INTERVAL = 0.5
 READMIT_WORKERS_ENV_VAR = "KERAS_PS_READMIT_WORKERS"
 DEFAULT_READMIT_WORKERS = 0
 
-# Seconds a single scheduled call may run on a worker before the worker counts
-# as hung (a stopped process answers no RPC); 0 disables the watchdog.
-CLOSURE_TIMEOUT_ENV_VAR = "KERAS_PS_CLOSURE_TIMEOUT"
-DEFAULT_CLOSURE_TIMEOUT = 0.0
-
 # Seconds join() tolerates having no healthy worker before it raises
 # NoWorkersAvailableError (0 waits forever, as TF does).
 NO_WORKER_TIMEOUT_ENV_VAR = "KERAS_PS_NO_WORKER_TIMEOUT"

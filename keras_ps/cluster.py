@@ -8,6 +8,7 @@ of the training cluster).
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -335,10 +336,10 @@ class LocalCluster:
             return proc.wait()
 
     def pause(self, job, index):
-        self._procs[(job, index)].send_signal(19)  # SIGSTOP
+        self._procs[(job, index)].send_signal(signal.SIGSTOP)
 
     def resume(self, job, index):
-        self._procs[(job, index)].send_signal(18)  # SIGCONT
+        self._procs[(job, index)].send_signal(signal.SIGCONT)
 
     def restart(self, job, index):
         """Starts a stopped or killed task again on the same address."""

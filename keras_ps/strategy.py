@@ -177,7 +177,6 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         self._partitioner = variable_partitioner
         self._next_ps = itertools.count()
         self._lock = threading.Lock()
-        self._created = []
 
     # -- variable placement --------------------------------------------------
     def _next_ps_device(self):

@@ -88,7 +88,6 @@ class ClosureQueue:
                     c.cancel()
             else:
                 self._pending.extendleft(reversed(closures))
-                self._cv.notify_all()
             self._cv.notify_all()
 
     def mark_finished(self, count):
