@@ -189,7 +189,8 @@ def test_everyone_gone_resets_the_job():
     state.leave(A)
     state.leave(B)
     snap = state.snapshot()
-    assert (snap.phase, snap.job, snap.workers) == (Phase.AWAITING_MIN, None, ())
+    assert (snap.phase, snap.job, snap.workers) == (
+        Phase.AWAITING_MIN, None, ())
     state.join(C, 3, 3)  # a new job may use other sizes
     assert state.snapshot().job == (3, 3)
 

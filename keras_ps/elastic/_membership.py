@@ -5,8 +5,8 @@ The logic is split in two layers, as in torchelastic's rendezvous:
 * small pure functions in `_decisions.py` (`decide_phase`, `lease_expired`,
   `meeting_outcome`, ...) that take plain values and return a decision;
 * `MembershipState` here, which holds the state and applies those decisions
-  under one lock. Every public method reads the time from an injected clock, so the
-  whole thing is unit-testable with a fake clock.
+  under one lock. Every public method reads the time from an injected
+  clock, so the whole thing is unit-testable with a fake clock.
 
 Time-based transitions (gather window closing, leases lapsing, meetings
 timing out) are applied lazily at the start of every call and by the server's

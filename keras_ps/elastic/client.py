@@ -93,7 +93,8 @@ class RendezvousClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         registered, sent = 0, False
         while True:
-            remaining = None if deadline is None else deadline - time.monotonic()
+            remaining = (None if deadline is None
+                         else deadline - time.monotonic())
             if sent and remaining is not None and remaining <= 0:
                 raise api.RendezvousTimeoutError(
                     f"node {address} not admitted within {timeout:.3g}s "
@@ -150,7 +151,10 @@ class RendezvousClient:
         """Waits until every admitted node reached `tag`.
 
         Args:
-            timeout: Seconds; None uses the server's default.
+            address: This node's HOST:PORT (must be admitted).
+            tag: Names the meeting; tags are independent and reusable once
+                a meeting completed.
+            timeout: Seconds; None (or 0) uses the server's default.
 
         Raises:
             RendezvousTimeoutError: Someone did not arrive in time; its
@@ -162,6 +166,12 @@ class RendezvousClient:
     def synchronize(self, address: str, tag: str, data: bytes,
                     timeout: Optional[float] = None) -> Dict[str, bytes]:
         """A barrier that exchanges one blob (at most 1 MiB) per node.
+
+        Args:
+            address: This node's HOST:PORT (must be admitted).
+            tag: Names the meeting (separate from barrier tags).
+            data: This node's blob.
+            timeout: Seconds; None (or 0) uses the server's default.
 
         Returns:
             address -> the bytes that node brought, for every node.

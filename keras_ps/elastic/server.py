@@ -7,7 +7,9 @@ Barrier, Synchronize) are long polls: they hold a server thread for at most
 of `config.blocking_slots` is free; otherwise they answer "still waiting, retry
 after a moment" at once. The remaining threads are thus always free for
 keep-alives, so a flood of joins cannot starve them; joins beyond
-`max_pending_nodes` are refused with RESOURCE_EXHAUSTED.
+`max_pending_nodes` are refused with RESOURCE_EXHAUSTED. (Under a flood,
+gRPC's own overload protection may also cancel calls it cannot queue; they
+fail with CANCELLED before reaching this code.)
 """
 
 import concurrent.futures
@@ -41,7 +43,7 @@ _MAX_MISSING_METADATA = 32 * 1024
 
 _NODE_STATUS = {NodeState.WAITING: pb.WAITING, NodeState.ADMITTED: pb.ADMITTED}
 
-PemSource = Union[bytes, str, "os.PathLike"]
+PemSource = Union[bytes, str, os.PathLike]
 
 
 def read_pem(source: Optional[PemSource]) -> Optional[bytes]:
@@ -292,7 +294,8 @@ class RendezvousServer:
         self._config = config or api.RendezvousConfig()
         self._host = host
         self._port = port
-        self._tls = (read_pem(tls_key), read_pem(tls_cert)) if tls_cert else None
+        self._tls = ((read_pem(tls_key), read_pem(tls_cert)) if tls_cert
+                     else None)
         self._state = MembershipState(self._config)
         self._server = None
         self._reaper = None
