@@ -45,4 +45,3 @@ def capture_call_time_value(closure, spec, name):
 
 def inside_function():
     return ops.inside_function()
-

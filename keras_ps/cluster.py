@@ -346,7 +346,8 @@ class LocalCluster:
         proc = self._procs[(job, index)]
         if proc.poll() is None:
             self.kill(job, index)
-        # The old process' socket may linger briefly; the server retries bind.
+        # The server binds with SO_REUSEADDR, so the killed process' socket
+        # in TIME_WAIT does not block the same port.
         self._launch(job, index)
         self._wait_ready(job, index)
 

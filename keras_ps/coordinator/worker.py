@@ -101,9 +101,9 @@ class Worker:
             self._process(batch)
 
     def _process(self, batch):
-        generation = self._coordinator.reconnect_generation
         try:
             with self._coordinator._gate.shared():
+                # Read under the gate: a reconnect cannot start mid-call.
                 generation = self._coordinator.reconnect_generation
                 outputs = self._execute(batch)
         except Exception as error:  # decided below, never swallowed
