@@ -1,7 +1,8 @@
 """keras_ps.callbacks: Keras callbacks for parameter-server training.
 
-Installed as `keras_ps.callbacks` (setup.cfg package_dir). BackupAndRestore
-and the sidecar-evaluation callbacks are planned (issues 4 and 5).
+Installed as `keras_ps.callbacks` (setup.cfg package_dir).
 """
 
-__all__ = []
+from keras_ps.callbacks.backup_and_restore import BackupAndRestore
+
+__all__ = ["BackupAndRestore"]

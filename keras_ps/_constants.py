@@ -31,6 +31,11 @@ DEFAULT_READMIT_WORKERS = 0
 NO_WORKER_TIMEOUT_ENV_VAR = "KERAS_PS_NO_WORKER_TIMEOUT"
 DEFAULT_NO_WORKER_TIMEOUT = 0.0
 
+# Exactly-once evaluation splits the data into this many shards per worker:
+# more shards balance better and redo less after a worker loss.
+EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"
+DEFAULT_EVAL_SHARDS_PER_WORKER = 4
+
 
 def env_float(name, default):
     """Reads a float knob; a malformed value is an error that names it."""

@@ -77,6 +77,11 @@ class PerWorkerDataset:
                 f"{type(dataset).__name__} from {self._fn!r}.")
         return dataset
 
+    @property
+    def element_spec(self):
+        """The structure of the dataset's elements (same on every worker)."""
+        return self._datasets[0].element_spec
+
     def _iter_on(self, index):
         with tf.device(strategy_lib.worker_device(index)):
             return iter(self._datasets[index])

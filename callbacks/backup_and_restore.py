@@ -1,0 +1,146 @@
+"""BackupAndRestore for parameter-server training: resume mid-epoch after a
+coordinator crash."""
+
+import json
+import logging
+import os
+import shutil
+
+import keras
+
+logger = logging.getLogger(__name__)
+
+_STATE_FILE = "backup_state.json"
+
+
+def _write_atomically(path, text):
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class BackupAndRestore(keras.callbacks.Callback):
+    """Backs up training so a killed coordinator resumes where it stopped.
+
+    Each backup holds the model's and the optimizer's weights and the
+    position in training (epoch and step within the epoch). When the same
+    script starts again with the same `backup_dir`, `fit` loads the newest
+    backup and continues from that epoch and step, so `optimizer.iterations`
+    ends at the planned total (plus at most one packed execution per worker
+    that ran twice under at-least-once execution).
+
+    A backup waits for the steps in flight to finish first, so it is
+    consistent: every step it counts is in its weights. Backups are written
+    to a new file and then published by an atomic rename of a small state
+    file, so a crash while writing leaves the previous backup intact.
+
+    Args:
+        backup_dir: where backups live (created if missing). Use one
+            directory per training job.
+        save_freq: `"epoch"` (at each epoch end) or an integer `N` (every `N`
+            steps, and at each epoch end).
+        delete_checkpoint: delete `backup_dir` when training finishes.
+
+    Example:
+    ```python
+    model.fit(keras_ps.DatasetCreator(dataset_fn), epochs=5, steps_per_epoch=100,
+              callbacks=[keras_ps.callbacks.BackupAndRestore("/tmp/backup",
+                                                             save_freq=20)])
+    ```
+    """
+
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
+        super().__init__()
+        if not backup_dir:
+            raise ValueError(
+                "BackupAndRestore needs a backup directory. Received: "
+                f"backup_dir={backup_dir!r}.")
+        if save_freq != "epoch" and not (
+                isinstance(save_freq, int) and not isinstance(save_freq, bool)
+                and save_freq > 0):
+            raise ValueError(
+                "save_freq must be 'epoch' or a positive integer number of "
+                f"steps. Received: save_freq={save_freq!r}.")
+        self.backup_dir = os.fspath(backup_dir)
+        self.save_freq = save_freq
+        self.delete_checkpoint = delete_checkpoint
+        self._state_path = os.path.join(self.backup_dir, _STATE_FILE)
+        self._resume = None
+        self._epoch = 0
+        self._steps_since_save = 0
+        self._last_step_seen = -1
+        self._serial = 0
+
+    # -- what fit asks ------------------------------------------------------------
+    def resume_position(self):
+        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
+        return self._resume
+
+    # -- Keras hooks ----------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        os.makedirs(self.backup_dir, exist_ok=True)
+        self._resume = None
+        state = self._read_state()
+        if state is None:
+            return
+        weights = os.path.join(self.backup_dir, state["weights"])
+        self.model.load_weights(weights)
+        self._serial = state["serial"]
+        self._resume = (state["epoch"], state["step"])
+        logger.info("[chief] restored backup %s: epoch %d, step %d",
+                    weights, state["epoch"], state["step"])
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self._last_step_seen = -1
+        if self._resume is not None and epoch == self._resume[0]:
+            self._last_step_seen = self._resume[1] - 1
+        self._steps_since_save = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.save_freq == "epoch":
+            return
+        self._steps_since_save += batch - self._last_step_seen
+        self._last_step_seen = batch
+        if self._steps_since_save >= self.save_freq:
+            self._backup(self._epoch, batch + 1)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._backup(epoch + 1, 0)
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint and os.path.isdir(self.backup_dir):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    # -- backups ----------------------------------------------------------------------
+    def _backup(self, epoch, step):
+        from keras_ps import training
+
+        # Wait for the steps in flight, so the backup holds every step it counts.
+        training.coordinator_for(self.model.distribute_strategy).join()
+        self._serial += 1
+        name = f"backup-{self._serial}.weights.h5"
+        path = os.path.join(self.backup_dir, name)
+        self.model.save_weights(path, overwrite=True)
+        previous = self._read_state()
+        _write_atomically(self._state_path, json.dumps(
+            {"epoch": epoch, "step": step, "serial": self._serial,
+             "weights": name}))
+        if previous is not None and previous["weights"] != name:
+            try:
+                os.remove(os.path.join(self.backup_dir, previous["weights"]))
+            except FileNotFoundError:
+                pass
+        self._steps_since_save = 0
+        logger.info("[chief] backup %d written: epoch %d, step %d",
+                    self._serial, epoch, step)
+
+    def _read_state(self):
+        try:
+            with open(self._state_path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None

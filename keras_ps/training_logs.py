@@ -1,0 +1,86 @@
+"""Batch-level logs of scheduled executions, fetched only when read.
+
+Keras passes `logs` to every `on_*_batch_end`. Here they are a read-only
+mapping over the execution's RemoteValue: a callback that reads a value waits
+for that execution (and gets real numbers); a callback that ignores the logs
+costs no synchronisation, so the coordinator keeps many steps in flight.
+"""
+
+import collections
+import threading
+
+import numpy as np
+
+from keras_ps.coordinator.values import RemoteValueStatus
+
+
+def _pythonify(logs):
+    out = {}
+    for key, value in sorted(logs.items()):
+        value = np.asarray(value)
+        out[key] = float(value) if value.size == 1 else value
+    return out
+
+
+class StepLogsTracker:
+    """Remembers the newest logs that have arrived, for the progress bar."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending = collections.deque()
+        self._latest = {}
+
+    def add(self, step_logs):
+        with self._lock:
+            self._pending.append(step_logs)
+
+    def resolved(self, values):
+        with self._lock:
+            self._latest = values
+
+    def latest(self):
+        """The newest logs already in, without waiting (empty at first)."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return dict(self._latest)
+                head = self._pending[0]
+                status = head.remote_value.status
+                if status is RemoteValueStatus.PENDING:
+                    return dict(self._latest)
+                self._pending.popleft()
+            if status is RemoteValueStatus.READY:
+                head._resolve()
+
+
+class StepLogs(collections.abc.Mapping):
+    """The logs of one scheduled execution; reading a key waits for it.
+
+    Raises (on first read) what the execution raised, e.g. CancelledError.
+    """
+
+    def __init__(self, remote_value, tracker):
+        self.remote_value = remote_value
+        self.tracker = tracker
+        self._values = None
+        tracker.add(self)
+
+    def _resolve(self):
+        if self._values is None:
+            self._values = _pythonify(self.remote_value.fetch())
+            self.tracker.resolved(self._values)
+        return self._values
+
+    def __getitem__(self, key):
+        return self._resolve()[key]
+
+    def __iter__(self):
+        return iter(self._resolve())
+
+    def __len__(self):
+        return len(self._resolve())
+
+    def __repr__(self):
+        if self._values is None:
+            return f"<StepLogs {self.remote_value.status.value}>"
+        return repr(self._values)
