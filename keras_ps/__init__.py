@@ -21,17 +21,25 @@ from keras_ps.coordinator import RemoteValue  # noqa: E402
 from keras_ps.errors import KerasPSError  # noqa: E402
 from keras_ps.sharded_variable import ShardedVariable  # noqa: E402
 from keras_ps.strategy import ParameterServerStrategy  # noqa: E402
+from keras_ps.training import DatasetCreator  # noqa: E402
+from keras_ps import _keras_adapter  # noqa: E402
+
+_keras_adapter.install()
+
+from keras_ps import callbacks  # noqa: E402  (keras_ps.callbacks, like keras.callbacks)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterCoordinator",
+    "DatasetCreator",
     "KerasPSError",
     "LocalCluster",
     "ParameterServerStrategy",
     "PerWorkerValues",
     "RemoteValue",
     "ShardedVariable",
+    "callbacks",
     "cluster",
     "create_in_process_cluster",
     "partitioners",

@@ -20,11 +20,10 @@ DEFAULT_PROBE_TIMEOUT = 2.0
 RECOVERY_INTERVAL_ENV_VAR = "KERAS_PS_RECOVERY_INTERVAL"
 DEFAULT_RECOVERY_INTERVAL = 0.5
 
-# Whether a failed worker that answers again is re-admitted (experimental:
-# on TF 2.21, rebuilding a restarted worker's eager context invalidates the
-# variable handles that scheduled functions captured; see README "Known limits").
+# Whether a failed worker that answers again is re-admitted (its eager context
+# and per-worker datasets are rebuilt). 0 keeps lost workers out for good.
 READMIT_WORKERS_ENV_VAR = "KERAS_PS_READMIT_WORKERS"
-DEFAULT_READMIT_WORKERS = 0
+DEFAULT_READMIT_WORKERS = 1
 
 # Seconds join() tolerates having no healthy worker before it raises
 # NoWorkersAvailableError (0 waits forever, as TF does).

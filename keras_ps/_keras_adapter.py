@@ -127,6 +127,181 @@ def _install_atomic_updates():
 # -- Section: sharded layer weights ---------------------------------------------
 # (issue 3: variable_partitioner for Keras 3 layers)
 
+# Which weights are split: every `Layer.add_weight` call made while a keras_ps
+# strategy with a `variable_partitioner` is current (its scope), like TF's own
+# strategy splits every variable. The logic lives in keras_ps._sharded_weights
+# (public Keras API only); these hooks connect it to Keras.
+from keras.src.backend.tensorflow import numpy as tf_numpy  # noqa: E402
+from keras.src.backend.tensorflow import optimizer as tf_optimizer  # noqa: E402
+from keras.src.layers import layer as layer_lib  # noqa: E402
+from keras.src.saving import saving_lib  # noqa: E402
+
+LAYER_CLASS = layer_lib.Layer
+OPTIMIZER_CLASS = tf_optimizer.TFOptimizer
+TF_NUMPY_MODULE = tf_numpy
+SAVING_MODULE = saving_lib
+# (owner, attribute) of every Keras internal this section wraps.
+SHARDING_TARGETS = (
+    (LAYER_CLASS, "add_weight"),
+    (tf_core.Variable, "_initialize"),
+    (TF_NUMPY_MODULE, "take"),
+    (SAVING_MODULE, "_save_state"),
+    (SAVING_MODULE, "_load_state"),
+    (OPTIMIZER_CLASS, "add_variable_from_reference"),
+    (OPTIMIZER_CLASS, "_trackable_children"),
+)
+# Lists that Keras' saving code reads as "this object's variables, in order".
+LAYER_STATE_LISTS = ("_trainable_variables", "_non_trainable_variables")
+OPTIMIZER_STATE_LISTS = ("_variables",)
+_ADD_WEIGHT_POSITIONAL = ("shape", "initializer", "dtype")
+
+
+def _current_partitioner():
+    """(partitioner, device for initializers) of the current keras_ps strategy."""
+    from keras_ps.strategy import ParameterServerStrategy
+
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, ParameterServerStrategy):
+        return None, None
+    if strategy.variable_partitioner is None:
+        return None, None
+    return strategy.variable_partitioner, strategy.extended.parameter_devices[0]
+
+
+# Missing public API: Keras 3 has no variable partitioning and no hook on
+# weight creation (tf_keras had `partitioner=` on add_weight). We wrap
+# `Layer.add_weight`: under a partitioner it adds one weight per shard and
+# returns the container the layer then reads through.
+def _sharded_add_weight(keras_add_weight):
+    @functools.wraps(keras_add_weight)
+    def add_weight(self, *args, **kwargs):
+        partitioner, device = _current_partitioner()
+        clash = any(k in kwargs for k in _ADD_WEIGHT_POSITIONAL[:len(args)])
+        if (partitioner is None or len(args) > 3 or clash
+                or (args and isinstance(args[0], str))):
+            return keras_add_weight(self, *args, **kwargs)  # Keras' own errors
+        kwargs.update(zip(_ADD_WEIGHT_POSITIONAL, args))
+        from keras_ps import _sharded_weights
+
+        return _sharded_weights.add_sharded_weight(
+            self, functools.partial(keras_add_weight, self), partitioner,
+            device, **kwargs)
+
+    add_weight.__keras_ps_original__ = keras_add_weight
+    return add_weight
+
+
+# Missing public API: no way to tell a tf.distribute strategy "this
+# tf.Variable is the storage of one keras.Variable, do not split it". The TF
+# backend's `Variable._initialize` creates that tf.Variable; we create it with
+# partitioning off (weights, metrics and optimizer slots alike).
+def _unpartitioned_initialize(keras_initialize):
+    @functools.wraps(keras_initialize)
+    def _initialize(self, value):
+        from keras_ps import sharded_variable
+
+        with sharded_variable.no_partitioning():
+            return keras_initialize(self, value)
+
+    _initialize.__keras_ps_original__ = keras_initialize
+    return _initialize
+
+
+# Missing public API: `ops.take` has no dispatch for variable types other than
+# Keras'; the TF backend's `take` converts `x` to one tensor first (for a
+# sharded table: a full concatenation). We wrap the backend function (looked
+# up on the module at each call) so a sharded table gathers rows per shard.
+def _sharded_take(keras_take):
+    @functools.wraps(keras_take)
+    def take(x, indices, axis=None):
+        from keras_ps import _sharded_weights
+        from keras_ps.sharded_variable import ShardedVariable
+
+        if (isinstance(x, ShardedVariable) and axis is not None
+                and axis in (0, -x.shape.rank)
+                and not isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))):
+            return _sharded_weights.take_rows(x, indices)
+        return keras_take(x, indices, axis=axis)
+
+    take.__keras_ps_original__ = keras_take
+    return take
+
+
+# Missing public API: Keras' saving format counts a layer's (an optimizer's)
+# variables one by one (`save_own_variables`, `load_own_variables`,
+# `_check_load_own_variables`); there is no way to store several variables as
+# one weight. We wrap the saving walk (`saving_lib._save_state` /
+# `_load_state`, called once per saveable object): while an object saves or
+# loads, its variable lists show each sharded weight as its container, which
+# reads and assigns the full tensor.
+def _collapsed_state(keras_walk):
+    @functools.wraps(keras_walk)
+    def walk(saveable, *args, **kwargs):
+        from keras_ps import _sharded_weights
+
+        if isinstance(saveable, LAYER_CLASS):
+            names = LAYER_STATE_LISTS
+        elif isinstance(saveable, OPTIMIZER_CLASS):
+            names = OPTIMIZER_STATE_LISTS
+        else:
+            return keras_walk(saveable, *args, **kwargs)
+        with _sharded_weights.collapsed_attributes(saveable, names):
+            return keras_walk(saveable, *args, **kwargs)
+
+    walk.__keras_ps_original__ = keras_walk
+    return walk
+
+
+# Missing public API: Keras optimizers do not report which slot belongs to
+# which variable. We wrap the TF optimizer's `add_variable_from_reference`
+# (every built-in optimizer makes its slots there) to group a shard's slots,
+# so saving writes one full slot per sharded weight.
+def _grouping_add_slot(keras_add_slot):
+    @functools.wraps(keras_add_slot)
+    def add_variable_from_reference(self, reference_variable, name=None,
+                                    initializer="zeros"):
+        from keras_ps import _sharded_weights
+
+        slot = keras_add_slot(self, reference_variable, name=name,
+                              initializer=initializer)
+        _sharded_weights.group_slot(slot, reference_variable, name or "var")
+        return slot
+
+    add_variable_from_reference.__keras_ps_original__ = keras_add_slot
+    return add_variable_from_reference
+
+
+# Missing public API: a Keras 3 optimizer is the path through which
+# tf.train.Checkpoint reaches model weights and slots (its variable lists are
+# checkpoint dependencies, e.g. `optimizer/_trainable_variables/0`). We wrap
+# its `_trackable_children` so every list holding shards appears with one
+# full-tensor entry per sharded weight: the same keys as a plain model.
+def _collapsed_children(keras_children):
+    @functools.wraps(keras_children)
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        from keras_ps import _sharded_weights
+
+        children = keras_children(self, save_type, **kwargs)
+        if save_type != "checkpoint":
+            return children
+        return _sharded_weights.collapse_children(children)
+
+    _trackable_children.__keras_ps_original__ = keras_children
+    return _trackable_children
+
+
+_SHARDING_WRAPPERS = (
+    _sharded_add_weight, _unpartitioned_initialize, _sharded_take,
+    _collapsed_state, _collapsed_state, _grouping_add_slot, _collapsed_children,
+)
+
 
 def _install_sharding_hooks():
-    pass
+    for (owner, name), wrap in zip(SHARDING_TARGETS, _SHARDING_WRAPPERS):
+        setattr(owner, name, wrap(getattr(owner, name)))
+
+
+def original_sharding_target(owner, name):
+    """Keras' own function behind a sharding hook (for the plain path and tests)."""
+    function = getattr(owner, name)
+    return getattr(function, "__keras_ps_original__", function)

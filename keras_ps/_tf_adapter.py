@@ -7,6 +7,7 @@ loudly there, not deep inside training. Supported range: see setup.cfg.
 
 from tensorflow.python.distribute import distribute_lib
 from tensorflow.python.eager import context
+from tensorflow.python.eager import executor
 from tensorflow.python.framework import ops
 
 # Strategy plumbing: `tf.distribute.Strategy`/`StrategyExtended` are public
@@ -30,6 +31,14 @@ def update_server_def(server_def):
     updating membership in place needs `context.update_server_def`.
     """
     context.context().update_server_def(server_def)
+
+
+def own_executor():
+    """A context manager giving the calling thread its own synchronous eager
+    executor. With the shared default executor, an error of a call to one
+    (dead) worker can surface in another worker thread's next call, which
+    then retries a step that had run (no public API for executors)."""
+    return context.executor_scope(executor.new_executor(enable_async=False))
 
 
 def get_server_def():

@@ -7,13 +7,38 @@ whole variable as one tensor, so it restores into any number of shards or
 into a plain variable.
 """
 
+import contextlib
 import logging
+import threading
 
 import tensorflow as tf
 
 from keras_ps import partitioners as partitioners_lib
 
 logger = logging.getLogger(__name__)
+
+_switch = threading.local()
+
+
+@contextlib.contextmanager
+def no_partitioning():
+    """Variables created by this thread inside the block are never split.
+
+    Used around the one `tf.Variable` that each `keras.Variable` wraps (a
+    Keras weight, metric or optimizer slot must be exactly one variable, see
+    DESIGN.md fact 6); Keras layer weights are split one level up instead.
+    """
+    depth = getattr(_switch, "depth", 0)
+    _switch.depth = depth + 1
+    try:
+        yield
+    finally:
+        _switch.depth = depth
+
+
+def partitioning_allowed():
+    """False inside `no_partitioning()` on this thread."""
+    return not getattr(_switch, "depth", 0)
 
 
 class ShardedVariable(tf.__internal__.tracking.Trackable):
@@ -143,7 +168,8 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
 
     def _restore_from_tensors(self, restored_tensors):
         value = restored_tensors["VARIABLE_VALUE"]
-        if value.shape != self.shape:
+        # Inside the restore tf.function the shape may be unknown until run.
+        if not value.shape.is_compatible_with(self.shape):
             raise ValueError(
                 f"Checkpoint value for {self._name!r} has shape "
                 f"{tuple(value.shape)}, but the variable has shape "
@@ -167,7 +193,12 @@ tf.register_tensor_conversion_function(ShardedVariable, _to_tensor)
 
 
 def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
-    """Creates a ShardedVariable if `partitioner` asks for 2+ shards, else None."""
+    """Creates a ShardedVariable if `partitioner` asks for 2+ shards, else None.
+
+    Always None inside `no_partitioning()`.
+    """
+    if not partitioning_allowed():
+        return None
     initial_value = kwargs.get("initial_value")
     shape = kwargs.get("shape")
     if callable(initial_value):

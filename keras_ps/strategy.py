@@ -98,6 +98,7 @@ class ParameterServerStrategy(tf.distribute.Strategy):
                 )
         self._cluster_resolver = cluster_resolver
         self._cluster_spec = spec
+        self._variable_partitioner = variable_partitioner
         extended = _Extended(self, spec, variable_partitioner)
         super().__init__(extended)
         _connect(spec)
@@ -112,6 +113,11 @@ class ParameterServerStrategy(tf.distribute.Strategy):
     def cluster_spec(self):
         """The training cluster as {job: [address, ...]} (no evaluator)."""
         return {job: list(tasks) for job, tasks in self._cluster_spec.items()}
+
+    @property
+    def variable_partitioner(self):
+        """The `variable_partitioner` given at construction (None: no sharding)."""
+        return self._variable_partitioner
 
     @property
     def num_workers(self):

@@ -204,10 +204,17 @@ def _batch_end(callback_list, batch, logs, hook):
     """Calls each callback's batch hook with lazy logs: a callback that reads
     them waits for that execution; one that does not read them (History,
     ModelCheckpoint per epoch) costs no synchronisation. The progress bar
-    shows the newest logs that are already in, without waiting."""
+    shows the newest logs that are already in, without waiting. A
+    TensorBoard with a batch-level `update_freq` reads every execution's
+    logs, so it waits for each one (a few ms, but no pipelining past it)."""
     for callback in callback_list.callbacks:
         if isinstance(callback, keras.callbacks.ProgbarLogger):
             getattr(callback, hook)(batch, logs.tracker.latest())
+        elif isinstance(callback, keras.callbacks.TensorBoard) and \
+                callback.update_freq == "epoch":
+            # It would read (and so wait for) every batch's logs only to
+            # drop them: it records nothing per batch with "epoch".
+            getattr(callback, hook)(batch, None)
         else:
             getattr(callback, hook)(batch, logs)
 

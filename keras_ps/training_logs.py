@@ -53,34 +53,57 @@ class StepLogsTracker:
                 head._resolve()
 
 
-class StepLogs(collections.abc.Mapping):
-    """The logs of one scheduled execution; reading a key waits for it.
+class StepLogs(dict):
+    """The logs of one scheduled execution; reading them waits for it.
 
-    Raises (on first read) what the execution raised, e.g. CancelledError.
+    A `dict` (Keras callbacks such as TensorBoard check for one) whose
+    contents are fetched on first read. Raises, on first read, what the
+    execution raised (e.g. `tf.errors.CancelledError`).
     """
 
     def __init__(self, remote_value, tracker):
+        super().__init__()
         self.remote_value = remote_value
         self.tracker = tracker
-        self._values = None
+        self._resolved = False
         tracker.add(self)
 
     def _resolve(self):
-        if self._values is None:
-            self._values = _pythonify(self.remote_value.fetch())
-            self.tracker.resolved(self._values)
-        return self._values
+        if not self._resolved:
+            values = _pythonify(self.remote_value.fetch())
+            dict.update(self, values)
+            self._resolved = True
+            self.tracker.resolved(values)
+        return self
 
     def __getitem__(self, key):
-        return self._resolve()[key]
+        return dict.__getitem__(self._resolve(), key)
 
     def __iter__(self):
-        return iter(self._resolve())
+        return dict.__iter__(self._resolve())
 
     def __len__(self):
-        return len(self._resolve())
+        return dict.__len__(self._resolve())
+
+    def __contains__(self, key):
+        return dict.__contains__(self._resolve(), key)
+
+    def get(self, key, default=None):
+        return dict.get(self._resolve(), key, default)
+
+    def keys(self):
+        return dict.keys(self._resolve())
+
+    def values(self):
+        return dict.values(self._resolve())
+
+    def items(self):
+        return dict.items(self._resolve())
+
+    def copy(self):
+        return dict(self.items())
 
     def __repr__(self):
-        if self._values is None:
+        if not self._resolved:
             return f"<StepLogs {self.remote_value.status.value}>"
-        return repr(self._values)
+        return dict.__repr__(self)

@@ -26,7 +26,10 @@ def main(mode):
         with strategy.scope():
             total = tf.Variable(0.0)
 
-        def dataset_fn():
+        built_on = []  # worker index of every dataset_fn call
+
+        def dataset_fn(context):
+            built_on.append(context.input_pipeline_id)
             return tf.data.Dataset.from_tensors(1.0).repeat().apply(
                 testing.sleep(5000))
 
@@ -48,9 +51,22 @@ def main(mode):
                 time.sleep(0.01)
             cluster.kill("worker", 1)
             coordinator.join()
-            say(steps=steps, total=float(total.numpy()),
-                per_worker=[w.closures_run for w in coordinator.workers],
-                states=[w.state.value for w in coordinator.workers])
+            first = dict(steps=steps, total=float(total.numpy()),
+                         per_worker=[w.closures_run for w in coordinator.workers],
+                         states=[w.state.value for w in coordinator.workers])
+            # Restart the killed worker: it is re-admitted, its dataset is
+            # rebuilt, and it runs closures again.
+            cluster.restart("worker", 1)
+            back = coordinator.workers[1].wait_for_state(
+                keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
+            before = coordinator.workers[1].closures_run
+            for _ in range(300):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            say(**first, readmitted=back,
+                after_restart=coordinator.workers[1].closures_run - before,
+                built_on=built_on, total_after=float(total.numpy()),
+                states_after=[w.state.value for w in coordinator.workers])
         else:
             for _ in range(20):
                 coordinator.schedule(step, args=(iterator,))

@@ -29,6 +29,14 @@ def test_worker_killed_mid_loop():
     assert sum(result["per_worker"]) == result["steps"]
     assert result["states"][1] == "failed"
     assert result["per_worker"][0] > 0 and result["per_worker"][2] > 0
+    # Restarted on the same address, the worker is re-admitted: its dataset
+    # is rebuilt (a 4th dataset_fn call, for worker 1) and it runs closures.
+    assert result["readmitted"] is True
+    assert result["states_after"] == ["healthy"] * 3
+    assert sorted(result["built_on"][:3]) == [0, 1, 2]
+    assert result["built_on"][3:] == [1]
+    assert result["after_restart"] > 0
+    assert result["total_after"] >= result["total"] + 300
 
 
 @pytest.mark.timeout(120)

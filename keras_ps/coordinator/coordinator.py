@@ -76,7 +76,11 @@ class ClusterCoordinator:
         self._packed_lock = threading.Lock()
         self._gate = _SharedExclusiveLock()
         self.reconnect_generation = 0
+        # Per-worker datasets, alive while the user or an iterator holds them.
         self._datasets = weakref.WeakSet()
+        # The cluster as connected: pushed again, unchanged, to re-admit a
+        # restarted worker.
+        self._server_def = _tf_adapter.get_server_def()
         self._unhealthy_since = None
         self._workers = [worker_lib.Worker(self, i, address)
                          for i, address in enumerate(spec["worker"])]
@@ -193,19 +197,19 @@ class ClusterCoordinator:
         self._unhealthy_since = None
 
     def _reconnect_and_rebuild(self, recovered_index):
-        """Re-creates the eager contexts so a restarted worker is usable.
+        """Makes a restarted worker usable again.
 
-        Updating the server def invalidates every worker's remote handles, so
-        all per-worker datasets are rebuilt, with no closure in flight.
+        Pushing the unchanged server def creates a fresh eager context on the
+        restarted task only; ps variables, traced functions and the other
+        workers' iterators keep working. Everything that lived on the lost
+        process (its datasets and iterators) is rebuilt, with no closure in
+        flight.
         """
         with self._gate.exclusive():
-            _tf_adapter.update_server_def(_tf_adapter.get_server_def())
+            _tf_adapter.update_server_def(self._server_def)
             self.reconnect_generation += 1
-            for w in self._workers:
-                if w.index == recovered_index or \
-                        w.state is worker_lib.WorkerState.HEALTHY:
-                    for dataset in list(self._datasets):
-                        dataset._rebuild(w.index)
+            for dataset in list(self._datasets):
+                dataset._rebuild(recovered_index)
 
     def _packed_function(self, fn, count):
         key = (fn, count)

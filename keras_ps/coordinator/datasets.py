@@ -88,7 +88,8 @@ class PerWorkerDataset:
 
     def __iter__(self):
         iterators = PerWorkerValues(
-            [self._iter_on(i) for i in range(self._coordinator.num_workers)])
+            [self._iter_on(i) for i in range(self._coordinator.num_workers)],
+            source=self)
         self._iterators.append(iterators)
         return iterators
 

@@ -79,8 +79,11 @@ class PerWorkerValues:
     scheduled `tf.function`.
     """
 
-    def __init__(self, values):
+    def __init__(self, values, source=None):
         self._values = list(values)
+        # What made the values (a per-worker dataset), kept alive as long as
+        # they are, so the coordinator can rebuild them on a returning worker.
+        self._source = source
 
     @property
     def values(self):

@@ -8,6 +8,7 @@ import time
 import grpc
 import tensorflow as tf
 
+from keras_ps import _tf_adapter
 from keras_ps import strategy as strategy_lib
 from keras_ps.coordinator import failure_policy
 from keras_ps.coordinator.failure_policy import Decision
@@ -87,6 +88,10 @@ class Worker:
 
     # -- the loop --------------------------------------------------------------
     def _run(self):
+        with _tf_adapter.own_executor():
+            self._loop()
+
+    def _loop(self):
         while self.state is not WorkerState.STOPPED:
             if self.state is not WorkerState.HEALTHY:
                 self._recover()

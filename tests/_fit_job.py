@@ -1,0 +1,115 @@
+"""A coordinator process for Model.fit fault tests; prints JSON lines.
+
+Usage:
+  python tests/_fit_job.py backup CLUSTER_SPEC_JSON BACKUP_DIR
+      fit with BackupAndRestore(save_freq=4) on an existing cluster; the test
+      SIGKILLs this process mid-epoch and starts it again.
+  python tests/_fit_job.py worker_kill 0|1
+      fit on its own 3-worker LocalCluster; with 1, SIGKILL worker 2 in the
+      middle of epoch 2.
+"""
+
+import json
+import logging
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ps
+
+EPOCHS, STEPS, PER_EXECUTION = 3, 40, 2
+
+
+def say(**kw):
+    print("RESULT " + json.dumps(kw), flush=True)
+
+
+def data(seed=0, n=4096):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype("float32")
+    y = (x[:, :4].sum(1, keepdims=True) > x[:, 4:].sum(1, keepdims=True))
+    return x, y.astype("float32")
+
+
+def build(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=PER_EXECUTION)
+    return model
+
+
+def dataset_creator():
+    x, y = data()
+
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shard(
+            context.num_input_pipelines, context.input_pipeline_id)
+        return ds.shuffle(512, seed=context.input_pipeline_id).batch(32).repeat()
+
+    return keras_ps.DatasetCreator(dataset_fn)
+
+
+class _Progress(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        print(f"PROGRESS epoch={self._epoch} batch={batch}", flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+def backup(spec_json, backup_dir):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    model = build(strategy)
+    backup_cb = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=4)
+    history = model.fit(dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
+                        callbacks=[backup_cb, _Progress()], verbose=0)
+    say(iterations=int(model.optimizer.iterations.numpy()),
+        planned=EPOCHS * STEPS, epochs=history.epoch,
+        resumed=backup_cb.resume_position())
+
+
+class _KillWorker(keras.callbacks.Callback):
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster = cluster
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch == 1 and batch == STEPS // 2 - 1:
+            self.cluster.kill("worker", 2)
+            print("KILLED worker 2", flush=True)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+
+def worker_kill(kill):
+    with keras_ps.LocalCluster(num_workers=3, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        callbacks = [_KillWorker(cluster)] if kill else []
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, callbacks=callbacks,
+                            verbose=0)
+        x, y = data(seed=7, n=1024)
+        accuracy = model.evaluate(x, y, batch_size=128, verbose=0,
+                                  return_dict=True)["accuracy"]
+        coordinator = keras_ps.training.coordinator_for(strategy)
+        say(epochs=history.epoch, accuracy=accuracy,
+            iterations=int(model.optimizer.iterations.numpy()),
+            states=[w.state.value for w in coordinator.workers])
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    if sys.argv[1] == "backup":
+        backup(sys.argv[2], sys.argv[3])
+    else:
+        worker_kill(sys.argv[2] == "1")

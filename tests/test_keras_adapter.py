@@ -1,0 +1,166 @@
+"""Pins every Keras internal that keras_ps._keras_adapter touches.
+
+A Keras upgrade that moves or changes one of them fails here, loudly, before
+any cluster test runs. No cluster needed.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ps  # noqa: F401  (importing keras_ps installs the hooks)
+from keras_ps import _keras_adapter
+from keras_ps import _sharded_weights
+from keras_ps import sharded_variable
+from keras_ps.partitioners import FixedShardsPartitioner
+
+
+# -- Section: sharded layer weights (issue 3) ----------------------------------
+_EXPECTED_SHARDING_SIGNATURES = {
+    "add_weight": ["self", "args", "shape", "initializer", "dtype", "trainable",
+                   "autocast", "regularizer", "constraint", "aggregation",
+                   "overwrite_with_gradient", "name"],
+    "_initialize": ["self", "value"],
+    "take": ["x", "indices", "axis"],
+    "_save_state": ["saveable", "weights_store", "assets_store", "inner_path",
+                    "visited_saveables"],
+    "_load_state": ["saveable", "weights_store", "assets_store", "inner_path",
+                    "skip_mismatch", "visited_saveables", "failed_saveables",
+                    "error_msgs"],
+    "add_variable_from_reference": ["self", "reference_variable", "name",
+                                    "initializer"],
+    "_trackable_children": ["self", "save_type", "kwargs"],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("owner, name", _keras_adapter.SHARDING_TARGETS,
+                          ids=[n for _, n in _keras_adapter.SHARDING_TARGETS])
+def test_sharding_hook_targets_exist_with_expected_signature(owner, name):
+    hooked = getattr(owner, name)
+    original = _keras_adapter.original_sharding_target(owner, name)
+    assert original is not hooked, f"{name} is not hooked"
+    params = list(inspect.signature(original).parameters)
+    assert params == _EXPECTED_SHARDING_SIGNATURES[name]
+
+
+@pytest.mark.timeout(60)
+def test_sharding_keras_internals_used_by_the_hooks():
+    from keras.src import backend
+    from keras.src.backend.tensorflow import core
+
+    # ops.take dispatches through the module attribute we replace.
+    assert backend.numpy is _keras_adapter.TF_NUMPY_MODULE
+    # Every keras.Variable's tf.Variable is made by _initialize.
+    assert issubclass(keras.Variable, core.Variable)
+    # The lists Keras' saving code counts, on a layer and an optimizer.
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    for attr in _keras_adapter.LAYER_STATE_LISTS:
+        assert isinstance(layer.__dict__[attr], list)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(layer.trainable_variables)
+    for attr in _keras_adapter.OPTIMIZER_STATE_LISTS:
+        assert isinstance(optimizer.__dict__[attr], list)
+    assert isinstance(optimizer, _keras_adapter.OPTIMIZER_CLASS)
+    # The optimizer's variable lists are checkpoint dependencies.
+    children = optimizer._trackable_children("checkpoint")
+    assert "_trainable_variables" in children and "_variables" in children
+
+
+def _local_weight(rows=(2, 3), cols=3):
+    shards = [keras.Variable(np.full((r, cols), i, np.float32))
+              for i, r in enumerate(rows)]
+    return shards, _sharded_weights.ShardedWeight(
+        shards, [s.value for s in shards], "layer/w")
+
+
+@pytest.mark.timeout(60)
+def test_sharding_collapse_and_checkpoint_list():
+    shards, weight = _local_weight()
+    other = keras.Variable(1.0)
+    assert _sharded_weights.collapse([other, shards[0], shards[1]]) == [other, weight]
+    assert _sharded_weights.collapse([shards[1]]) == [shards[1]]  # incomplete
+    children = _sharded_weights.collapse_children({"l": [shards[0], shards[1]]})
+    assert children["l"]._trackable_children() == {"0": weight}
+    same = [shards[0], shards[1]]
+    first = _sharded_weights.collapse_children({"l": same})["l"]
+    # A checkpoint walks children several times: the same list, the same child.
+    assert _sharded_weights.collapse_children({"l": same})["l"] is first
+
+
+@pytest.mark.timeout(60)
+def test_sharding_collapsed_attributes_restores_lists():
+    shards, weight = _local_weight()
+    layer = keras.layers.Layer()
+    original = layer.__dict__["_trainable_variables"]
+    original.extend(shards)
+    with _sharded_weights.collapsed_attributes(layer, _keras_adapter.LAYER_STATE_LISTS):
+        assert layer._trainable_variables == [weight]
+    assert layer.__dict__["_trainable_variables"] is original
+
+
+@pytest.mark.timeout(60)
+def test_sharding_take_hook_gathers_rows():
+    _, weight = _local_weight()
+    table = np.concatenate([np.zeros((2, 3)), np.ones((3, 3))]).astype(np.float32)
+    ids = np.array([[4, 0], [-1, 2]])
+    got = keras.ops.take(weight, ids, axis=0)
+    np.testing.assert_array_equal(got.numpy(), table[ids])
+    plain = keras.ops.take(tf.constant(table), ids, axis=0)  # Keras' own path
+    np.testing.assert_array_equal(plain.numpy(), table[ids])
+
+
+@pytest.mark.timeout(60)
+def test_sharding_add_sharded_weight_slices_one_initializer():
+    layer = keras.layers.Dense(3)
+    keras_add_weight = _keras_adapter.original_sharding_target(
+        _keras_adapter.LAYER_CLASS, "add_weight").__get__(layer)
+    init = keras.initializers.RandomUniform(seed=7)
+    weight = _sharded_weights.add_sharded_weight(
+        layer, keras_add_weight, FixedShardsPartitioner(2), "/cpu:0", shape=(5, 3),
+        initializer=init, name="k")
+    assert [tuple(w.shape) for w in layer.weights] == [(3, 3), (2, 3)]
+    assert [w.name for w in layer.weights] == ["k_part_0", "k_part_1"]
+    np.testing.assert_array_equal(weight.numpy(), init((5, 3)).numpy())
+    np.testing.assert_array_equal(np.asarray(weight), weight.numpy())
+    scalar = _sharded_weights.add_sharded_weight(
+        layer, keras_add_weight, FixedShardsPartitioner(2), "/cpu:0", shape=(), name="s")
+    assert isinstance(scalar, keras.Variable)
+
+
+@pytest.mark.timeout(60)
+def test_sharding_slots_group_once_complete():
+    shards, weight = _local_weight()
+    slots = [keras.Variable(np.zeros(s.shape, np.float32)) for s in shards]
+    _sharded_weights.group_slot(slots[0], shards[0], "momentum")
+    assert _sharded_weights.shard_of(slots[0]) is None
+    _sharded_weights.group_slot(slots[1], shards[1], "momentum")
+    group, index = _sharded_weights.shard_of(slots[1])
+    assert index == 1 and group.path == "layer/w_momentum"
+    assert tuple(group.shape) == (5, 3)
+
+
+@pytest.mark.timeout(60)
+def test_sharding_no_partitioning_switch():
+    assert sharded_variable.partitioning_allowed()
+    with sharded_variable.no_partitioning():
+        with sharded_variable.no_partitioning():
+            assert not sharded_variable.partitioning_allowed()
+        assert not sharded_variable.partitioning_allowed()
+    assert sharded_variable.partitioning_allowed()
+    seen = []
+    initialize = _keras_adapter.original_sharding_target(keras.Variable, "_initialize")
+
+    def spy(self, value):
+        seen.append(sharded_variable.partitioning_allowed())
+        return initialize(self, value)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(keras.Variable, "_initialize",
+                   _keras_adapter._unpartitioned_initialize(spy))
+        keras.Variable(1.0)
+    assert seen == [False]
