@@ -38,7 +38,8 @@ def own_executor():
     executor. With the shared default executor, an error of a call to one
     (dead) worker can surface in another worker thread's next call, which
     then retries a step that had run (no public API for executors)."""
-    return context.executor_scope(executor.new_executor(enable_async=False))
+    return context.executor_scope(executor.new_executor(
+        enable_async=False, enable_streaming_enqueue=False))
 
 
 def get_server_def():

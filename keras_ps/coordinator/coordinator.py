@@ -82,6 +82,7 @@ class ClusterCoordinator:
         # restarted worker.
         self._server_def = _tf_adapter.get_server_def()
         self._unhealthy_since = None
+        self._membership_lock = threading.Lock()
         self._workers = [worker_lib.Worker(self, i, address)
                          for i, address in enumerate(spec["worker"])]
         for w in self._workers:
@@ -162,9 +163,52 @@ class ClusterCoordinator:
         worker's index (`input_pipeline_id`) and the number of workers
         (`num_input_pipelines`), so each worker can read its own shard.
         """
-        dataset = PerWorkerDataset(self, dataset_fn)
-        self._datasets.add(dataset)
+        # Under the shared gate: a worker's re-admission (which rebuilds every
+        # tracked dataset on it) cannot interleave with creating this one.
+        with self._gate.shared():
+            dataset = PerWorkerDataset(self, dataset_fn)
+            self._datasets.add(dataset)
         return dataset
+
+    def update_workers(self, addresses):
+        """Follows a new worker membership while training runs.
+
+        Args:
+            addresses: the worker addresses by task index (`None` for a
+                place that is free), e.g. from a rendezvous server. A new
+                address joins (admitted as soon as it answers, its per-worker
+                datasets created); a missing one leaves (its closures run
+                elsewhere). Nobody is restarted.
+        """
+        with self._membership_lock:
+            addresses = list(addresses)
+            for index, address in enumerate(addresses):
+                current = self._workers[index] if index < len(self._workers) \
+                    else None
+                if current is not None and current.address == address and \
+                        current.state is not worker_lib.WorkerState.LEFT:
+                    continue
+                if current is not None:
+                    current.leave("left the membership" if address is None
+                                  else f"replaced by {address}")
+                if address is not None:
+                    self._join(index, address)
+            for w in self._workers[len(addresses):]:
+                w.leave("left the membership")
+            self._notify_worker_change()
+
+    def _join(self, index, address):
+        worker = worker_lib.Worker(self, index, address,
+                                   state=worker_lib.WorkerState.JOINING)
+        if index < len(self._workers):
+            self._workers[index] = worker
+        else:
+            self._workers.extend(
+                worker_lib.Worker(self, i, None, state=worker_lib.WorkerState.LEFT)
+                for i in range(len(self._workers), index))
+            self._workers.append(worker)
+        logger.info("[worker:%d] %s joins", index, address)
+        worker.start()
 
     def shutdown(self):
         for w in self._workers:
@@ -172,6 +216,10 @@ class ClusterCoordinator:
         self._queue.stop()
 
     # -- internals used by workers ---------------------------------------------
+    def members(self):
+        """For each worker index: is it in the cluster now?"""
+        return [w.state in worker_lib.IN_CLUSTER for w in self._workers]
+
     def num_healthy(self):
         return sum(w.state is worker_lib.WorkerState.HEALTHY for w in self._workers)
 
@@ -206,10 +254,31 @@ class ClusterCoordinator:
         flight.
         """
         with self._gate.exclusive():
-            _tf_adapter.update_server_def(self._server_def)
+            _tf_adapter.update_server_def(self._membership_def())
             self.reconnect_generation += 1
             for dataset in list(self._datasets):
                 dataset._rebuild(recovered_index)
+
+    def _membership_def(self):
+        """The connected server def with the worker job reduced to the workers
+        that are in the cluster now (HEALTHY or RECOVERING). Lost workers are
+        left out: TF waits for every listed task when the def changes."""
+        server_def = type(self._server_def)()
+        server_def.CopyFrom(self._server_def)
+        members = {w.index: w.address for w in self._workers
+                   if w.state in worker_lib.IN_CLUSTER}
+        for job in server_def.cluster.job:
+            if job.name == "worker":
+                job.ClearField("tasks")
+                for index, address in members.items():
+                    job.tasks[index] = address
+        for job in server_def.cluster_device_filters.jobs:
+            if job.name == "worker":
+                job.ClearField("tasks")
+                for index in members:
+                    job.tasks[index].device_filters.extend(
+                        ["/job:ps", f"/job:{strategy_lib.COORDINATOR_JOB}"])
+        return server_def
 
     def _packed_function(self, fn, count):
         key = (fn, count)

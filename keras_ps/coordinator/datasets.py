@@ -54,10 +54,11 @@ class PerWorkerDataset:
             raise TypeError(
                 "create_per_worker_dataset needs a dataset_fn or a "
                 f"tf.data.Dataset. Received: {dataset_or_fn!r}.")
-        self._datasets = [None] * coordinator.num_workers
+        # Built now on the workers in the cluster; a worker that is down or
+        # joins later gets its dataset when it is admitted (_rebuild).
+        self._datasets = [self._build(i) if member else None
+                          for i, member in enumerate(coordinator.members())]
         self._iterators = []  # PerWorkerValues handed out, rebuilt on recovery
-        for i in range(coordinator.num_workers):
-            self._datasets[i] = self._build(i)
 
     def _build(self, index):
         strategy = self._coordinator.strategy
@@ -80,21 +81,29 @@ class PerWorkerDataset:
     @property
     def element_spec(self):
         """The structure of the dataset's elements (same on every worker)."""
-        return self._datasets[0].element_spec
+        for dataset in self._datasets:
+            if dataset is not None:
+                return dataset.element_spec
+        raise RuntimeError("No worker is in the cluster to build the dataset on.")
 
     def _iter_on(self, index):
+        if index >= len(self._datasets) or self._datasets[index] is None:
+            return None
         with tf.device(strategy_lib.worker_device(index)):
             return iter(self._datasets[index])
 
     def __iter__(self):
-        iterators = PerWorkerValues(
-            [self._iter_on(i) for i in range(self._coordinator.num_workers)],
-            source=self)
-        self._iterators.append(iterators)
+        with self._coordinator._gate.shared():
+            iterators = PerWorkerValues(
+                [self._iter_on(i) for i in range(len(self._datasets))],
+                source=self)
+            self._iterators.append(iterators)
         return iterators
 
     def _rebuild(self, index):
-        """Recreates worker `index`'s dataset and every iterator on it."""
+        """(Re)creates worker `index`'s dataset and every iterator on it."""
+        while len(self._datasets) <= index:
+            self._datasets.append(None)
         self._datasets[index] = self._build(index)
         for iterators in self._iterators:
             iterators._replace(index, self._iter_on(index))

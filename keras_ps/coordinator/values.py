@@ -90,6 +90,8 @@ class PerWorkerValues:
         return tuple(self._values)
 
     def _replace(self, index, value):
+        while len(self._values) <= index:
+            self._values.append(None)
         self._values[index] = value
 
     def __len__(self):

@@ -22,7 +22,14 @@ class WorkerState(enum.Enum):
     HEALTHY = "healthy"
     FAILED = "failed"  # unreachable; closures go to other workers
     RECOVERING = "recovering"  # answers again; context and datasets rebuilt
+    JOINING = "joining"  # new member; admitted once it answers
+    LEFT = "left"  # no longer a member; its closures go to other workers
     STOPPED = "stopped"
+
+
+# States in which a worker is part of the cluster definition TF holds.
+IN_CLUSTER = (WorkerState.HEALTHY, WorkerState.RECOVERING)
+_FINAL = (WorkerState.LEFT, WorkerState.STOPPED)
 
 
 def probe(address, timeout):
@@ -44,11 +51,11 @@ def probe(address, timeout):
 class Worker:
     """Runs closures on `/job:worker/task:<index>` from the coordinator's queue."""
 
-    def __init__(self, coordinator, index, address):
+    def __init__(self, coordinator, index, address, state=WorkerState.HEALTHY):
         self.index = index
         self.address = address
         self.device = strategy_lib.worker_device(index)
-        self.state = WorkerState.HEALTHY
+        self.state = state
         self.closures_run = 0
         self._consecutive_failures = 0
         # Until its first success after recovery, any error of this worker is
@@ -66,8 +73,12 @@ class Worker:
 
     # -- state -----------------------------------------------------------------
     def transition(self, new_state, reason):
+        """Moves to `new_state` and logs why. LEFT and STOPPED are final."""
         with self._state_lock:
-            old, self.state = self.state, new_state
+            old = self.state
+            if old in _FINAL and new_state is not WorkerState.STOPPED:
+                return
+            self.state = new_state
             self._state_changed.notify_all()
         if old is not new_state:
             logger.info("[worker:%d] %s -> %s (%s)", self.index, old.value,
@@ -86,13 +97,16 @@ class Worker:
     def stop(self):
         self.transition(WorkerState.STOPPED, "coordinator shut down")
 
+    def leave(self, reason):
+        self.transition(WorkerState.LEFT, reason)
+
     # -- the loop --------------------------------------------------------------
     def _run(self):
         with _tf_adapter.own_executor():
             self._loop()
 
     def _loop(self):
-        while self.state is not WorkerState.STOPPED:
+        while self.state not in _FINAL:
             if self.state is not WorkerState.HEALTHY:
                 self._recover()
                 continue
@@ -150,6 +164,12 @@ class Worker:
                 result)
 
     def _on_failure(self, batch, error, stale=False):
+        if self.state in _FINAL:
+            # It left the cluster mid-call: its closures run elsewhere.
+            logger.info("[worker:%d] left with %d closures in flight; requeued",
+                        self.index, len(batch))
+            self._queue.put_back(batch)
+            return
         worker_alive = probe(self.address, self._coordinator.probe_timeout)
         dead_ps = []
         if failure_policy.is_connectivity_error(error) or not worker_alive:
@@ -187,16 +207,21 @@ class Worker:
     def _recover(self):
         """Waits until the worker answers, then rebuilds its context and data."""
         interval = self._coordinator.recovery_interval
-        if not self._coordinator.readmit_workers:
+        if self.state is WorkerState.FAILED and \
+                not self._coordinator.readmit_workers:
             logger.info("[worker:%d] stays out of training (re-admission is "
                         "off: KERAS_PS_READMIT_WORKERS=0)", self.index)
-            self.wait_for_state(WorkerState.STOPPED, timeout=1e9)
+            with self._state_lock:
+                while self.state not in _FINAL:
+                    self._state_changed.wait()
             return
-        while self.state is WorkerState.FAILED:
+        while self.state in (WorkerState.FAILED, WorkerState.JOINING):
             if probe(self.address, self._coordinator.probe_timeout):
-                self.transition(WorkerState.RECOVERING, "answers again")
+                self.transition(WorkerState.RECOVERING, "answers")
                 break
-            time.sleep(interval)
+            with self._state_lock:
+                if self.state not in _FINAL:
+                    self._state_changed.wait(interval)
         if self.state is not WorkerState.RECOVERING:
             return
         try:
