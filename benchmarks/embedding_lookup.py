@@ -17,9 +17,11 @@ coordinator's peak RSS during training against the table size.
 
     .venv/bin/python benchmarks/embedding_lookup.py
     .venv/bin/python benchmarks/embedding_lookup.py --steps 100 --concat-steps 5
+    .venv/bin/python benchmarks/embedding_lookup.py --json   # one JSON line
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -68,6 +70,8 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--concat-steps", type=int, default=5)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON line with every measurement")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     import keras
@@ -115,6 +119,15 @@ def main():
 
     table_mb = ROWS * DIM * 4 / 2**20
     rows_bytes = BATCH * DIM * 4
+    if args.json:
+        print(json.dumps({
+            "sharded": sharded, "concat": concat, "table_mb": table_mb,
+            "rows_bytes_each_way": rows_bytes,
+            "speed_ratio": sharded["steps_per_s"] / concat["steps_per_s"],
+            "bytes_ratio": sharded["bytes_per_step"] / (2 * rows_bytes),
+            "rss_before_build_mb": rss_before_build,
+            "rss_after_build_mb": rss_after_build}), flush=True)
+        return
     print(f"table {ROWS} x {DIM} float32 = {table_mb:.0f} MB, shards on {devices}")
     print(f"sharded lookup: {sharded['steps_per_s']:.2f} steps/s "
           f"({args.steps} steps)")

@@ -19,6 +19,7 @@ from keras_ps.coordinator import ClusterCoordinator  # noqa: E402
 from keras_ps.coordinator import PerWorkerValues  # noqa: E402
 from keras_ps.coordinator import RemoteValue  # noqa: E402
 from keras_ps.errors import KerasPSError  # noqa: E402
+from keras_ps.evaluation import SidecarEvaluator  # noqa: E402
 from keras_ps.sharded_variable import ShardedVariable  # noqa: E402
 from keras_ps.strategy import ParameterServerStrategy  # noqa: E402
 from keras_ps.training import DatasetCreator  # noqa: E402
@@ -39,6 +40,7 @@ __all__ = [
     "PerWorkerValues",
     "RemoteValue",
     "ShardedVariable",
+    "SidecarEvaluator",
     "callbacks",
     "cluster",
     "create_in_process_cluster",

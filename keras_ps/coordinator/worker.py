@@ -139,9 +139,14 @@ class Worker:
     def _execute(self, batch):
         coordinator = self._coordinator
         packed = coordinator._packed_function(batch[0].fn, len(batch))
+        calls = [self._select(c) for c in batch]
+        # Traced outside any device scope, so one trace serves every worker
+        # (a joining worker runs at once instead of tracing the step again);
+        # the call below places the whole function on this worker.
+        concrete = packed.get_concrete_function(calls)
         with tf.device(self.device), strategy_lib._DispatchScope(
                 self.index, coordinator.num_workers):
-            results, token = packed([self._select(c) for c in batch])
+            results, token = concrete(calls)
         # A remote call returns once it is enqueued; fetching the token (an
         # output of the same function) waits until every step has run.
         token.numpy()

@@ -1,0 +1,315 @@
+"""Every side-by-side benchmark in one go; writes RESULTS.md and scaling.png.
+
+    .venv/bin/python benchmarks/run_all.py                # 3 repeats, ~15 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py --repeats 5
+    .venv/bin/python benchmarks/run_all.py --quick --out /tmp/bench   # smoke run
+
+Benchmarks (each system in its own process; within a repeat the two systems
+run back to back, so each ratio compares neighbours in time):
+  tiny     ctl_dispatch.py tiny step, 2 workers, 2 ps (target: keras_ps >= 2x)
+  sleep    ctl_dispatch.py 20 ms sleep-bound step, 16 workers (target: keras_ps
+           efficiency >= 0.9 of the ideal 800 steps/s)
+  fit      fit_embedding.py, Model.fit with a sharded 100k x 32 embedding
+           (target: keras_ps >= 1.5x, held-out accuracy within 2 points)
+  lookup   embedding_lookup.py, sharded lookup vs lookup on the concatenated
+           table (keras_ps only: TF's native path has no Keras 3 layer to run
+           it with; target >= 20x, loopback bytes <= 2x the rows read)
+  scaling  the sleep-bound step on 1, 2, 4, 8 and 16 workers, both systems
+           (the plot; 16 comes from `sleep`)
+
+Ratios are min / median / max over the repeats; a target counts as met when
+the median meets it. `--only tiny,fit` runs a subset.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import ctl_dispatch  # noqa: E402
+import fit_embedding  # noqa: E402
+
+ALL = ("tiny", "sleep", "fit", "lookup", "scaling")
+SCALING_WORKERS = (1, 2, 4, 8, 16)
+QUICK_SCALING_WORKERS = (1, 4)  # plus 16 when `sleep` ran
+SLEEP_IDEAL_PER_WORKER = 50.0  # 20 ms per step
+
+
+def log(*args):
+    print(*args, file=sys.stderr, flush=True)
+
+
+def spread(values):
+    """(min, median, max) of a list."""
+    return min(values), statistics.median(values), max(values)
+
+
+def ratios(report):
+    return [k / n for n, k in zip(report["tf_native"], report["keras_ps"])]
+
+
+# -- running ---------------------------------------------------------------------
+def run_tiny(repeats, quick):
+    return ctl_dispatch.measure("tiny", repeats, steps=500 if quick else 4000, log=log)
+
+
+def run_sleep(repeats, quick, workers=16):
+    steps = max(100, 25 * workers) if quick else max(400, 250 * workers)
+    return ctl_dispatch.measure("sleep", repeats, steps=steps, num_workers=workers,
+                                log=log)
+
+
+def run_lookup(repeats, quick):
+    args = ["--steps", "10", "--concat-steps", "1"] if quick else []
+    runs = []
+    for r in range(repeats):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        out = subprocess.run(
+            [sys.executable, os.path.join(HERE, "embedding_lookup.py"), "--json"] + args,
+            capture_output=True, text=True, env=env, timeout=900)
+        lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+        if not lines:
+            raise RuntimeError("embedding_lookup.py failed:\n" + out.stderr[-3000:])
+        result = json.loads(lines[-1])
+        runs.append(result)
+        log(f"lookup run {r}: sharded {result['sharded']['steps_per_s']:.2f} steps/s, "
+            f"concat {result['concat']['steps_per_s']:.3f} steps/s, "
+            f"ratio {result['speed_ratio']:.1f}x")
+    return runs
+
+
+def run_all(names, repeats, quick):
+    results = {}
+    for name in names:
+        start = time.perf_counter()
+        log(f"== {name}")
+        if name == "tiny":
+            results[name] = run_tiny(repeats, quick)
+        elif name == "sleep":
+            results[name] = run_sleep(repeats, quick)
+        elif name == "fit":
+            results[name] = fit_embedding.measure(repeats, quick, log=log)
+        elif name == "lookup":
+            results[name] = run_lookup(repeats, quick)
+        elif name == "scaling":
+            workers = QUICK_SCALING_WORKERS if quick else SCALING_WORKERS
+            if quick and "sleep" in results:
+                workers += (16,)
+            scaling = {}
+            for w in workers:
+                if w == 16 and "sleep" in results:
+                    scaling[w] = results["sleep"]
+                else:
+                    scaling[w] = run_sleep(repeats, quick, w)
+            results[name] = scaling
+        log(f"== {name} took {time.perf_counter() - start:.0f} s")
+    return results
+
+
+# -- reporting --------------------------------------------------------------------
+def fmt_spread(values, digits=2, suffix="x"):
+    lo, mid, hi = spread(values)
+    return f"{lo:.{digits}f} / **{mid:.{digits}f}** / {hi:.{digits}f}{suffix}"
+
+
+def table_rows(results):
+    """Rows of (benchmark, TF native, keras_ps, ratio, target, met)."""
+    rows = []
+    if "tiny" in results:
+        r = results["tiny"]
+        q = ratios(r)
+        rows.append((
+            "CTL tiny step `v.assign_add(next(it))`, 2 workers, 2 ps",
+            f"{statistics.median(r['tf_native']):.0f} steps/s",
+            f"{statistics.median(r['keras_ps']):.0f} steps/s",
+            fmt_spread(q), "keras_ps >= 2x", statistics.median(q) >= 2.0))
+    if "sleep" in results:
+        r = results["sleep"]
+        ideal = 16 * SLEEP_IDEAL_PER_WORKER
+        eff = {s: statistics.median(v) / ideal for s, v in r.items()}
+        rows.append((
+            "CTL 20 ms sleep-bound step, 16 workers, 2 ps (ideal 800 steps/s)",
+            f"{statistics.median(r['tf_native']):.0f} steps/s (efficiency "
+            f"{eff['tf_native']:.2f})",
+            f"{statistics.median(r['keras_ps']):.0f} steps/s (efficiency "
+            f"{eff['keras_ps']:.2f})",
+            fmt_spread(ratios(r)), "keras_ps efficiency >= 0.90",
+            eff["keras_ps"] >= 0.9))
+    if "fit" in results:
+        f = results["fit"]
+        sps, acc = f["steps_per_s"], f["test_accuracy"]
+        rows.append((
+            "Model.fit, Embedding(100k, 32) on 2 ps + 128-64-1 MLP, batch 256, "
+            "steps_per_execution=10, Adam, 2 workers",
+            f"{statistics.median(sps['tf_native']):.1f} steps/s",
+            f"{statistics.median(sps['keras_ps']):.1f} steps/s",
+            fmt_spread(f["ratios"]), "keras_ps >= 1.5x",
+            statistics.median(f["ratios"]) >= 1.5))
+        diffs = [100 * (k - n) for n, k in zip(acc["tf_native"], acc["keras_ps"])]
+        rows.append((
+            "  same run: held-out accuracy (difference in points)",
+            f"{statistics.median(acc['tf_native']):.3f}",
+            f"{statistics.median(acc['keras_ps']):.3f}",
+            fmt_spread(diffs, 1, " pt"), "within 2 points",
+            abs(statistics.median(diffs)) <= 2.0))
+    if "lookup" in results:
+        runs = results["lookup"]
+        speed = [x["speed_ratio"] for x in runs]
+        rows.append((
+            "Sharded lookup, 4096 ids in a 1M x 64 table on 2 ps, 1 worker "
+            "(baseline: lookup on the concatenated table, keras_ps cluster)",
+            f"concat {statistics.median([x['concat']['steps_per_s'] for x in runs]):.2f}"
+            " steps/s",
+            f"sharded {statistics.median([x['sharded']['steps_per_s'] for x in runs]):.1f}"
+            " steps/s",
+            fmt_spread(speed, 1), "sharded >= 20x concat",
+            statistics.median(speed) >= 20.0))
+        byte_ratio = [x["bytes_ratio"] for x in runs]
+        rows.append((
+            "  same run: loopback bytes per step / rows read (both ways)",
+            "", f"{statistics.median([x['sharded']['bytes_per_step'] for x in runs]) / 2**20:.2f}"
+            " MB/step", fmt_spread(byte_ratio, 2), "<= 2x",
+            statistics.median(byte_ratio) <= 2.0))
+        growth = [x["sharded"]["peak_rss_mb"] - x["rss_after_build_mb"] for x in runs]
+        table = runs[0]["table_mb"]
+        rows.append((
+            "  same run: coordinator peak RSS during training minus RSS after build",
+            "", f"{statistics.median(growth):.0f} MB (table {table:.0f} MB)",
+            fmt_spread(growth, 0, " MB"), "no full copy of the table",
+            statistics.median(growth) < table / 2))
+    return rows
+
+
+def versions():
+    out = {"python": platform.python_version()}
+    for name in ("tensorflow", "keras", "tf_keras"):
+        try:
+            from importlib.metadata import version
+            out[name] = version(name)
+        except Exception:  # noqa: BLE001 - a missing package is reported as such
+            out[name] = "not installed"
+    return out
+
+
+def write_plot(scaling, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    workers = sorted(int(w) for w in scaling)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(workers, [SLEEP_IDEAL_PER_WORKER * w for w in workers], "k:",
+            label="ideal (50 steps/s per worker)")
+    for system, style, label in (("tf_native", "o-", "TF native ParameterServerStrategy"),
+                                 ("keras_ps", "s-", "keras_ps")):
+        med = [statistics.median(scaling[w][system]) for w in workers]
+        lo = [m - min(scaling[w][system]) for m, w in zip(med, workers)]
+        hi = [max(scaling[w][system]) - m for m, w in zip(med, workers)]
+        ax.errorbar(workers, med, yerr=[lo, hi], fmt=style, capsize=3, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.set_xticks(workers, [str(w) for w in workers])
+    ax.set_xlabel("workers (in-process cluster, 2 ps)")
+    ax.set_ylabel("steps/s")
+    ax.set_title(f"20 ms sleep-bound step: throughput vs workers ({os.cpu_count()} cores)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_markdown(results, args, path, elapsed):
+    v = versions()
+    cmd = "python benchmarks/run_all.py" + (" --quick" if args.quick else "") + \
+        f" --repeats {args.repeats}" + (f" --only {args.only}" if args.only else "")
+    lines = [
+        "# keras_ps benchmark results",
+        "",
+        f"Generated by `{cmd}` on {datetime.date.today().isoformat()} "
+        f"({elapsed / 60:.0f} min).",
+        f"Machine: {os.cpu_count()} cores ({platform.machine()}, shared with other "
+        f"jobs: absolute numbers are noisy, compare ratios). TensorFlow {v['tensorflow']}, "
+        f"Keras {v['keras']}, tf_keras {v['tf_keras']}, Python {v['python']}.",
+        f"Repeats: {args.repeats}{' (quick mode: short runs, smoke test only)' if args.quick else ''}. "
+        "Each system runs in its own process; within a repeat the two systems run back "
+        "to back. Figures are medians; ratios are keras_ps / TF native as min / "
+        "**median** / max over the repeats; a target is met when the median meets it.",
+        "",
+        "| benchmark | TF native | keras_ps | ratio (min / median / max) | target | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, native, ours, ratio, target, met in table_rows(results):
+        lines.append(f"| {name} | {native} | {ours} | {ratio} | {target} | "
+                     f"{'yes' if met else '**no**'} |")
+    if "scaling" in results:
+        scaling = results["scaling"]
+        workers = sorted(int(w) for w in scaling)
+        lines += [
+            "",
+            "## Scaling: 20 ms sleep-bound step vs number of workers",
+            "",
+            "![throughput vs workers](scaling.png)",
+            "",
+            "| workers | ideal | TF native steps/s (efficiency) | keras_ps steps/s "
+            "(efficiency) | ratio (min / median / max) |",
+            "|---|---|---|---|---|",
+        ]
+        for w in workers:
+            r = scaling[w]
+            ideal = SLEEP_IDEAL_PER_WORKER * w
+            n, k = statistics.median(r["tf_native"]), statistics.median(r["keras_ps"])
+            lines.append(f"| {w} | {ideal:.0f} | {n:.0f} ({n / ideal:.2f}) | "
+                         f"{k:.0f} ({k / ideal:.2f}) | {fmt_spread(ratios(r))} |")
+    lines += ["", "## Raw measurements", "", "```json",
+              json.dumps(results, indent=1, sort_keys=True, default=str)[:20000], "```", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true",
+                        help="short runs of every benchmark (a smoke test, not a measurement)")
+    parser.add_argument("--only", default="",
+                        help=f"comma-separated subset of {','.join(ALL)}")
+    parser.add_argument("--out", default=HERE,
+                        help="directory for RESULTS.md and scaling.png (default: benchmarks/)")
+    args = parser.parse_args()
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1. Received: --repeats {args.repeats}.")
+    names = [n for n in args.only.split(",") if n] if args.only else list(ALL)
+    unknown = sorted(set(names) - set(ALL))
+    if unknown:
+        raise SystemExit(f"--only names unknown benchmarks {unknown}; choose from {ALL}.")
+    if "scaling" in names and "sleep" in names:  # scaling reuses sleep's 16 workers
+        names.remove("scaling")
+        names.insert(names.index("sleep") + 1, "scaling")
+    os.makedirs(args.out, exist_ok=True)
+    start = time.perf_counter()
+    results = run_all(names, args.repeats, args.quick)
+    elapsed = time.perf_counter() - start
+    md = os.path.join(args.out, "RESULTS.md")
+    write_markdown(results, args, md, elapsed)
+    print(f"wrote {md}")
+    if "scaling" in results:
+        png = os.path.join(args.out, "scaling.png")
+        write_plot(results["scaling"], png)
+        print(f"wrote {png}")
+    with open(md) as f:
+        print("".join(f.readlines()[:20]))
+
+
+if __name__ == "__main__":
+    main()
