@@ -35,6 +35,13 @@ DEFAULT_NO_WORKER_TIMEOUT = 0.0
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"
 DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 
+# Seconds a remote call may run before the coordinator probes its worker; a
+# worker that is then unreachable (e.g. SIGSTOPped, hung host) is declared
+# failed and its closures run elsewhere. A busy worker still answers the
+# probe, so long steps are never cut short.
+HANG_TIMEOUT_ENV_VAR = "KERAS_PS_HANG_TIMEOUT"
+DEFAULT_HANG_TIMEOUT = 10.0
+
 
 def env_float(name, default):
     """Reads a float knob; a malformed value is an error that names it."""

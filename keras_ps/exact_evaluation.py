@@ -32,14 +32,22 @@ def _serialized(dataset):
 
 
 def _shard_function(model, variables, make_dataset, num_shards):
+    # Inside a StatelessScope Keras reads every variable it computes a
+    # regularization loss of through the scope, so those weights are mapped
+    # too (to their values at the start of the shard; evaluation does not
+    # change them).
+    regularized = [w for w in model.trainable_weights
+                   if getattr(w, "regularizer", None) is not None]
+
     def evaluate_shard(shard_index, initial_state):
         iterator = iter(make_dataset().shard(num_shards, shard_index))
+        weights = [(w, tf.identity(w.value)) for w in regularized]
 
         def body(_, *state):
             optional = iterator.get_next_as_optional()
 
             def run_step():
-                mapping = list(zip(variables, state))
+                mapping = list(zip(variables, state)) + weights
                 with keras.StatelessScope(state_mapping=mapping) as scope:
                     model.test_step(optional.get_value())
                 updated = []

@@ -83,5 +83,55 @@ def main(mode):
                     message=str(e))
 
 
+def worker_stop():
+    """SIGSTOP a worker mid-loop for longer than the hang timeout: training
+    must not hang; after SIGCONT the worker is re-admitted."""
+    import os
+    import signal
+
+    from tensorflow.python.data.experimental.ops import testing
+
+    with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+                testing.sleep(5000))))
+
+        @tf.function
+        def step(it):
+            total.assign_add(next(it))
+
+        steps = 400
+        for _ in range(steps):
+            coordinator.schedule(step, args=(iterator,))
+        deadline = time.monotonic() + 60
+        while coordinator.workers[1].closures_run < 20:
+            if time.monotonic() > deadline:
+                raise RuntimeError("worker 1 never ran")
+            time.sleep(0.01)
+        pid = cluster.pid("worker", 1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        coordinator.join()
+        joined_after = time.monotonic() - stopped
+        state_while_stopped = coordinator.workers[1].state.value
+        os.kill(pid, signal.SIGCONT)
+        back = coordinator.workers[1].wait_for_state(
+            keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
+        before = coordinator.workers[1].closures_run
+        for _ in range(300):
+            coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        say(steps=steps + 300, total=float(total.numpy()),
+            joined_after=joined_after, state_while_stopped=state_while_stopped,
+            readmitted=back, after_resume=coordinator.workers[1].closures_run - before)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "worker_stop":
+        worker_stop()
+    else:
+        main(sys.argv[1])

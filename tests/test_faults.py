@@ -1,4 +1,5 @@
-"""Real failures: SIGKILL of worker and ps processes under a running loop."""
+"""Real failures under a running loop: SIGKILL of worker and ps processes,
+SIGSTOP of a worker (hung, not dead)."""
 
 import json
 import os
@@ -10,9 +11,10 @@ import pytest
 JOB = os.path.join(os.path.dirname(__file__), "_fault_job.py")
 
 
-def run_job(mode, timeout):
+def run_job(mode, timeout, **env):
     proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout,
+                          env={**os.environ, **env})
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -45,3 +47,18 @@ def test_ps_killed_raises_within_10s():
     assert result["error"] == "ParameterServerUnavailableError"
     assert result["seconds"] < 10
     assert "Restart the job" in result["message"]
+
+
+@pytest.mark.timeout(240)
+def test_worker_stopped_does_not_hang_training():
+    # SIGSTOP: the process is alive, its port accepts TCP, its call never
+    # returns. The watchdog gives the call up after the hang timeout.
+    result = run_job("worker_stop", timeout=220, KERAS_PS_HANG_TIMEOUT="3")
+    assert result["state_while_stopped"] == "failed"
+    # join() returned while the worker was still stopped; the given-up call
+    # may also have run once the worker continued (at-least-once: at most one
+    # packed batch of 16).
+    assert result["steps"] <= result["total"] <= result["steps"] + 16
+    # After SIGCONT the same process is re-admitted and runs closures again.
+    assert result["readmitted"] is True
+    assert result["after_resume"] > 0

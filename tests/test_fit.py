@@ -178,6 +178,27 @@ def test_exact_evaluation_counts_each_example_once(fit_strategy, source):
         assert logs["loss"] == pytest.approx(expected["loss"], rel=1e-4)
 
 
+def test_exact_evaluation_with_regularized_weights(fit_strategy):
+    x, y = _data(300)
+    with fit_strategy.scope():
+        model = keras.Sequential([
+            keras.Input((4,)),
+            keras.layers.Dense(1, activation="sigmoid",
+                               kernel_regularizer=keras.regularizers.L2(0.1))])
+        model.compile("sgd", "binary_crossentropy",
+                      metrics=[_CountExamples()])
+    logs = model.evaluate(x, y, batch_size=32, verbose=0, return_dict=True)
+    assert logs["examples"] == 300.0
+    local = keras.Sequential([
+        keras.Input((4,)),
+        keras.layers.Dense(1, activation="sigmoid",
+                           kernel_regularizer=keras.regularizers.L2(0.1))])
+    local.set_weights(model.get_weights())
+    local.compile("sgd", "binary_crossentropy")
+    expected = local.evaluate(x, y, batch_size=32, verbose=0)
+    assert logs["loss"] == pytest.approx(expected, rel=1e-4)
+
+
 def test_evaluate_with_steps_and_infinite_data_error(fit_strategy):
     x, y = _data()
     model = _model(fit_strategy, metrics=("accuracy", _CountExamples()))

@@ -46,9 +46,11 @@ def test_take_packs_fair_power_of_two_share_of_one_function():
         queue.put(c)
     batch = queue.take(max_pack=16, num_takers=2)  # share ceil(14/2)=7 -> 4
     assert len(batch) == 4 and all(c.fn is f for c in batch)
-    batch = queue.take(max_pack=16, num_takers=1)  # 10 left, f only up to 7
-    assert [c.fn for c in batch] == [f] * 7
-    assert [c.fn for c in queue.take(max_pack=2, num_takers=1)] == [g, g]
+    batch = queue.take(max_pack=16, num_takers=1)  # 10 left, 7 of f -> 4
+    assert [c.fn for c in batch] == [f] * 4
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [f, f]
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [f]
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [g, g]
 
 
 def test_put_back_requeues_first_and_join_waits():

@@ -69,11 +69,16 @@ class ClosureQueue:
             limit = max(1, min(max_pack, share))
             # Powers of two only: each pack size is a separate trace.
             limit = 1 << (limit.bit_length() - 1)
-            first = self._pending.popleft()
-            batch = [first]
-            while (len(batch) < limit and self._pending
-                   and self._pending[0].fn is first.fn):
-                batch.append(self._pending.popleft())
+            first = self._pending[0]
+            run = 0  # closures of the same function at the head of the queue
+            while (run < limit and run < len(self._pending)
+                   and self._pending[run].fn is first.fn):
+                run += 1
+            # Exactly a power of two: at most log2(max_pack)+1 traces per
+            # function, all made early in a job (a trace waits for every
+            # worker; see Worker._without_new_trace).
+            size = 1 << (run.bit_length() - 1)
+            batch = [self._pending.popleft() for _ in range(size)]
             self._inflight += len(batch)
             for closure in batch:
                 closure.generation = self._generation

@@ -82,11 +82,17 @@ class ClusterCoordinator:
         # restarted worker.
         self._server_def = _tf_adapter.get_server_def()
         self._unhealthy_since = None
+        self.hang_timeout = _constants.env_float(
+            _constants.HANG_TIMEOUT_ENV_VAR, _constants.DEFAULT_HANG_TIMEOUT)
         self._membership_lock = threading.Lock()
         self._workers = [worker_lib.Worker(self, i, address)
                          for i, address in enumerate(spec["worker"])]
         for w in self._workers:
             w.start()
+        self._stopping = threading.Event()
+        if self.hang_timeout > 0:
+            threading.Thread(target=self._watch_for_hangs, daemon=True,
+                             name="keras_ps-hang-watchdog").start()
 
     # -- public API ------------------------------------------------------------
     @property
@@ -211,6 +217,7 @@ class ClusterCoordinator:
         worker.start()
 
     def shutdown(self):
+        self._stopping.set()
         for w in self._workers:
             w.stop()
         self._queue.stop()
@@ -258,6 +265,35 @@ class ClusterCoordinator:
             self.reconnect_generation += 1
             for dataset in list(self._datasets):
                 dataset._rebuild(recovered_index)
+
+    def _watch_for_hangs(self):
+        """Declares a worker failed when its call has run `hang_timeout`
+        seconds and the worker does not answer a probe: a stopped or hung
+        process never returns the call, and would hold its closures forever."""
+        interval = min(1.0, self.hang_timeout / 2)
+        while not self._stopping.wait(interval):
+            for w in list(self._workers):
+                age = w.in_flight_seconds()
+                if age is None or age < self.hang_timeout:
+                    continue
+                if not worker_lib.probe(w.address, self.probe_timeout):
+                    w.abandon_in_flight(
+                        f"call running {age:.0f}s and the worker does not answer")
+
+    def is_traced(self, fn, count):
+        return (fn, count) in self._packed
+
+    def trace_is_safe(self):
+        """False while a worker may be hung (see Worker._without_new_trace):
+        one given up as hung, or a member that does not answer a probe now
+        (a busy worker answers). Runs only before a new trace."""
+        for w in list(self._workers):
+            if w.hung:
+                return False
+            if w.state in worker_lib.IN_CLUSTER and \
+                    not worker_lib.probe(w.address, self.probe_timeout):
+                return False
+        return True
 
     def _membership_def(self):
         """The connected server def with the worker job reduced to the workers
@@ -339,11 +375,22 @@ class _SharedExclusiveLock:
 class _Held:
     def __init__(self, acquire, release):
         self._acquire, self._release = acquire, release
+        self._lock = threading.Lock()
+        self._released = False
 
     def __enter__(self):
         self._acquire()
+        return self
 
     def __exit__(self, *exc):
+        self.release_early()
+
+    def release_early(self):
+        """Releases once, whoever calls first (the holder or a watchdog)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
         self._release()
 
 

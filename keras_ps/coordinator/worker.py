@@ -48,6 +48,17 @@ def probe(address, timeout):
         channel.close()
 
 
+class _Call:
+    """One remote call in flight: its batch, when it started, its gate hold."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.started = time.monotonic()
+        self.gate_hold = None
+        self.settled = False  # its outcome was handled, or it was given up
+        self.abandoned = False  # given up by the watchdog
+
+
 class Worker:
     """Runs closures on `/job:worker/task:<index>` from the coordinator's queue."""
 
@@ -61,6 +72,8 @@ class Worker:
         # Until its first success after recovery, any error of this worker is
         # blamed on the recovery, not on the user's function.
         self._just_recovered = False
+        self._in_flight = None  # the _Call running now
+        self.hung = False  # its last call was given up; not yet back
         self._coordinator = coordinator
         self._queue = coordinator._queue
         self._state_lock = threading.Lock()
@@ -119,15 +132,43 @@ class Worker:
                 continue
             self._process(batch)
 
+    def in_flight_seconds(self):
+        """How long the current remote call has run (None when idle)."""
+        call = self._in_flight
+        if call is None or call.settled or self.state is not WorkerState.HEALTHY:
+            return None
+        return time.monotonic() - call.started
+
+    def abandon_in_flight(self, reason):
+        """Gives up on a call that will not return (hung worker): its
+        closures go back to the queue and the worker counts as failed. When
+        the call returns after all, its outcome is dropped."""
+        with self._state_lock:
+            call = self._in_flight
+            if call is None or call.settled:
+                return
+            call.settled = call.abandoned = True
+            self.hung = True
+        call.gate_hold.release_early()
+        self.transition(WorkerState.FAILED, f"hung: {reason}")
+        self._queue.put_back(call.batch)
+
     def _process(self, batch):
+        batch = self._without_new_trace(batch)
+        call = _Call(batch)
         try:
-            with self._coordinator._gate.shared():
+            with self._coordinator._gate.shared() as hold:
+                call.gate_hold = hold
+                self._in_flight = call
                 # Read under the gate: a reconnect cannot start mid-call.
                 generation = self._coordinator.reconnect_generation
                 outputs = self._execute(batch)
         except Exception as error:  # decided below, never swallowed
-            stale = generation != self._coordinator.reconnect_generation
-            self._on_failure(batch, error, stale)
+            if self._finish_call(call):
+                stale = generation != self._coordinator.reconnect_generation
+                self._on_failure(batch, error, stale)
+            return
+        if not self._finish_call(call):
             return
         for closure, output in zip(batch, outputs):
             closure.remote_value._set_values(output)
@@ -135,6 +176,36 @@ class Worker:
         self._consecutive_failures = 0
         self._just_recovered = False
         self._queue.mark_finished(len(batch))
+
+    def _without_new_trace(self, batch):
+        """Shrinks `batch` to an already traced pack size while some worker
+        may be hung. TF registers every newly traced function on every worker
+        synchronously, holding the GIL: with one worker stopped, a new trace
+        would freeze the whole coordinator until that worker continues."""
+        coordinator = self._coordinator
+        fn = batch[0].fn
+        if coordinator.is_traced(fn, len(batch)) or coordinator.trace_is_safe():
+            return batch
+        sizes = [n for n in range(len(batch) - 1, 0, -1)
+                 if coordinator.is_traced(fn, n)]
+        if not sizes:
+            logger.warning("[worker:%d] must trace a new function while a "
+                           "worker may be hung; this waits for that worker",
+                           self.index)
+            return batch
+        self._queue.put_back(batch[sizes[0]:])
+        return batch[:sizes[0]]
+
+    def _finish_call(self, call):
+        """False when the watchdog gave up on this call (already requeued)."""
+        with self._state_lock:
+            self._in_flight = None
+            if call.abandoned:
+                logger.info("[worker:%d] a call given up as hung returned; "
+                            "its outcome is dropped", self.index)
+                return False
+            call.settled = True
+            return True
 
     def _execute(self, batch):
         coordinator = self._coordinator
@@ -144,6 +215,10 @@ class Worker:
         # (a joining worker runs at once instead of tracing the step again);
         # the call below places the whole function on this worker.
         concrete = packed.get_concrete_function(calls)
+        if len(batch) > 1 and not coordinator.is_traced(batch[0].fn, 1):
+            # Size 1 is the fallback while a worker may be hung: have it ready.
+            coordinator._packed_function(batch[0].fn, 1).get_concrete_function(
+                calls[:1])
         with tf.device(self.device), strategy_lib._DispatchScope(
                 self.index, coordinator.num_workers):
             results, token = concrete(calls)
@@ -239,5 +314,6 @@ class Worker:
             time.sleep(interval)
             return
         self._just_recovered = True
+        self.hung = False
         self.transition(WorkerState.HEALTHY, "context and datasets rebuilt")
         self._coordinator._notify_worker_change()
