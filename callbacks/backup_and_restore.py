@@ -81,13 +81,30 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- Keras hooks ----------------------------------------------------------------
     def on_train_begin(self, logs=None):
+        """Loads the newest backup, if any, and remembers where to resume.
+
+        Raises:
+            ValueError: the backup was written by a different model.
+        """
         os.makedirs(self.backup_dir, exist_ok=True)
         self._resume = None
         state = self._read_state()
         if state is None:
             return
         weights = os.path.join(self.backup_dir, state["weights"])
-        self.model.load_weights(weights)
+        try:
+            self.model.load_weights(weights)
+        except ValueError as error:
+            detail = " ".join(str(error).split())
+            if len(detail) > 300:
+                detail = detail[:300] + "..."
+            raise ValueError(
+                f"The backup {weights!r} was written by a different model and "
+                f"does not load into model {self.model.name!r}: "
+                f"{detail} Received: backup_dir="
+                f"{self.backup_dir!r}. Fix: give a changed model its own "
+                "backup_dir, or delete the backup directory to train from "
+                "scratch.") from error
         self._serial = state["serial"]
         self._resume = (state["epoch"], state["step"])
         logger.info("[chief] restored backup %s: epoch %d, step %d",

@@ -1,7 +1,7 @@
 """Every use of TensorFlow internals (`tensorflow.python...`) in keras_ps.
 
 TF 2.21 has no public API for these; each function says which one is missing.
-tests/test_adapters.py exercises each so a TF upgrade that moves them fails
+tests/test_public_api.py (test_tf_internals_still_exist) exercises each so a TF upgrade that moves them fails
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 

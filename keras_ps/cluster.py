@@ -28,6 +28,9 @@ TASK_TYPES = ("chief", "ps", "worker", "evaluator")
 # (tensorflow/tensorflow#46169).
 TRAINING_JOBS = ("chief", "ps", "worker")
 _FIX = "Use a dict like {'ps': ['host:port', ...], 'worker': ['host:port', ...]}."
+_TF_CONFIG_FIX = (
+    'Expected JSON like {"cluster": {"ps": ["host:port"], "worker": '
+    '["host:port"]}, "task": {"type": "worker", "index": 0}}.')
 
 
 def _check_address(job, index, address):
@@ -119,13 +122,14 @@ def parse_tf_config(raw=None, require_cluster=True):
         except json.JSONDecodeError as e:
             raise ClusterConfigError(
                 f"TF_CONFIG is not valid JSON ({e.msg} at position {e.pos}). "
-                f"Received: {raw[:200]!r}."
+                f"Received: {raw[:200]!r}. {_TF_CONFIG_FIX}"
             ) from None
     else:
         config = raw
     if not isinstance(config, dict):
         raise ClusterConfigError(
-            f"TF_CONFIG must be a JSON object. Received: {config!r}."
+            f"TF_CONFIG must be a JSON object. Received: {config!r}. "
+            f"{_TF_CONFIG_FIX}"
         )
     task = config.get("task")
     if not isinstance(task, dict) or "type" not in task:
@@ -144,7 +148,8 @@ def parse_tf_config(raw=None, require_cluster=True):
     except (TypeError, ValueError):
         raise ClusterConfigError(
             f"TF_CONFIG task index must be an integer. Received: "
-            f"index={task.get('index')!r}."
+            f"index={task.get('index')!r}. Expected an integer, the task's "
+            "position in its job: \"index\": 0 for the first."
         ) from None
     if "cluster" not in config:
         if require_cluster:
@@ -161,7 +166,11 @@ def parse_tf_config(raw=None, require_cluster=True):
             raise ClusterConfigError(
                 f"TF_CONFIG task index is out of range. Received: "
                 f"{task_type}:{task_index}, but the cluster lists "
-                f"{len(tasks)} {task_type} task(s)."
+                f"{len(tasks)} {task_type} task(s). "
+                + (f"Expected an index from 0 to {len(tasks) - 1}."
+                   if tasks else
+                   f"Add a {task_type!r} job with this task's address to "
+                   "the cluster.")
             )
     return cluster, task_type, task_index
 

@@ -46,26 +46,36 @@ def main(argv=None):
     from keras_ps import cluster as cluster_lib
     from keras_ps.errors import ClusterConfigError
 
-    try:
-        if args.cluster_spec is not None:
-            try:
-                spec = json.loads(args.cluster_spec)
-            except json.JSONDecodeError as e:
-                raise ClusterConfigError(
-                    f"--cluster_spec is not valid JSON ({e.msg}). Received: "
-                    f"{args.cluster_spec[:200]!r}."
-                ) from None
-            config = {"cluster": spec,
-                      "task": {"type": args.job_name, "index": args.task_index}}
-            cluster, job, index = cluster_lib.parse_tf_config(config)
-        else:
-            cluster, job, index = cluster_lib.parse_tf_config()
+    def check_job(job):
         if job not in ("ps", "worker"):
             raise ClusterConfigError(
                 f"keras_ps.server runs ps and worker tasks. Received: task "
                 f"type {job!r}. Run the chief as your training script and the "
                 "evaluator with `python -m keras_ps.evaluator`."
             )
+
+    try:
+        if args.cluster_spec is not None:
+            if args.job_name is None:
+                raise ClusterConfigError(
+                    "--job_name is required with --cluster_spec. Received: no "
+                    "--job_name. Pass --job_name ps or --job_name worker.")
+            if args.job_name in cluster_lib.TASK_TYPES:
+                check_job(args.job_name)
+            try:
+                spec = json.loads(args.cluster_spec)
+            except json.JSONDecodeError as e:
+                raise ClusterConfigError(
+                    f"--cluster_spec is not valid JSON ({e.msg}). Received: "
+                    f"{args.cluster_spec[:200]!r}. Expected JSON like "
+                    '{"ps": ["host:port"], "worker": ["host:port"]}.'
+                ) from None
+            config = {"cluster": spec,
+                      "task": {"type": args.job_name, "index": args.task_index}}
+            cluster, job, index = cluster_lib.parse_tf_config(config)
+        else:
+            cluster, job, index = cluster_lib.parse_tf_config()
+        check_job(job)
     except ClusterConfigError as e:
         return _fail(str(e))
 

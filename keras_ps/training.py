@@ -88,9 +88,7 @@ def _arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle):
     its own 1/num_workers of the rows (shard by worker index), shuffled each
     pass, batched, repeated. The arrays travel inside the dataset's graph, so
     keep them small (use a DatasetCreator for large data)."""
-    data = (x,) if y is None else (x, y) if sample_weight is None \
-        else (x, y, sample_weight)
-    data = tf.nest.map_structure(np.asarray, data)
+    data = _as_arrays(x, y, sample_weight)
     batch_size = batch_size or DEFAULT_BATCH_SIZE
 
     def dataset_fn(context):
@@ -101,6 +99,29 @@ def _arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle):
         return ds.batch(batch_size).repeat()
 
     return dataset_fn
+
+
+def _as_arrays(x, y, sample_weight):
+    """(x,), (x, y) or (x, y, sample_weight) as numpy arrays, checked to have
+    one row per example in every array."""
+    data = (x,) if y is None else (x, y) if sample_weight is None \
+        else (x, y, sample_weight)
+    data = tf.nest.map_structure(np.asarray, data)
+    rows = []
+    for name, part in zip(("x", "y", "sample_weight"), data):
+        leaves = tf.nest.flatten(part)
+        for i, leaf in enumerate(leaves):
+            label = name if len(leaves) == 1 else f"{name}[{i}]"
+            rows.append((label, leaf.shape[0] if leaf.ndim else None))
+    if len({count for _, count in rows}) > 1:
+        received = ", ".join(
+            f"{label} has {'no rows (a scalar)' if count is None else count}"
+            + ("" if count is None else " rows") for label, count in rows)
+        raise ValueError(
+            "x, y and sample_weight must have the same number of rows (one "
+            f"per example). Received: {received}. Fix: pass arrays of equal "
+            "length.")
+    return data
 
 
 def _training_input(x, y, sample_weight, batch_size, shuffle):
@@ -383,9 +404,7 @@ def _exact_input(x, y, sample_weight, batch_size):
     if isinstance(x, tf.data.Dataset):
         _no_targets(x, y, sample_weight)
         return x
-    data = (x,) if y is None else (x, y) if sample_weight is None \
-        else (x, y, sample_weight)
-    data = tf.nest.map_structure(np.asarray, data)
+    data = _as_arrays(x, y, sample_weight)
     return tf.data.Dataset.from_tensor_slices(data).batch(
         batch_size or DEFAULT_BATCH_SIZE)
 

@@ -36,3 +36,6 @@ def test_tf_internals_still_exist():
     assert f().numpy() == 7
     assert callable(_tf_adapter.update_server_def)
     assert callable(_tf_adapter.get_server_def)
+    with _tf_adapter.own_executor():
+        assert tf.add(1, 2).numpy() == 3
+    assert _tf_adapter.inside_function() is False

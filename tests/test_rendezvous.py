@@ -601,3 +601,32 @@ def test_join_flood_keeps_keepalives_and_memory_bounded(launched):
     assert rss_cold_growth < FLOOD_MAX_RSS_GROWTH_FROM_COLD
     assert legit.get_cluster_spec(A, 1, 1, timeout=5).workers == (A,)
     legit.close()
+
+
+# ------------------------------------------------- observer (ListMembers)
+
+
+@pytest.mark.timeout(30)
+def test_list_members_observes_without_joining(rdzv):
+    server, endpoint = rdzv.start()
+    observer = rdzv.client(endpoint)
+    empty = observer.list_members()
+    assert (empty.workers, empty.index) == ((), -1)
+    rdzv.join_all(endpoint, [A, B], 2, 3)
+    seen = observer.list_members()
+    assert seen.workers == (A, B) and seen.version > empty.version
+    # The observer is no node: nothing registered, nothing waiting.
+    assert server.snapshot().workers == (A, B)
+    assert server.snapshot().waiting == ()
+    # A long poll on the known version returns once the membership moves.
+    future = rdzv.pool.submit(observer.list_members, seen.version, 5.0)
+    rdzv.client(endpoint).leave(B)
+    moved = future.result(timeout=10)
+    assert moved.workers == (A,) and moved.version > seen.version
+    # Unchanged version: held at most `timeout`, then the current view.
+    assert observer.list_members(moved.version, 0.2).version == moved.version
+    _, guarded = rdzv.start(token="s3cret")
+    assert rdzv.client(guarded, token="s3cret").list_members().workers == ()
+    for bad in (rdzv.client(guarded, token="wrong"), rdzv.client(guarded)):
+        with pytest.raises(api.RendezvousAuthError, match="token"):
+            bad.list_members()

@@ -76,3 +76,30 @@ def test_custom_training_loop_tutorial_and_restart(tmp_path):
     assert exact, second[-2000:]
     assert float(exact.group(1)) >= 0.95
     assert exact.group(2) == exact.group(3) == "160"
+
+
+@pytest.mark.timeout(240)
+def test_sidecar_evaluation_tutorial(tmp_path):
+    out = run_tutorial("sidecar_evaluation.py", "--epochs", "3",
+                       "--steps_per_epoch", "10", "--output_dir",
+                       str(tmp_path), timeout=220)
+    assert number(r"Training steps: (\d+)", out) == 30
+    # One checkpoint per epoch; the evaluator (its own process) accounts for
+    # each one: evaluated, or skipped with a log line when training outran
+    # it. The final one is always evaluated.
+    names = sorted(n[:-len(".json")] for n in os.listdir(tmp_path / "checkpoints")
+                   if n.endswith(".json"))
+    assert len(names) == 3
+    evaluated = re.findall(r"evaluated checkpoint (ckpt-\d+) \(epoch (\d)", out)
+    skipped = re.findall(r"skipped checkpoint (ckpt-\d+)", out)
+    assert sorted([n for n, _ in evaluated] + skipped) == names
+    assert evaluated[-1][0] == names[-1]
+    # It exported the best model by accuracy (1-based epoch in the name),
+    # which loads and scores without a cluster.
+    exported = sorted(os.listdir(tmp_path / "export"))
+    assert exported and set(exported) <= {
+        f"best-{int(e) + 1:02d}.keras" for _, e in evaluated}
+    assert number(r"reloaded without a cluster: accuracy ([\d.]+)", out) >= 0.85
+    # Evaluation events sit beside training's for TensorBoard.
+    assert glob.glob(str(tmp_path / "logs" / "validation" / "events.*"))
+    assert glob.glob(str(tmp_path / "logs" / "train" / "events.*"))

@@ -23,7 +23,7 @@ class Closure:
         self.args = args
         self.kwargs = kwargs
         self.per_worker = per_worker  # args hold PerWorkerValues to substitute
-        self.remote_value = RemoteValue()
+        self.remote_value = RemoteValue(getattr(fn, "__name__", None))
         self.generation = 0  # error generation when a worker took it
 
     def cancel(self):

@@ -14,6 +14,7 @@ from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure, ClosureQueue
 from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.values import PerWorkerValues, RemoteValue
+from keras_ps.elastic.resolver import ElasticClusterResolver
 from keras_ps.errors import NoWorkersAvailableError
 
 logger = logging.getLogger(__name__)
@@ -52,11 +53,17 @@ class ClusterCoordinator:
                 "ClusterCoordinator needs a keras_ps.ParameterServerStrategy. "
                 f"Received: strategy={strategy!r}.")
         self.strategy = strategy
-        self.max_pack = max_pack or _constants.env_int(
-            _constants.MAX_PACK_ENV_VAR, _constants.DEFAULT_MAX_PACK)
+        source = "max_pack"
+        if max_pack is None:
+            source = _constants.MAX_PACK_ENV_VAR
+            max_pack = _constants.env_int(
+                _constants.MAX_PACK_ENV_VAR, _constants.DEFAULT_MAX_PACK)
+        self.max_pack = max_pack
         if self.max_pack < 1:
             raise ValueError(
-                f"max_pack must be at least 1. Received: max_pack={self.max_pack}.")
+                f"max_pack must be at least 1. Received: {source}="
+                f"{self.max_pack}. Use 1 to turn packing off, or leave it "
+                f"unset for the default {_constants.DEFAULT_MAX_PACK}.")
         self.probe_timeout = _constants.env_float(
             _constants.PROBE_TIMEOUT_ENV_VAR, _constants.DEFAULT_PROBE_TIMEOUT)
         self.recovery_interval = _constants.env_float(
@@ -90,6 +97,11 @@ class ClusterCoordinator:
         for w in self._workers:
             w.start()
         self._stopping = threading.Event()
+        # An elastic resolver's workers follow the rendezvous membership.
+        self._membership_watch = None
+        if isinstance(strategy.cluster_resolver, ElasticClusterResolver):
+            self._membership_watch = strategy.cluster_resolver.watch(
+                self.update_workers)
         if self.hang_timeout > 0:
             threading.Thread(target=self._watch_for_hangs, daemon=True,
                              name="keras_ps-hang-watchdog").start()
@@ -218,6 +230,8 @@ class ClusterCoordinator:
 
     def shutdown(self):
         self._stopping.set()
+        if self._membership_watch is not None:
+            self._membership_watch.stop()
         for w in self._workers:
             w.stop()
         self._queue.stop()

@@ -71,7 +71,16 @@ class PerWorkerDataset:
                 fn = lambda: self._fn(context)
             else:
                 fn = self._fn
-            dataset = tf.function(fn)()
+            try:
+                dataset = tf.function(fn)()
+            except Exception as error:
+                name = getattr(self._fn, "__name__", self._fn)
+                error.add_note(
+                    f"keras_ps: dataset_fn {name!r} raised this while "
+                    f"creating the dataset on worker {index}. "
+                    "Fix the error in dataset_fn: it runs once on every worker "
+                    "(and again when a worker rejoins).")
+                raise
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
                 f"dataset_fn must return a tf.data.Dataset. Received: "

@@ -5,6 +5,8 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps.errors import KerasPSError
+
 
 class RemoteValueStatus(enum.Enum):
     PENDING = "pending"
@@ -21,13 +23,15 @@ class RemoteValue:
     was cancelled because another function failed first.
     """
 
-    __slots__ = ("_event", "_status", "_values", "_error", "__weakref__")
+    __slots__ = ("_event", "_status", "_values", "_error", "_fn_name",
+                 "__weakref__")
 
-    def __init__(self):
+    def __init__(self, fn_name=None):
         self._event = threading.Event()
         self._status = RemoteValueStatus.PENDING
         self._values = None
         self._error = None
+        self._fn_name = fn_name  # of the scheduled function, for messages
 
     @property
     def status(self):
@@ -41,6 +45,7 @@ class RemoteValue:
 
     def _set_error(self, error):
         if self._status is RemoteValueStatus.PENDING:
+            _explain(error, self._fn_name)
             self._error = error
             self._status = RemoteValueStatus.FAILED
             self._event.set()
@@ -65,6 +70,29 @@ class RemoteValue:
 
     def __repr__(self):
         return f"<RemoteValue {self._status.value}>"
+
+
+def _explain(error, fn_name):
+    """Adds a note saying which scheduled function failed and what to do.
+
+    keras_ps' own errors already say it; the note goes on the user's errors
+    (those a scheduled function raised), chosen by exception type. It shows
+    in the traceback that join(), done(), fetch() and get() raise.
+    """
+    if isinstance(error, KerasPSError) or not isinstance(error, Exception):
+        return
+    name = repr(fn_name) if fn_name else "(unnamed)"
+    if isinstance(error, tf.errors.OutOfRangeError):
+        note = (f"keras_ps: the scheduled function {name} ran out of data: "
+                "its dataset iterator reached the end (OutOfRangeError). Fix: "
+                "add .repeat() to the dataset, or schedule no more steps "
+                "than the dataset has elements.")
+    else:
+        note = (f"keras_ps: the scheduled function {name} failed on a worker "
+                f"with {type(error).__name__}; functions scheduled after it "
+                "were cancelled. Fix the error above, then schedule them again.")
+    if note not in getattr(error, "__notes__", ()):
+        error.add_note(note)
 
 
 def _to_numpy(value):

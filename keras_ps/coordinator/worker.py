@@ -35,16 +35,27 @@ _FINAL = (WorkerState.LEFT, WorkerState.STOPPED)
 def probe(address, timeout):
     """True if a gRPC server answers at `address` within `timeout` seconds.
 
-    Works on a stopped (SIGSTOP) process too: the kernel accepts the TCP
-    connection but the HTTP/2 handshake never completes.
+    A refused connection (process gone) answers False at once; a stopped
+    (SIGSTOP) process accepts TCP but never completes the HTTP/2 handshake,
+    so it answers False after `timeout`.
     """
     channel = grpc.insecure_channel(address)
+    settled = threading.Event()
+    outcome = []
+
+    def on_state(state):
+        if state in (grpc.ChannelConnectivity.READY,
+                     grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                     grpc.ChannelConnectivity.SHUTDOWN) and not outcome:
+            outcome.append(state is grpc.ChannelConnectivity.READY)
+            settled.set()
+
+    channel.subscribe(on_state, try_to_connect=True)
     try:
-        grpc.channel_ready_future(channel).result(timeout=timeout)
-        return True
-    except grpc.FutureTimeoutError:
-        return False
+        settled.wait(timeout)
+        return bool(outcome and outcome[0])
     finally:
+        channel.unsubscribe(on_state)
         channel.close()
 
 

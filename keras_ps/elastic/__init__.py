@@ -1,6 +1,8 @@
 """Elastic membership for keras_ps: the rendezvous server and its client.
 
-See keras_ps/elastic/README.md. Nothing here imports TensorFlow.
+See keras_ps/elastic/README.md. Importing this package does not import
+TensorFlow: `ElasticClusterResolver` (which subclasses TF's ClusterResolver)
+is loaded on first access, through the module `__getattr__` below.
 """
 
 from keras_ps.elastic.api import ClusterSpec
@@ -15,12 +17,18 @@ from keras_ps.elastic.api import RendezvousResourceExhaustedError
 from keras_ps.elastic.api import RendezvousStateError
 from keras_ps.elastic.api import RendezvousTimeoutError
 from keras_ps.elastic.api import RendezvousUnknownNodeError
+from keras_ps.elastic.agent import AgentConfig
+from keras_ps.elastic.agent import ElasticAgent
+from keras_ps.elastic.agent import WorkerStatus
 from keras_ps.elastic.api import WaitingNodes
 from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.server import RendezvousServer
 
 __all__ = [
+    "AgentConfig",
     "ClusterSpec",
+    "ElasticAgent",
+    "ElasticClusterResolver",
     "MembershipChange",
     "NodeState",
     "RendezvousAuthError",
@@ -35,4 +43,12 @@ __all__ = [
     "RendezvousTimeoutError",
     "RendezvousUnknownNodeError",
     "WaitingNodes",
+    "WorkerStatus",
 ]
+
+
+def __getattr__(name):
+    if name == "ElasticClusterResolver":
+        from keras_ps.elastic.resolver import ElasticClusterResolver
+        return ElasticClusterResolver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -180,6 +180,37 @@ class RendezvousClient:
                               address, tag, timeout, {"data": bytes(data)})
         return dict(response.data)
 
+    def list_members(self, known_version: int = -1,
+                     timeout: float = 0.0) -> api.ClusterSpec:
+        """Reads the cluster spec without joining it (an observer's view).
+
+        Args:
+            known_version: The membership version the caller has; the server
+                holds the call until the version differs (-1: answer at once).
+            timeout: Seconds the server may hold the call (capped by its
+                `long_poll_timeout`); 0 answers at once.
+
+        Returns:
+            The cluster spec with `index == -1` (the caller is no node).
+
+        Raises:
+            RendezvousAuthError: Missing or wrong token.
+            RendezvousClosedError: The server is unreachable.
+            RendezvousTimeoutError: No answer within `timeout` plus the
+                client's own timeout.
+        """
+        request = pb.ListMembersRequest(known_version=known_version,
+                                        timeout=timeout)
+        try:
+            response = self._call(self._stub.ListMembers, request,
+                                  timeout + self._timeout)
+        except _TransportDeadline:
+            raise api.RendezvousTimeoutError(
+                f"rendezvous server {self._endpoint} did not answer within "
+                f"{timeout + self._timeout:.3g}s") from None
+        return api.ClusterSpec(tuple(a or None for a in response.workers),
+                               -1, response.version)
+
     def close(self):
         """Closes the channel; later calls raise RendezvousClosedError."""
         self._closed.set()

@@ -10,13 +10,20 @@ runs the rendezvous server until SIGTERM or SIGINT, then exits 0. Every
 `RendezvousConfig` knob can also come from its ``KERAS_PS_RDZV_*`` variable;
 flags win. Bad flags print a one-line error and exit 2.
 
-Agent mode (``--nnodes=MIN:MAX --address=HOST:PORT -- TASK...``) is to be
-added beside `run_standalone`: add its flags in `build_parser`, and dispatch
-in `main`.
+Agent mode (see `keras_ps.elastic.agent`)::
+
+    python -m keras_ps.elastic.launch --rdzv_endpoint=HOST:PORT \
+        --nnodes=MIN:MAX --address=HOST:PORT [--monitor_interval=S] \
+        [--max_restarts=N] [--token T] -- TASK...
+
+joins the rendezvous as the worker at --address, runs TASK, restarts it on
+failure, and on SIGTERM stops it and leaves (exit 0). It exits 1 when TASK
+failed more than --max_restarts times.
 """
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -61,6 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"RendezvousConfig.{name} "
             f"(default: ${api.RendezvousConfig.env_var(name)} or "
             f"{api.RendezvousConfig.__dataclass_fields__[name].default})")
+    parser.add_argument("--nnodes", metavar="MIN:MAX",
+                        help="agent mode: nodes needed and most admitted")
+    parser.add_argument("--address", metavar="HOST:PORT",
+                        help="agent mode: the worker's address")
+    parser.add_argument("--monitor_interval", type=float, default=1.0,
+                        metavar="S", help="agent mode: seconds between looks "
+                        "at the task and between keep-alives")
+    parser.add_argument("--max_restarts", type=int, default=3, metavar="N",
+                        help="agent mode: restarts of a failed task")
     parser.add_argument("--log_level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
@@ -130,17 +146,79 @@ def run_standalone(args, parser: Optional[argparse.ArgumentParser] = None
     return 0
 
 
+def _parse_nnodes(parser, text):
+    low, sep, high = (text or "").partition(":")
+    try:
+        low = int(low)
+        high = int(high) if sep else low
+    except ValueError:
+        parser.error(f"--nnodes must be MIN:MAX (integers), got {text!r}")
+    return low, high
+
+
+def run_agent(args, task: List[str],
+              parser: Optional[argparse.ArgumentParser] = None) -> int:
+    """Runs the local elastic agent until its task ends or SIGTERM/SIGINT.
+
+    Args:
+        args: Parsed flags (see `build_parser`).
+        task: The worker command (what follows `--`).
+        parser: Used to report bad flags (exit code 2).
+
+    Returns:
+        The process exit code.
+    """
+    from keras_ps.elastic.agent import AgentConfig
+    from keras_ps.elastic.agent import ElasticAgent
+
+    parser = parser or build_parser()
+    for flag in ("rdzv_endpoint", "nnodes", "address"):
+        if not getattr(args, flag):
+            parser.error(f"agent mode needs --{flag}")
+    min_nodes, max_nodes = _parse_nnodes(parser, args.nnodes)
+    try:
+        config = AgentConfig(
+            rdzv_endpoint=args.rdzv_endpoint, address=args.address,
+            min_nodes=min_nodes, max_nodes=max_nodes, task=tuple(task),
+            monitor_interval=args.monitor_interval,
+            max_restarts=args.max_restarts,
+            token=args.token or os.environ.get(
+                api.RendezvousConfig.env_var("token")) or None)
+    except ValueError as error:
+        parser.error(str(error))
+    agent = ElasticAgent(config)
+    previous = {sig: signal.signal(sig, agent.request_stop)
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return agent.run()
+    except api.RendezvousError as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of `python -m keras_ps.elastic.launch`."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    task = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, task = argv[:split], argv[split + 1:]
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.standalone:
+        if task:
+            parser.error("--standalone takes no TASK after `--`")
         return run_standalone(args, parser)
-    parser.error("only --standalone (the rendezvous server) is implemented")
-    return 2
+    if args.nnodes is None and args.address is None and not task:
+        parser.error("give --standalone (the rendezvous server) or agent "
+                     "flags --nnodes, --address and `-- TASK...`")
+    return run_agent(args, task, parser)
 
 
 if __name__ == "__main__":

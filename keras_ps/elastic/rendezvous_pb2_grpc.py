@@ -59,6 +59,11 @@ class RendezvousStub:
                 request_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeRequest.SerializeToString,
                 response_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeResponse.FromString,
                 _registered_method=True)
+        self.ListMembers = channel.unary_unary(
+                '/keras_ps.elastic.Rendezvous/ListMembers',
+                request_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.SerializeToString,
+                response_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -99,6 +104,13 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListMembers(self, request, context):
+        """Reads the membership without joining it (long poll on a version change).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -126,6 +138,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.Synchronize,
                     request_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeRequest.FromString,
                     response_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeResponse.SerializeToString,
+            ),
+            'ListMembers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListMembers,
+                    request_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.FromString,
+                    response_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -263,6 +280,33 @@ class Rendezvous:
             '/keras_ps.elastic.Rendezvous/Synchronize',
             keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeRequest.SerializeToString,
             keras__ps_dot_elastic_dot_rendezvous__pb2.SynchronizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListMembers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keras_ps.elastic.Rendezvous/ListMembers',
+            keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.SerializeToString,
+            keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -132,7 +132,9 @@ class _TokenInterceptor(grpc.ServerInterceptor):
             context.abort(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"missing or wrong rendezvous token (metadata "
-                f"{api.TOKEN_METADATA_KEY})")
+                f"{api.TOKEN_METADATA_KEY}). Fix: give the client the "
+                f"server's token, e.g. RendezvousClient(endpoint, token=...) "
+                f"with the server's --token / KERAS_PS_RDZV_TOKEN value")
 
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
@@ -264,6 +266,36 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         return pb.SynchronizeResponse(done=result is not None,
                                       generation=generation, data=result or {},
                                       retry_after=retry)
+
+    @_rpc
+    def ListMembers(self, request, context):
+        # An observer (the coordinator's cluster resolver) reads the
+        # membership without registering; the token check applies as to
+        # every RPC. Held until the version moves or `timeout` passes.
+        timeout = _check_timeout(request.timeout)
+        known = request.known_version
+
+        def attempt():
+            snapshot = self._state.snapshot()
+            return snapshot if snapshot.version != known else None
+
+        snapshot = attempt()
+        if snapshot is None and timeout > 0 and \
+                self._slots.acquire(blocking=False):
+            try:
+                wait = min(timeout, self._config.long_poll_timeout)
+                remaining = context.time_remaining()
+                if remaining is not None:
+                    wait = min(wait, remaining - min(0.5, remaining * 0.2))
+                if wait > 0:
+                    snapshot = self._state.wait_for(
+                        attempt, time.monotonic() + wait)
+            finally:
+                self._slots.release()
+        snapshot = snapshot or self._state.snapshot()
+        return pb.ListMembersResponse(
+            workers=[a or "" for a in snapshot.workers],
+            version=snapshot.version, waiting=snapshot.waiting)
 
 
 class RendezvousServer:

@@ -1,0 +1,210 @@
+"""A cluster resolver whose worker list follows the rendezvous membership.
+
+The chief and ps addresses are fixed; the workers are whoever the rendezvous
+admitted. The resolver only observes (`RendezvousClient.list_members`): it is
+no node of the rendezvous. This module imports TensorFlow, so
+`keras_ps.elastic` exports `ElasticClusterResolver` lazily (see its
+`__init__`), keeping the rendezvous server and agent free of TensorFlow.
+"""
+
+import logging
+import threading
+import time
+from typing import Callable, List, Optional, Sequence
+
+import tensorflow as tf
+
+from keras_ps.elastic import api
+from keras_ps.elastic.client import RendezvousClient
+
+logger = logging.getLogger(__name__)
+
+#: Seconds the resolver's watch long-polls the rendezvous per call.
+DEFAULT_POLL_INTERVAL = 2.0
+
+
+class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
+    """Chief and ps given; workers as the rendezvous admits them.
+
+    Args:
+        rdzv_endpoint: The rendezvous server's HOST:PORT.
+        ps: The parameter-server addresses.
+        chief: The coordinator's address, or None (the coordinator is then
+            the process that builds the strategy, as with LocalCluster).
+        min_workers: `cluster_spec()` waits until this many workers are
+            admitted: training starts once `min` workers are present.
+        token: The rendezvous token, if the server needs one.
+        poll_interval: Longest time one watch call is held on the server;
+            changes are reported as soon as they happen regardless.
+        startup_timeout: Seconds `cluster_spec()` waits for `min_workers`.
+
+    Example:
+    ```python
+    resolver = keras_ps.elastic.ElasticClusterResolver(
+        "10.0.0.1:29400", ps=["10.0.0.2:2222"], min_workers=2)
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    model.fit(...)  # the coordinator follows joins and departures
+    ```
+    """
+
+    def __init__(self, rdzv_endpoint: str, ps: Sequence[str],
+                 chief: Optional[str] = None, min_workers: int = 1,
+                 token: Optional[str] = None,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 startup_timeout: float = 300.0, rpc_layer: str = "grpc"):
+        if not ps:
+            raise ValueError(f"ElasticClusterResolver needs at least one ps "
+                             f"address. Received: ps={ps!r}.")
+        if min_workers < 1:
+            raise ValueError(f"min_workers must be >= 1. Received: "
+                             f"min_workers={min_workers}.")
+        if not poll_interval > 0:
+            raise ValueError(f"poll_interval must be > 0 seconds. Received: "
+                             f"poll_interval={poll_interval!r}.")
+        self._ps = list(ps)
+        self._chief = chief
+        self.min_workers = min_workers
+        self.poll_interval = poll_interval
+        self.startup_timeout = startup_timeout
+        self._client = RendezvousClient(rdzv_endpoint, token=token)
+        self._lock = threading.Lock()
+        self._members: Optional[api.ClusterSpec] = None
+        self._watches: List["_Watch"] = []
+        self.task_type, self.task_id = None, None
+        self.rpc_layer = rpc_layer
+
+    # -- tf.distribute.cluster_resolver.ClusterResolver ------------------------
+    def cluster_spec(self) -> tf.train.ClusterSpec:
+        """The cluster now; waits until `min_workers` workers are admitted.
+
+        Raises:
+            RendezvousTimeoutError: Fewer than `min_workers` workers within
+                `startup_timeout` seconds.
+        """
+        members = self.wait_for_workers(self.min_workers, self.startup_timeout)
+        spec = {"ps": list(self._ps),
+                "worker": {i: a for i, a in enumerate(members.workers)
+                           if a is not None}}
+        if self._chief is not None:
+            spec["chief"] = [self._chief]
+        return tf.train.ClusterSpec(spec)
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        if task_type is not None and task_id is not None:
+            address = self.cluster_spec().task_address(task_type, task_id)
+            layer = rpc_layer or self.rpc_layer
+            return f"{layer}://{address}" if layer else address
+        return ""
+
+    def num_accelerators(self, task_type=None, task_id=None,
+                         config_proto=None):
+        return {}
+
+    # -- membership ------------------------------------------------------------
+    @property
+    def workers(self) -> List[Optional[str]]:
+        """Worker addresses by index as last seen (None: a free place)."""
+        with self._lock:
+            return list(self._members.workers) if self._members else []
+
+    def wait_for_workers(self, count: int,
+                         timeout: float) -> api.ClusterSpec:
+        """Waits until `count` workers are admitted; returns the membership.
+
+        Raises:
+            RendezvousTimeoutError: Not within `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        known = -1
+        while True:
+            members = self._client.list_members(
+                known, min(self.poll_interval,
+                           max(0.0, deadline - time.monotonic())))
+            with self._lock:
+                self._members = members
+            if members.size >= count:
+                return members
+            if time.monotonic() >= deadline:
+                raise api.RendezvousTimeoutError(
+                    f"{members.size} of min_workers={count} workers admitted "
+                    f"by the rendezvous {self._client.endpoint} within "
+                    f"{timeout:.3g}s")
+            known = members.version
+
+    def watch(self, callback: Callable[[List[Optional[str]]], None]
+              ) -> "_Watch":
+        """Calls `callback(worker_addresses)` on every membership change.
+
+        The addresses are by index with None for a free place (what
+        `ClusterCoordinator.update_workers` takes). Changes are long-polled,
+        so one is reported within milliseconds.
+
+        Returns:
+            A handle; call its `stop()` to stop watching.
+        """
+        with self._lock:
+            start = self._members
+        handle = _Watch(self, callback, start)
+        self._watches.append(handle)
+        handle.start()
+        return handle
+
+    def close(self):
+        """Stops every watch and closes the rendezvous client."""
+        for handle in self._watches:
+            handle.stop()
+        self._client.close()
+
+
+class _Watch:
+    """One thread long-polling the membership for one callback."""
+
+    def __init__(self, resolver, callback, start: Optional[api.ClusterSpec]):
+        self._resolver = resolver
+        self._callback = callback
+        self._seen = start.workers if start else None
+        self._version = start.version if start else -1
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="keras_ps-elastic-watch")
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self, timeout: Optional[float] = None):
+        self._stopped.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout if timeout is not None
+                              else self._resolver.poll_interval + 11.0)
+
+    def _run(self):
+        client = self._resolver._client
+        while not self._stopped.is_set():
+            try:
+                members = client.list_members(self._version,
+                                              self._resolver.poll_interval)
+            except api.RendezvousClosedError as error:
+                if self._stopped.is_set():
+                    return
+                logger.warning("[chief] rendezvous unreachable: %s", error)
+                self._stopped.wait(self._resolver.poll_interval)
+                continue
+            except api.RendezvousError as error:
+                logger.warning("[chief] membership watch: %s", error)
+                self._stopped.wait(self._resolver.poll_interval)
+                continue
+            self._version = members.version
+            with self._resolver._lock:
+                self._resolver._members = members
+            if members.workers == self._seen or self._stopped.is_set():
+                continue
+            self._seen = members.workers
+            logger.info("[chief] membership version %s: workers %s",
+                        members.version, list(members.workers))
+            if members.size < self._resolver.min_workers:
+                logger.warning("[chief] %s workers, fewer than min_workers=%s",
+                               members.size, self._resolver.min_workers)
+            try:
+                self._callback(list(members.workers))
+            except Exception:  # noqa: BLE001 - keep watching; log the cause
+                logger.exception("[chief] membership callback failed")
