@@ -7,6 +7,11 @@ Usage:
   python tests/_fit_job.py worker_kill 0|1
       fit on its own 3-worker LocalCluster; with 1, SIGKILL worker 2 in the
       middle of epoch 2.
+  python tests/_fit_job.py ps_restart BACKUP_DIR 1|0
+      fit with BackupAndRestore(save_freq=4) on its own LocalCluster; with 1,
+      SIGKILL ps 0 mid-epoch 1 and report the error fit raised and how long
+      after the kill; with 0 (the same script run again, on a new cluster),
+      resume from the backup and finish.
   python tests/_fit_job.py grow_shrink
       fit starts on 2 of 3 running workers; the third joins in epoch 0 and
       leaves in epoch 2 (coordinator.update_workers), nobody restarts.
@@ -142,6 +147,47 @@ class _Membership(keras.callbacks.Callback):
             self.coordinator.update_workers(self.addresses[:2] + [None])
 
 
+class _KillPs(keras.callbacks.Callback):
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster, self.killed_at = cluster, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        import time
+
+        if self._epoch == 1 and batch >= STEPS // 2 and self.killed_at is None:
+            self.cluster.kill("ps", 0)
+            self.killed_at = time.monotonic()
+            print("KILLED ps 0", flush=True)
+
+
+def ps_restart(backup_dir, kill):
+    import time
+
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        backup_cb = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=4)
+        killer = _KillPs(cluster)
+        callbacks = [backup_cb, _Progress()] + ([killer] if kill else [])
+        try:
+            history = model.fit(dataset_creator(), epochs=EPOCHS,
+                                steps_per_epoch=STEPS, callbacks=callbacks,
+                                verbose=0)
+        except Exception as error:  # what the user sees, reported to the test
+            say(error=type(error).__name__, message=str(error),
+                is_unavailable=isinstance(error, tf.errors.UnavailableError),
+                seconds=time.monotonic() - killer.killed_at
+                if killer.killed_at else None)
+            sys.exit(1)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch,
+            resumed=backup_cb.resume_position())
+
+
 def grow_shrink():
     with keras_ps.LocalCluster(num_workers=3, num_ps=2) as cluster:
         spec = {k: list(v) for k, v in cluster.spec.items()}
@@ -169,6 +215,8 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     if sys.argv[1] == "backup":
         backup(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "ps_restart":
+        ps_restart(sys.argv[2], sys.argv[3] == "1")
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

@@ -1,5 +1,6 @@
 """Model.fit under real faults: a SIGKILLed coordinator resumes from its
-backup; a SIGKILLed worker costs no epoch. Each runs in its own process
+backup; a SIGKILLed worker costs no epoch; a SIGKILLed ps stops fit with a
+clear error, and the same script run again resumes from the backup. Each runs in its own process
 (tests/_fit_job.py)."""
 
 import json
@@ -93,3 +94,32 @@ def test_fit_survives_worker_sigkill():
     assert killed["iterations"] >= 3 * 40
     assert undisturbed["accuracy"] > 0.9
     assert abs(killed["accuracy"] - undisturbed["accuracy"]) <= 0.02
+
+
+@pytest.mark.timeout(300)
+def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    first = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "1"],
+                           env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=140)
+    assert "KILLED ps 0" in first.stdout
+    assert first.returncode == 1, first.stdout[-3000:]
+    failed = _result(first.stdout)
+    # The error reaches the user within 10 s, names the ps and says what to do.
+    assert failed["error"] == "ParameterServerUnavailableError"
+    assert failed["is_unavailable"] is True
+    assert failed["seconds"] < 10
+    assert "Restart the job" in failed["message"]
+    killed_at = _read_state(backup_dir)
+    assert killed_at is not None and killed_at["epoch"] == 1
+
+    # The same script again (a new cluster: the ps variables were lost).
+    again = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "0"],
+                           env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=140)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    epoch, step = result["resumed"]
+    assert (epoch, step) == (killed_at["epoch"], killed_at["step"])
+    assert result["epochs"] == [1, 2]
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 2 * 2
