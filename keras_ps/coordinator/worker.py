@@ -2,10 +2,10 @@
 
 import enum
 import logging
+import socket
 import threading
 import time
 
-import grpc
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
@@ -32,31 +32,40 @@ IN_CLUSTER = (WorkerState.HEALTHY, WorkerState.RECOVERING)
 _FINAL = (WorkerState.LEFT, WorkerState.STOPPED)
 
 
+# An HTTP/2 client connection preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                  b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+_SETTINGS_FRAME = 4
+
+
 def probe(address, timeout):
     """True if a gRPC server answers at `address` within `timeout` seconds.
 
-    A refused connection (process gone) answers False at once; a stopped
-    (SIGSTOP) process accepts TCP but never completes the HTTP/2 handshake,
-    so it answers False after `timeout`.
+    Opens an HTTP/2 connection and waits for the server's SETTINGS frame, the
+    first thing a live gRPC server sends: milliseconds on a live server, an
+    immediate False when nothing listens, and False after `timeout` for a
+    stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
+    (gRPC's own channel-ready check polls, about 0.2 s per call.)
     """
-    channel = grpc.insecure_channel(address)
-    settled = threading.Event()
-    outcome = []
-
-    def on_state(state):
-        if state in (grpc.ChannelConnectivity.READY,
-                     grpc.ChannelConnectivity.TRANSIENT_FAILURE,
-                     grpc.ChannelConnectivity.SHUTDOWN) and not outcome:
-            outcome.append(state is grpc.ChannelConnectivity.READY)
-            settled.set()
-
-    channel.subscribe(on_state, try_to_connect=True)
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
     try:
-        settled.wait(timeout)
-        return bool(outcome and outcome[0])
-    finally:
-        channel.unsubscribe(on_state)
-        channel.close()
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=timeout) as sock:
+            sock.sendall(_HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                sock.settimeout(remaining)
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return header[3] == _SETTINGS_FRAME
+    except (OSError, ValueError):
+        return False
 
 
 class _Call:
