@@ -16,6 +16,18 @@ def say(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 
 
+def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
+    """Schedules `steps` closures and returns once worker `index` has run 20
+    of them (so a fault injected next hits a running loop)."""
+    for _ in range(steps):
+        coordinator.schedule(step, args=(iterator,))
+    deadline = time.monotonic() + 60
+    while coordinator.workers[index].closures_run < 20:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {index} never ran")
+        time.sleep(0.01)
+
+
 def main(mode):
     from tensorflow.python.data.experimental.ops import testing  # sleep-bound steps
 
@@ -41,14 +53,7 @@ def main(mode):
 
         if mode == "worker_kill":
             steps = 500
-            for _ in range(steps):
-                coordinator.schedule(step, args=(iterator,))
-            # Kill worker 1 once it has run some closures.
-            deadline = time.monotonic() + 60
-            while coordinator.workers[1].closures_run < 20:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("worker 1 never ran")
-                time.sleep(0.01)
+            schedule_until_worker_ran(coordinator, step, iterator, steps)
             cluster.kill("worker", 1)
             coordinator.join()
             first = dict(steps=steps, total=float(total.numpy()),
@@ -105,13 +110,7 @@ def worker_stop():
             total.assign_add(next(it))
 
         steps = 400
-        for _ in range(steps):
-            coordinator.schedule(step, args=(iterator,))
-        deadline = time.monotonic() + 60
-        while coordinator.workers[1].closures_run < 20:
-            if time.monotonic() > deadline:
-                raise RuntimeError("worker 1 never ran")
-            time.sleep(0.01)
+        schedule_until_worker_ran(coordinator, step, iterator, steps)
         pid = cluster.pid("worker", 1)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
