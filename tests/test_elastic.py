@@ -9,30 +9,18 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import portpicker
 import psutil
 import pytest
 
+from _polling import wait_until  # tests/_polling.py
 from keras_ps.elastic import api
 from keras_ps.elastic import launch
 from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.server import RendezvousServer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for "
-                                 f"{what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import portpicker
 import psutil
 import pytest
 
+from _polling import wait_until  # tests/_polling.py
 from keras_ps.elastic import api
 from keras_ps.elastic import launch
 from keras_ps.elastic import rendezvous_pb2 as pb
@@ -36,18 +37,6 @@ def node(i):
 
 A, B, C, D = (node(i) for i in range(4))
 
-
-def wait_until(predicate, timeout, what):
-    """Polls `predicate` until it returns a truthy value."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 @pytest.fixture

@@ -1,0 +1,17 @@
+"""Waiting on a condition with a deadline, for tests (never a bare sleep)."""
+
+import time
+
+
+def wait_until(predicate, timeout, what):
+    """Polls `predicate` until it returns a truthy value, which it returns;
+    fails the test, naming `what`, after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
