@@ -534,6 +534,12 @@ def partitioner_not_callable(env):
     keras_ps.ParameterServerStrategy(env.resolver, variable_partitioner=4)
 
 
+@case("fused_adam_not_bool", TypeError,
+      "fused_adam='yes'", "must be True or False")
+def fused_adam_not_bool(env):
+    keras_ps.ParameterServerStrategy(env.resolver, fused_adam="yes")
+
+
 @case("fixed_shards_zero", ValueError,
       "num_shards=0", "Expected a positive integer")
 def fixed_shards_zero(env):
