@@ -1,5 +1,14 @@
-"""keras_ps: parameter-server training for Keras 3."""
+"""keras_ps: parameter-server training for Keras 3.
 
+The public names below are loaded on first use (PEP 562), so processes that
+never run TensorFlow code (the elastic agent, the rendezvous server) and
+`python -m keras_ps.server` start without importing TensorFlow's Python API.
+Loading any of them but `cluster`, `LocalCluster`, `create_in_process_cluster`
+and `elastic` installs keras_ps' Keras hooks (keras_ps/_keras_adapter.py), as
+does importing keras_ps.strategy.
+"""
+
+import importlib
 import os as _os
 
 # Calls to a dead task must fail at once instead of waiting for it to return;
@@ -11,38 +20,47 @@ _os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 _os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
 _os.environ.setdefault("TF_PS_DISABLE_ASYNC_EXECUTOR_GLOBALLY", "True")
 
-from keras_ps import cluster  # noqa: E402
-from keras_ps import partitioners  # noqa: E402
-from keras_ps.cluster import LocalCluster  # noqa: E402
-from keras_ps.cluster import create_in_process_cluster  # noqa: E402
-from keras_ps.coordinator import ClusterCoordinator  # noqa: E402
-from keras_ps.coordinator import PerWorkerValues  # noqa: E402
-from keras_ps.coordinator import RemoteValue  # noqa: E402
-from keras_ps.errors import KerasPSError  # noqa: E402
-from keras_ps.evaluation import SidecarEvaluator  # noqa: E402
-from keras_ps.sharded_variable import ShardedVariable  # noqa: E402
-from keras_ps.strategy import ParameterServerStrategy  # noqa: E402
-from keras_ps.training import DatasetCreator  # noqa: E402
-from keras_ps import _keras_adapter  # noqa: E402
-
-_keras_adapter.install()
-
-from keras_ps import callbacks  # noqa: E402  (keras_ps.callbacks, like keras.callbacks)
-
 __version__ = "0.1.0"
 
-__all__ = [
-    "ClusterCoordinator",
-    "DatasetCreator",
-    "KerasPSError",
-    "LocalCluster",
-    "ParameterServerStrategy",
-    "PerWorkerValues",
-    "RemoteValue",
-    "ShardedVariable",
-    "SidecarEvaluator",
-    "callbacks",
-    "cluster",
-    "create_in_process_cluster",
-    "partitioners",
-]
+# name -> (module, attribute or None for the module itself)
+_EXPORTS = {
+    "ClusterCoordinator": ("keras_ps.coordinator", "ClusterCoordinator"),
+    "DatasetCreator": ("keras_ps.training", "DatasetCreator"),
+    "KerasPSError": ("keras_ps.errors", "KerasPSError"),
+    "LocalCluster": ("keras_ps.cluster", "LocalCluster"),
+    "ParameterServerStrategy": ("keras_ps.strategy", "ParameterServerStrategy"),
+    "PerWorkerValues": ("keras_ps.coordinator", "PerWorkerValues"),
+    "RemoteValue": ("keras_ps.coordinator", "RemoteValue"),
+    "ShardedVariable": ("keras_ps.sharded_variable", "ShardedVariable"),
+    "SidecarEvaluator": ("keras_ps.evaluation", "SidecarEvaluator"),
+    "callbacks": ("keras_ps.callbacks", None),
+    "cluster": ("keras_ps.cluster", None),
+    "create_in_process_cluster": ("keras_ps.cluster", "create_in_process_cluster"),
+    "elastic": ("keras_ps.elastic", None),
+    "partitioners": ("keras_ps.partitioners", None),
+    "training": ("keras_ps.training", None),
+}
+
+# Modules that need neither Keras nor the hooks (`from keras_ps import cluster`
+# in `python -m keras_ps.server` must stay free of TensorFlow's Python API).
+_WITHOUT_KERAS = ("keras_ps.cluster", "keras_ps.elastic")
+
+__all__ = sorted(name for name in _EXPORTS if name not in ("elastic", "training"))
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'keras_ps' has no attribute {name!r}")
+    module_name, attribute = _EXPORTS[name]
+    module = importlib.import_module(module_name)
+    if module_name not in _WITHOUT_KERAS:
+        from keras_ps import _keras_adapter
+
+        _keras_adapter.install()
+    value = module if attribute is None else getattr(module, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

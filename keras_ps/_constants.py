@@ -11,14 +11,20 @@ import os
 MAX_PACK_ENV_VAR = "KERAS_PS_MAX_PACK"
 DEFAULT_MAX_PACK = 16
 
-# Seconds a connectivity probe of one task (gRPC channel readiness) may take
-# before the task counts as unreachable.
+# Seconds a connectivity probe of one task (an HTTP/2 handshake with its gRPC
+# server) may take before the task counts as unreachable.
 PROBE_TIMEOUT_ENV_VAR = "KERAS_PS_PROBE_TIMEOUT"
 DEFAULT_PROBE_TIMEOUT = 2.0
 
-# Seconds between probes of a failed worker while waiting for it to come back.
+# Seconds between probes of a failed or joining worker while waiting for it
+# to answer. A probe of a port nobody serves yet is refused at once, so this
+# is cheap; it is how long a worker that has just started waits to be seen.
 RECOVERY_INTERVAL_ENV_VAR = "KERAS_PS_RECOVERY_INTERVAL"
-DEFAULT_RECOVERY_INTERVAL = 0.5
+DEFAULT_RECOVERY_INTERVAL = 0.1
+
+# Seconds to wait before trying again when a worker answered but rebuilding
+# its context failed (each try briefly pauses every worker's calls).
+REBUILD_RETRY_DELAY = 1.0
 
 # Whether a failed worker that answers again is re-admitted (its eager context
 # and per-worker datasets are rebuilt). 0 keeps lost workers out for good.

@@ -1,8 +1,9 @@
 """Every use of Keras internals (`keras.src...`) in keras_ps.
 
 Keras 3.15 has no public extension points for these; each hook below says which
-one is missing. Hooks are installed once, by `install()` (called when keras_ps
-is imported), and each one leaves models that are not built under a keras_ps
+one is missing. Hooks are installed once, by `install()` (called when
+keras_ps.strategy is imported, and when a public keras_ps name is first used:
+see keras_ps/__init__.py), and each one leaves models that are not built under a keras_ps
 strategy exactly as plain Keras handles them. tests/test_keras_adapter.py pins
 every internal used here, so a Keras upgrade that moves one fails loudly there.
 Supported range: see setup.cfg.
@@ -345,6 +346,46 @@ def _can_fuse_adam(optimizer, variable):
             and inner.dtype in FUSED_ADAM_DTYPES)
 
 
+def _adam_scalars(optimizer, dtype, learning_rate):
+    """(beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step, as `dtype`.
+
+    Made once per `apply` (see _per_apply_scalars) and shared by every
+    variable's update: one read of `iterations` per step, not one per
+    variable (each a message from the ps holding it)."""
+    cache = getattr(_apply_state, "caches", {}).get(id(optimizer))
+    if cache is not None and dtype in cache:
+        return cache[dtype]
+    step = tf.cast(optimizer.iterations + 1, dtype)
+    beta_1 = tf.cast(optimizer.beta_1, dtype)
+    beta_2 = tf.cast(optimizer.beta_2, dtype)
+    scalars = (tf.pow(beta_1, step), tf.pow(beta_2, step),
+               tf.cast(learning_rate, dtype), beta_1, beta_2,
+               tf.cast(optimizer.epsilon, dtype))
+    if cache is not None:
+        cache[dtype] = scalars
+    return scalars
+
+
+# Per thread: the coordinator's worker threads trace steps concurrently, and
+# a tensor belongs to the graph its thread is tracing.
+_apply_state = threading.local()
+
+
+def _per_apply_scalars(keras_backend_update_step):
+    @functools.wraps(keras_backend_update_step)
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        caches = _apply_state.__dict__.setdefault("caches", {})
+        caches[id(self)] = {}
+        try:
+            return keras_backend_update_step(self, grads, trainable_variables,
+                                             learning_rate)
+        finally:
+            caches.pop(id(self), None)
+
+    _backend_update_step.__keras_ps_original__ = keras_backend_update_step
+    return _backend_update_step
+
+
 def _fused_adam_update_step(keras_update_step):
     @functools.wraps(keras_update_step)
     def update_step(self, gradient, variable, learning_rate):
@@ -353,22 +394,18 @@ def _fused_adam_update_step(keras_update_step):
         inner = _tf_variable(variable)
         index = self._get_variable_index(variable)
         dtype = inner.dtype
-        step = tf.cast(self.iterations + 1, dtype)
-        beta_1 = tf.cast(self.beta_1, dtype)
-        beta_2 = tf.cast(self.beta_2, dtype)
         # Same formula as Keras' Adam (and the kernel's doc):
         # alpha = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
         # v += (g^2 - v)(1 - b2); var -= m * alpha / (sqrt(v) + epsilon).
         with tf.device(inner.device):
+            beta1_power, beta2_power, lr, beta_1, beta_2, epsilon = \
+                _adam_scalars(self, dtype, learning_rate)
             tf.raw_ops.ResourceApplyAdam(
                 var=inner.handle,
                 m=_tf_variable(self._momentums[index]).handle,
                 v=_tf_variable(self._velocities[index]).handle,
-                beta1_power=tf.pow(beta_1, step),
-                beta2_power=tf.pow(beta_2, step),
-                lr=tf.cast(learning_rate, dtype),
-                beta1=beta_1, beta2=beta_2,
-                epsilon=tf.cast(self.epsilon, dtype),
+                beta1_power=beta1_power, beta2_power=beta2_power, lr=lr,
+                beta1=beta_1, beta2=beta_2, epsilon=epsilon,
                 # A sparse gradient (an embedding's) becomes dense here, on
                 # the ps: rows travel, the zeros are made where they are used.
                 grad=tf.cast(tf.convert_to_tensor(gradient), dtype),
@@ -379,4 +416,6 @@ def _fused_adam_update_step(keras_update_step):
 
 
 def _install_fused_adam():
+    ADAM_CLASS._backend_update_step = _per_apply_scalars(
+        ADAM_CLASS._backend_update_step)
     ADAM_CLASS.update_step = _fused_adam_update_step(ADAM_CLASS.update_step)

@@ -5,10 +5,13 @@ tests/test_public_api.py (test_tf_internals_still_exist) exercises each so a TF 
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.eager import context
-from tensorflow.python.eager import executor
-from tensorflow.python.framework import ops
+import functools
+import importlib.util
+import sys
+import types
+
+# Imported on first use (see _internals), so that `server_modules` can run in
+# a process that has not imported TensorFlow yet.
 
 # Strategy plumbing: `tf.distribute.Strategy`/`StrategyExtended` are public
 # classes, but the hooks a new strategy must override (`_create_variable`,
@@ -21,7 +24,63 @@ STRATEGY_HOOKS = (
     "_distribute_datasets_from_function",
     "_experimental_distribute_values_from_function", "_num_replicas_in_sync",
 )
-StrategyExtendedBase = distribute_lib.StrategyExtendedV1
+
+
+@functools.lru_cache(maxsize=None)
+def _internals():
+    from tensorflow.python.distribute import distribute_lib
+    from tensorflow.python.eager import context
+    from tensorflow.python.eager import executor
+    from tensorflow.python.framework import ops
+
+    return types.SimpleNamespace(distribute_lib=distribute_lib, context=context,
+                                 executor=executor, ops=ops)
+
+
+def strategy_extended_base():
+    return _internals().distribute_lib.StrategyExtendedV1
+
+
+def server_modules():
+    """TF's server module and its ConfigProto, for a process that only serves.
+
+    Missing public API: `tf.distribute.Server` is reachable only through
+    `import tensorflow`, which loads TF's whole Python API and Keras (2.3 s
+    here). `python -m keras_ps.server` needs 0.4 s of it: TF's server runs in
+    C++. When TF is not imported yet, its package `__init__` is skipped for
+    this one import (a bare `tensorflow` package stands in for it, then is
+    removed, so a later `import tensorflow` loads the real one). A worker that
+    joins a running job serves 2.5 s sooner. Falls back to `import tensorflow`.
+
+    Returns:
+        (server_lib, config_pb2): `server_lib.Server` and
+        `server_lib.ClusterSpec` are `tf.distribute.Server` and
+        `tf.train.ClusterSpec`; `config_pb2.ConfigProto` is
+        `tf.compat.v1.ConfigProto`.
+    """
+    stub = None
+    if "tensorflow" not in sys.modules:
+        spec = importlib.util.find_spec("tensorflow")
+        stub = types.ModuleType("tensorflow")
+        stub.__path__ = list(spec.submodule_search_locations)
+        sys.modules["tensorflow"] = stub
+    try:
+        from tensorflow.core.protobuf import config_pb2
+        from tensorflow.python.training import server_lib
+    except Exception:
+        if stub is None:
+            raise
+        for name in [n for n in sys.modules if n.startswith("tensorflow.")]:
+            del sys.modules[name]
+        del sys.modules["tensorflow"]
+        stub = None
+        import tensorflow  # noqa: F401  (the full import, then the same modules)
+        from tensorflow.core.protobuf import config_pb2
+        from tensorflow.python.training import server_lib
+    finally:
+        if stub is not None and sys.modules.get("tensorflow") is stub:
+            del sys.modules["tensorflow"]
+    return server_lib, config_pb2
 
 
 def update_server_def(server_def):
@@ -30,7 +89,7 @@ def update_server_def(server_def):
     Public `tf.config.experimental_connect_to_cluster` only creates contexts;
     updating membership in place needs `context.update_server_def`.
     """
-    context.context().update_server_def(server_def)
+    _internals().context.context().update_server_def(server_def)
 
 
 def own_executor():
@@ -38,20 +97,21 @@ def own_executor():
     executor. With the shared default executor, an error of a call to one
     (dead) worker can surface in another worker thread's next call, which
     then retries a step that had run (no public API for executors)."""
-    return context.executor_scope(executor.new_executor(
+    tf = _internals()
+    return tf.context.executor_scope(tf.executor.new_executor(
         enable_async=False, enable_streaming_enqueue=False))
 
 
 def get_server_def():
-    return context.context().get_server_def()
+    return _internals().context.context().get_server_def()
 
 
 def capture_call_time_value(closure, spec, name):
     """A placeholder in the current tf.function graph fed by `closure()` at
     every call (no public API; TF's own worker-index helper uses it)."""
-    graph = ops.get_default_graph()
+    graph = _internals().ops.get_default_graph()
     return graph.capture_call_time_value(closure, spec, key=name)
 
 
 def inside_function():
-    return ops.inside_function()
+    return _internals().ops.inside_function()

@@ -1,5 +1,8 @@
 """Cluster specs, TF_CONFIG, and local clusters for tests and demos.
 
+This module imports TensorFlow only inside the functions that need it, so
+`python -m keras_ps.server` parses its configuration without TF's Python API.
+
 Task types: `chief` (the coordinator, runs the user's program), `ps`
 (parameter servers), `worker`, and `evaluator` (a sidecar that is never part
 of the training cluster).
@@ -16,9 +19,8 @@ import tempfile
 import time
 
 import portpicker
-import tensorflow as tf
 
-from keras_ps.errors import ClusterConfigError
+from keras_ps._config_errors import ClusterConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,24 @@ def _check_address(job, index, address):
         )
 
 
+def _tf():
+    import tensorflow as tf
+
+    return tf
+
+
+def _as_dict(spec):
+    """A resolver's or a tf.train.ClusterSpec's jobs as a dict (else `spec`)."""
+    if "tensorflow" not in sys.modules:
+        return spec  # neither can exist without TF
+    tf = _tf()
+    if isinstance(spec, tf.distribute.cluster_resolver.ClusterResolver):
+        spec = spec.cluster_spec()
+    if isinstance(spec, tf.train.ClusterSpec):
+        spec = spec.as_dict()
+    return spec
+
+
 def normalize_cluster_spec(spec):
     """Validates a cluster spec and returns it as {job: [address, ...]}.
 
@@ -57,10 +77,8 @@ def normalize_cluster_spec(spec):
         ClusterConfigError: unknown job names, malformed or duplicate addresses,
             or sparse task indices.
     """
-    if isinstance(spec, tf.distribute.cluster_resolver.ClusterResolver):
-        spec = spec.cluster_spec()
-    if isinstance(spec, tf.train.ClusterSpec):
-        spec = spec.as_dict()
+    if not isinstance(spec, dict):
+        spec = _as_dict(spec)
     if not isinstance(spec, dict):
         raise ClusterConfigError(
             f"A cluster spec must be a dict. Received: {spec!r}. {_FIX}"
@@ -178,6 +196,7 @@ def parse_tf_config(raw=None, require_cluster=True):
 def resolver_from_tf_config():
     """A cluster resolver for this process' TF_CONFIG, validated first."""
     cluster, task_type, task_index = parse_tf_config()
+    tf = _tf()
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(cluster),
         task_type=task_type,
@@ -188,6 +207,7 @@ def resolver_from_tf_config():
 
 def resolver_from_spec(spec):
     """A cluster resolver for a plain {job: [addresses]} dict."""
+    tf = _tf()
     return tf.distribute.cluster_resolver.SimpleClusterResolver(
         tf.train.ClusterSpec(normalize_cluster_spec(spec)), rpc_layer="grpc"
     )
@@ -219,6 +239,7 @@ def create_in_process_cluster(num_workers, num_ps):
         A cluster resolver for the new cluster. The servers live until the
         process exits.
     """
+    tf = _tf()
     spec = _local_spec(num_workers, num_ps)
     cluster = tf.train.ClusterSpec(spec)
     config = tf.compat.v1.ConfigProto()

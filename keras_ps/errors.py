@@ -9,17 +9,10 @@ written against TF's native strategy keeps working. All are picklable.
 
 import tensorflow as tf
 
+from keras_ps._config_errors import ClusterConfigError  # noqa: F401
+from keras_ps._config_errors import KerasPSError
+from keras_ps._config_errors import PartitionerError  # noqa: F401
 
-class KerasPSError(Exception):
-    """Base class of every error keras_ps raises on purpose."""
-
-
-class ClusterConfigError(KerasPSError, ValueError):
-    """A cluster spec, TF_CONFIG or resolver that keras_ps cannot use."""
-
-
-class PartitionerError(KerasPSError, ValueError):
-    """A variable partitioner returned a spec keras_ps cannot apply."""
 
 
 class _TFErrorMixin(KerasPSError):

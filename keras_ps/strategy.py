@@ -12,10 +12,14 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps import _keras_adapter
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps import partitioners as partitioners_lib
 from keras_ps.errors import ClusterConfigError
+
+# A model is built under a strategy: Keras' hooks must be in place by then.
+_keras_adapter.install()
 
 logger = logging.getLogger(__name__)
 

@@ -4,6 +4,9 @@ These tests pin that the fused path is taken and that it computes what Keras'
 own Adam computes, step by step, for dense and sparse (embedding) gradients;
 a Keras upgrade that changes Adam's formula fails here."""
 
+import collections
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -38,8 +41,8 @@ def _train(optimizer, table, kernel, ids, densify=False):
 
     for i in range(STEPS):
         step(tf.constant(1.0 + i))
-    ops = {op.type for op in step.get_concrete_function(
-        tf.constant(1.0)).graph.get_operations()}
+    ops = collections.Counter(op.type for op in step.get_concrete_function(
+        tf.constant(1.0)).graph.get_operations())
     assert int(optimizer.iterations.numpy()) == STEPS
     return ops, table.numpy(), kernel.numpy()
 
@@ -80,7 +83,9 @@ def _assert_same(actual, expected):
 def test_fused_adam_matches_keras_adam(strategy, options):
     init = _initial_values(0)
     ops, *values = _on_ps(strategy, init, UNIQUE_IDS, **options)
-    assert "ResourceApplyAdam" in ops
+    assert ops["ResourceApplyAdam"] == 2
+    # beta_1^t and beta_2^t made once per step, shared by both variables.
+    assert ops["Pow"] == 2
     _assert_same(values, _keras_reference(init, UNIQUE_IDS, **options))
     assert not np.allclose(values[0], init[0])
 
@@ -113,3 +118,62 @@ def test_amsgrad_keeps_keras_update(strategy):
     ops, *values = _on_ps(strategy, init, REPEATED_IDS, amsgrad=True)
     assert "ResourceApplyAdam" not in ops
     _assert_same(values, _keras_reference(init, REPEATED_IDS, amsgrad=True))
+
+
+def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
+    # The coordinator's worker threads trace packed steps at the same time,
+    # and the per-step scalars are shared between the variables of one trace.
+    # Thread "a" stops inside its apply; thread "b" runs an apply of its own
+    # and stops right after making its scalars; "a" then goes on: reusing b's
+    # scalars (another graph's tensors) would fail with "out of scope".
+    from keras_ps import _keras_adapter
+
+    with strategy.scope():
+        table = keras.Variable(np.ones((ROWS, DIM), "float32"))
+        kernel = keras.Variable(np.ones((DIM, 2), "float32"))
+        optimizer = keras.optimizers.Adam(0.1)
+        optimizer.build([table, kernel])
+    a_waiting, b_made_scalars = threading.Event(), threading.Event()
+    a_done = threading.Event()
+    make_scalars = _keras_adapter._adam_scalars
+
+    def paced(opt, dtype, learning_rate):
+        name = threading.current_thread().name
+        if name == "a" and not a_waiting.is_set():
+            a_waiting.set()
+            assert b_made_scalars.wait(30)
+        scalars = make_scalars(opt, dtype, learning_rate)
+        if name == "b" and not b_made_scalars.is_set():
+            b_made_scalars.set()
+            assert a_done.wait(30)
+        return scalars
+
+    monkeypatch.setattr(_keras_adapter, "_adam_scalars", paced)
+    errors = []
+
+    def trace():
+        if threading.current_thread().name == "b":
+            assert a_waiting.wait(30)
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(table.value) * x + \
+                    tf.reduce_sum(kernel.value) * x
+            grads = tape.gradient(loss, [table.value, kernel.value])
+            optimizer.apply(grads, [table, kernel])
+        try:
+            step(tf.constant(1.0))  # a foreign tensor fails when it runs
+        except Exception as error:  # reported below
+            errors.append(error)
+        finally:
+            if threading.current_thread().name == "a":
+                a_done.set()
+
+    threads = [threading.Thread(target=trace, name=n) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert a_waiting.is_set() and b_made_scalars.is_set() and a_done.is_set()
+    assert not errors, errors[0]

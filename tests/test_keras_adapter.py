@@ -11,11 +11,14 @@ import pytest
 import tensorflow as tf
 
 import keras
-import keras_ps  # noqa: F401  (importing keras_ps installs the hooks)
+import keras_ps  # noqa: F401
 from keras_ps import _keras_adapter
 from keras_ps import _sharded_weights
 from keras_ps import sharded_variable
 from keras_ps.partitioners import FixedShardsPartitioner
+
+# What building a keras_ps strategy does first (no cluster needed here).
+_keras_adapter.install()
 
 
 # -- Section: sharded layer weights (issue 3) ----------------------------------

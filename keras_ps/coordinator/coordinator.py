@@ -274,11 +274,19 @@ class ClusterCoordinator:
         process (its datasets and iterators) is rebuilt, with no closure in
         flight.
         """
+        started = time.monotonic()
         with self._gate.exclusive():
+            gate = time.monotonic()
             _tf_adapter.update_server_def(self._membership_def())
+            connected = time.monotonic()
             self.reconnect_generation += 1
             for dataset in list(self._datasets):
                 dataset._rebuild(recovered_index)
+        logger.info(
+            "[worker:%d] rebuilt in %.2fs: %.2fs waiting for calls in flight, "
+            "%.2fs server def, %.2fs datasets", recovered_index,
+            time.monotonic() - started, gate - started, connected - gate,
+            time.monotonic() - connected)
 
     def _watch_for_hangs(self):
         """Declares a worker failed when its call has run `hang_timeout`

@@ -8,6 +8,7 @@ import time
 
 import tensorflow as tf
 
+from keras_ps import _constants
 from keras_ps import _tf_adapter
 from keras_ps import strategy as strategy_lib
 from keras_ps.coordinator import failure_policy
@@ -190,6 +191,10 @@ class Worker:
             return
         if not self._finish_call(call):
             return
+        if self._just_recovered:
+            logger.info("[worker:%d] first call after (re)admission: %d "
+                        "closures in %.2fs", self.index, len(batch),
+                        time.monotonic() - call.started)
         for closure, output in zip(batch, outputs):
             closure.remote_value._set_values(output)
         self.closures_run += len(batch)
@@ -331,7 +336,7 @@ class Worker:
                         self.index, type(error).__name__,
                         str(error).splitlines()[0] if str(error) else "")
             self.transition(WorkerState.FAILED, "recovery failed")
-            time.sleep(interval)
+            time.sleep(max(interval, _constants.REBUILD_RETRY_DELAY))
             return
         self._just_recovered = True
         self.hung = False
