@@ -317,7 +317,7 @@ def original_sharding_target(owner, name):
 # each a full pass over the variable. On a ps holding a large embedding that
 # is where the training step's CPU goes (measured on
 # benchmarks/fit_embedding.py: Adam cost 4.5x the CPU per step of SGD; fused,
-# 1.8x more steps/s). TF's `ResourceApplyAdam` kernel computes the same
+# 1.7x more steps/s). TF's `ResourceApplyAdam` kernel computes the same
 # formula in one pass, in place, under the variables' locks. We use it for
 # variables on a ps when the keras_ps strategy says `fused_adam=True`; any
 # other variable, a stateless scope, amsgrad and dtypes the kernel lacks go to

@@ -72,7 +72,7 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         fused_adam: True (default): `keras.optimizers.Adam` (and subclasses
             that keep its `update_step`, such as AdamW) updates each ps
             variable with TF's one-pass `ResourceApplyAdam` kernel instead of
-            Keras' dozen ops: same formula, 2.5x less CPU on the ps. One
+            Keras' dozen ops: same formula, 2.5x faster per update. One
             difference: a sparse gradient whose rows repeat (an embedding id
             seen twice in a batch) is summed per row before it is squared, as
             Adam's formula says; Keras squares each repeat and adds the

@@ -167,3 +167,27 @@ def test_sharding_no_partitioning_switch():
                    _keras_adapter._unpartitioned_initialize(spy))
         keras.Variable(1.0)
     assert seen == [False]
+
+
+# -- Section: fused Adam ----------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_fused_adam_keras_internals():
+    def params(fn):
+        fn = getattr(fn, "__keras_ps_original__", fn)
+        return list(inspect.signature(fn).parameters)
+
+    adam = _keras_adapter.ADAM_CLASS
+    assert adam is keras.optimizers.Adam
+    assert params(adam.update_step) == [
+        "self", "gradient", "variable", "learning_rate"]
+    assert params(adam._backend_update_step) == [
+        "self", "grads", "trainable_variables", "learning_rate"]
+    var = keras.Variable(np.ones((3, 2), "float32"))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([var])
+    index = optimizer._get_variable_index(var.value)
+    assert optimizer._momentums[index].shape == var.shape
+    assert optimizer._velocities[index].shape == var.shape
+    assert optimizer._distribution_strategy is tf.distribute.get_strategy()
+    # A variable that is not on a ps takes Keras' own update.
+    assert not _keras_adapter._can_fuse_adam(optimizer, var.value)
