@@ -49,8 +49,10 @@ def server_modules():
     here). `python -m keras_ps.server` needs 0.4 s of it: TF's server runs in
     C++. When TF is not imported yet, its package `__init__` is skipped for
     this one import (a bare `tensorflow` package stands in for it, then is
-    removed, so a later `import tensorflow` loads the real one). A worker that
-    joins a running job serves 2.5 s sooner. Falls back to `import tensorflow`.
+    removed, so a later `import tensorflow` loads the real one). A task then
+    serves 0.4 s after it starts instead of 2.2 s: a joining worker, or one
+    restarted after a failure, takes steps that much sooner. Falls back to
+    `import tensorflow`.
 
     Returns:
         (server_lib, config_pb2): `server_lib.Server` and
@@ -97,8 +99,8 @@ def own_executor():
     executor. With the shared default executor, an error of a call to one
     (dead) worker can surface in another worker thread's next call, which
     then retries a step that had run (no public API for executors)."""
-    tf = _internals()
-    return tf.context.executor_scope(tf.executor.new_executor(
+    internals = _internals()
+    return internals.context.executor_scope(internals.executor.new_executor(
         enable_async=False, enable_streaming_enqueue=False))
 
 

@@ -57,7 +57,7 @@ def _tf():
 
 def _as_dict(spec):
     """A resolver's or a tf.train.ClusterSpec's jobs as a dict (else `spec`)."""
-    if "tensorflow" not in sys.modules:
+    if isinstance(spec, dict) or "tensorflow" not in sys.modules:
         return spec  # neither can exist without TF
     tf = _tf()
     if isinstance(spec, tf.distribute.cluster_resolver.ClusterResolver):
@@ -77,8 +77,7 @@ def normalize_cluster_spec(spec):
         ClusterConfigError: unknown job names, malformed or duplicate addresses,
             or sparse task indices.
     """
-    if not isinstance(spec, dict):
-        spec = _as_dict(spec)
+    spec = _as_dict(spec)
     if not isinstance(spec, dict):
         raise ClusterConfigError(
             f"A cluster spec must be a dict. Received: {spec!r}. {_FIX}"

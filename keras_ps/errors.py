@@ -14,7 +14,6 @@ from keras_ps._config_errors import KerasPSError
 from keras_ps._config_errors import PartitionerError  # noqa: F401
 
 
-
 class _TFErrorMixin(KerasPSError):
     """Makes a `tf.errors.OpError` subclass picklable with its message."""
 
