@@ -16,3 +16,9 @@ class ClusterConfigError(KerasPSError, ValueError):
 
 class PartitionerError(KerasPSError, ValueError):
     """A variable partitioner returned a spec keras_ps cannot apply."""
+
+
+# Shown (and pickled) under the public module that re-exports them.
+for _error in (KerasPSError, ClusterConfigError, PartitionerError):
+    _error.__module__ = "keras_ps.errors"
+del _error

@@ -281,7 +281,8 @@ class LocalCluster:
     Args:
         num_workers: number of worker tasks.
         num_ps: number of parameter-server tasks.
-        log_dir: where each task's output goes (a temporary folder if None).
+        log_dir: where each task's output goes, created if missing (a
+            temporary folder if None).
         env: extra environment variables for every task.
 
     Example:
@@ -298,8 +299,15 @@ class LocalCluster:
                 "A LocalCluster needs at least one worker and one ps. "
                 f"Received: num_workers={num_workers}, num_ps={num_ps}."
             )
+        if log_dir is not None and os.path.exists(log_dir) and \
+                not os.path.isdir(log_dir):
+            raise ClusterConfigError(
+                f"log_dir={log_dir!r} exists and is not a directory. Pass a "
+                "directory for the tasks' logs (it is created if missing), "
+                "or None for a temporary one.")
         self.spec = _local_spec(num_workers, num_ps)
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="keras_ps_cluster_")
+        os.makedirs(self.log_dir, exist_ok=True)
         self._env = dict(env or {})
         self._start_timeout = start_timeout
         self._procs = {}

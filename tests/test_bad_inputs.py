@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -255,6 +256,13 @@ def strategy_not_a_resolver(env):
       "num_workers=0", "at least one worker and one ps")
 def local_cluster_no_workers(env):
     keras_ps.LocalCluster(num_workers=0, num_ps=1)
+
+
+@case("local_cluster_log_dir_is_a_file", ClusterConfigError,
+      "is not a directory", "created if missing")
+def local_cluster_log_dir_is_a_file(env):
+    with tempfile.NamedTemporaryFile() as file:
+        keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=file.name)
 
 
 # The coordinator ---------------------------------------------------------------------

@@ -105,8 +105,13 @@ def test_server_exits_cleanly_on_sigterm():
             proc.kill()
 
 
-def test_local_cluster_kill_and_restart():
-    with cluster_lib.LocalCluster(num_workers=1, num_ps=1) as local:
+def test_local_cluster_kill_and_restart(tmp_path):
+    # A log_dir that does not exist yet is created.
+    log_dir = tmp_path / "logs" / "cluster"
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                  log_dir=str(log_dir)) as local:
+        assert sorted(p.name for p in log_dir.iterdir()) == [
+            "ps-0.log", "worker-0.log"]
         address = local.address("worker", 0)
         old = local.pid("worker", 0)
         local.kill("worker", 0)
