@@ -28,6 +28,19 @@ def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
         time.sleep(0.01)
 
 
+def run_after_readmission(coordinator, step, iterator, index=1, steps=300):
+    """Waits until worker `index` is HEALTHY again, runs `steps` more closures;
+    returns (re-admitted in time, closures that worker ran of them)."""
+    worker = coordinator.workers[index]
+    back = worker.wait_for_state(
+        keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
+    before = worker.closures_run
+    for _ in range(steps):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    return back, worker.closures_run - before
+
+
 def main(mode):
     from tensorflow.python.data.experimental.ops import testing  # sleep-bound steps
 
@@ -62,14 +75,8 @@ def main(mode):
             # Restart the killed worker: it is re-admitted, its dataset is
             # rebuilt, and it runs closures again.
             cluster.restart("worker", 1)
-            back = coordinator.workers[1].wait_for_state(
-                keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
-            before = coordinator.workers[1].closures_run
-            for _ in range(300):
-                coordinator.schedule(step, args=(iterator,))
-            coordinator.join()
-            say(**first, readmitted=back,
-                after_restart=coordinator.workers[1].closures_run - before,
+            back, ran = run_after_readmission(coordinator, step, iterator)
+            say(**first, readmitted=back, after_restart=ran,
                 built_on=built_on, total_after=float(total.numpy()),
                 states_after=[w.state.value for w in coordinator.workers])
         else:
@@ -118,15 +125,10 @@ def worker_stop():
         joined_after = time.monotonic() - stopped
         state_while_stopped = coordinator.workers[1].state.value
         os.kill(pid, signal.SIGCONT)
-        back = coordinator.workers[1].wait_for_state(
-            keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
-        before = coordinator.workers[1].closures_run
-        for _ in range(300):
-            coordinator.schedule(step, args=(iterator,))
-        coordinator.join()
+        back, ran = run_after_readmission(coordinator, step, iterator)
         say(steps=steps + 300, total=float(total.numpy()),
             joined_after=joined_after, state_while_stopped=state_while_stopped,
-            readmitted=back, after_resume=coordinator.workers[1].closures_run - before)
+            readmitted=back, after_resume=ran)
 
 
 if __name__ == "__main__":

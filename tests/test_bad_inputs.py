@@ -354,16 +354,17 @@ def dataset_runs_out_in_scheduled_function(env):
     env.coordinator.join()
 
 
+@tf.function
+def nan_step():
+    loss = tf.math.log(tf.constant(-1.0))
+    return tf.debugging.check_numerics(
+        loss, "loss is NaN; lower the learning rate")
+
+
 @case("nan_loss_check_numerics_fetch", tf.errors.InvalidArgumentError,
       "loss is NaN; lower the learning rate", "Tensor had NaN values",
       "scheduled function 'nan_step' failed")
 def nan_loss_check_numerics_fetch(env):
-    @tf.function
-    def nan_step():
-        loss = tf.math.log(tf.constant(-1.0))
-        return tf.debugging.check_numerics(
-            loss, "loss is NaN; lower the learning rate")
-
     env.coordinator.schedule(nan_step).fetch(timeout=20)
 
 
@@ -371,12 +372,6 @@ def nan_loss_check_numerics_fetch(env):
       "loss is NaN; lower the learning rate", "Tensor had NaN values",
       "scheduled function 'nan_step' failed")
 def nan_loss_check_numerics_join(env):
-    @tf.function
-    def nan_step():
-        loss = tf.math.log(tf.constant(-1.0))
-        return tf.debugging.check_numerics(
-            loss, "loss is NaN; lower the learning rate")
-
     env.coordinator.schedule(nan_step)
     env.coordinator.join()
 
