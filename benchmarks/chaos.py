@@ -16,7 +16,7 @@ the same number of epochs undisturbed and compares. Report (stdout and, with
 
     .venv/bin/python benchmarks/chaos.py --kills 6 --stops 2 --out benchmarks/CHAOS.md
 
-tests/test_chaos.py runs a short version (2 kills, 1 stop) in the suite.
+tests/system/test_chaos.py runs a short version (2 kills, 1 stop) in the suite.
 """
 
 import argparse
@@ -182,7 +182,7 @@ def _fit(epochs, step_ms, chaos_args=None):
     with keras_ps.LocalCluster(num_workers=NUM_WORKERS, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model = _build(strategy)
-        coordinator = keras_ps.training.coordinator_for(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
         callbacks = []
         if chaos_args is not None:
             stopper = _StopWhenDone(lambda: Chaos(cluster, coordinator,

@@ -1,4 +1,4 @@
-"""Sharded embedding lookup vs lookup on the concatenated table (issue 3).
+"""Sharded embedding lookup vs lookup on the concatenated table.
 
 A 1,000,000 x 64 float32 table (256 MB) split over 2 ps by keras_ps, a
 multi-process LocalCluster (1 worker, 2 ps; this process is the coordinator).

@@ -6,23 +6,16 @@ import logging
 import os
 import shutil
 
-import keras
+from keras_ps import _files
+from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.training import ResumableCallback
 
 logger = logging.getLogger(__name__)
 
 _STATE_FILE = "backup_state.json"
 
 
-def _write_atomically(path, text):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(ResumableCallback):
     """Backs up training so a killed coordinator resumes where it stopped.
 
     Each backup holds the model's and the optimizer's weights and the
@@ -134,16 +127,14 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     # -- backups ----------------------------------------------------------------------
     def _backup(self, epoch, step):
-        from keras_ps import training
-
         # Wait for the steps in flight, so the backup holds every step it counts.
-        training.coordinator_for(self.model.distribute_strategy).join()
+        ClusterCoordinator(self.model.distribute_strategy).join()
         self._serial += 1
         name = f"backup-{self._serial}.weights.h5"
         path = os.path.join(self.backup_dir, name)
         self.model.save_weights(path, overwrite=True)
         previous = self._read_state()
-        _write_atomically(self._state_path, json.dumps(
+        _files.write_atomically(self._state_path, json.dumps(
             {"epoch": epoch, "step": step, "serial": self._serial,
              "weights": name}))
         if previous is not None and previous["weights"] != name:

@@ -6,7 +6,7 @@ import os
 
 import keras
 
-from keras_ps import _sidecar_format as fmt
+from keras_ps.sidecar import format as fmt
 
 logger = logging.getLogger(__name__)
 

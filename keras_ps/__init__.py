@@ -3,9 +3,10 @@
 The public names below are loaded on first use (PEP 562), so processes that
 never run TensorFlow code (the elastic agent, the rendezvous server) and
 `python -m keras_ps.server` start without importing TensorFlow's Python API.
-Loading any of them but `cluster`, `LocalCluster`, `create_in_process_cluster`
-and `elastic` installs keras_ps' Keras hooks (keras_ps/_keras_adapter.py), as
-does importing keras_ps.strategy.
+Loading any of them but `KerasPSError`, `cluster`, `LocalCluster`,
+`create_in_process_cluster`, `elastic` and `partitioners` first imports `keras_ps.training`, which installs keras_ps' Keras
+hooks (keras_ps/_keras): Model.fit routing, sharded weights, atomic updates and
+optimizer updates on the parameter servers.
 """
 
 import importlib
@@ -32,7 +33,7 @@ _EXPORTS = {
     "PerWorkerValues": ("keras_ps.coordinator", "PerWorkerValues"),
     "RemoteValue": ("keras_ps.coordinator", "RemoteValue"),
     "ShardedVariable": ("keras_ps.sharded_variable", "ShardedVariable"),
-    "SidecarEvaluator": ("keras_ps.evaluation", "SidecarEvaluator"),
+    "SidecarEvaluator": ("keras_ps.sidecar.evaluator", "SidecarEvaluator"),
     "callbacks": ("keras_ps.callbacks", None),
     "cluster": ("keras_ps.cluster", None),
     "create_in_process_cluster": ("keras_ps.cluster", "create_in_process_cluster"),
@@ -43,7 +44,8 @@ _EXPORTS = {
 
 # Modules that need neither Keras nor the hooks (`from keras_ps import cluster`
 # in `python -m keras_ps.server` must stay free of TensorFlow's Python API).
-_WITHOUT_KERAS = ("keras_ps.cluster", "keras_ps.elastic")
+_WITHOUT_KERAS = ("keras_ps.cluster", "keras_ps.elastic", "keras_ps.errors",
+                  "keras_ps.partitioners")
 
 __all__ = sorted(name for name in _EXPORTS if name not in ("elastic", "training"))
 
@@ -54,9 +56,9 @@ def __getattr__(name):
     module_name, attribute = _EXPORTS[name]
     module = importlib.import_module(module_name)
     if module_name not in _WITHOUT_KERAS:
-        from keras_ps import _keras_adapter
-
-        _keras_adapter.install()
+        # The top of the package: it imports the strategy (which installs the
+        # placement hooks) and installs the Model.fit routing.
+        importlib.import_module("keras_ps.training")
     value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value

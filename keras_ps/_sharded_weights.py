@@ -1,7 +1,7 @@
 """Sharded Keras 3 weights: one `keras.Variable` per shard, one container.
 
 A Keras 3 weight must be a `keras.Variable` wrapping exactly one `tf.Variable`
-(the gradient tape asks it for `.handle`, DESIGN.md fact 6). So a weight that
+(the gradient tape asks it for `.handle`, and a container of shards has none). So a weight that
 the strategy's `variable_partitioner` splits becomes:
 
 - one `keras.Variable` per shard, each a real weight of the layer
@@ -13,7 +13,7 @@ the strategy's `variable_partitioner` splits becomes:
 
 Saving sees the container, never the shards (`collapse`), so every format
 holds one full tensor per weight. This module uses only public Keras API; the
-hooks that call it live in `keras_ps._keras_adapter`.
+hooks that call it live in `keras_ps._keras.sharding`.
 """
 
 import contextlib

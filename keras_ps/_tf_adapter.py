@@ -1,7 +1,7 @@
 """Every use of TensorFlow internals (`tensorflow.python...`) in keras_ps.
 
 TF 2.21 has no public API for these; each function says which one is missing.
-tests/test_public_api.py (test_tf_internals_still_exist) exercises each so a TF upgrade that moves them fails
+tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a TF upgrade that moves them fails
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
@@ -28,17 +28,12 @@ STRATEGY_HOOKS = (
 
 @functools.lru_cache(maxsize=None)
 def _internals():
-    from tensorflow.python.distribute import distribute_lib
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor
     from tensorflow.python.framework import ops
 
-    return types.SimpleNamespace(distribute_lib=distribute_lib, context=context,
+    return types.SimpleNamespace(context=context,
                                  executor=executor, ops=ops)
-
-
-def strategy_extended_base():
-    return _internals().distribute_lib.StrategyExtendedV1
 
 
 def server_modules():

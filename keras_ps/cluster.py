@@ -8,6 +8,7 @@ Task types: `chief` (the coordinator, runs the user's program), `ps`
 of the training cluster).
 """
 
+import abc
 import json
 import logging
 import os
@@ -33,6 +34,27 @@ _FIX = "Use a dict like {'ps': ['host:port', ...], 'worker': ['host:port', ...]}
 _TF_CONFIG_FIX = (
     'Expected JSON like {"cluster": {"ps": ["host:port"], "worker": '
     '["host:port"]}, "task": {"type": "worker", "index": 0}}.')
+
+
+class MembershipWatcher(abc.ABC):
+    """A cluster resolver whose workers can change while training runs.
+
+    `keras_ps.ClusterCoordinator` calls `watch` on a resolver of this kind
+    and follows the membership it reports; `keras_ps.elastic.
+    ElasticClusterResolver` is one. A fixed cluster needs none.
+    """
+
+    @abc.abstractmethod
+    def watch(self, callback):
+        """Calls `callback(worker_addresses)` on every membership change.
+
+        Args:
+            callback: takes the worker addresses by task index, `None` for a
+                free place (what `ClusterCoordinator.update_workers` takes).
+
+        Returns:
+            A handle whose `stop()` ends the watch.
+        """
 
 
 def _check_address(job, index, address):

@@ -127,7 +127,11 @@ def _show(lines):
 
 def _demo_callback(cluster, coordinator, evaluator_output, kill_at_step,
                    restart, steps_per_epoch):
+    # TF (and so Keras and keras_ps' coordinator) is imported only after the
+    # evaluator process has started: see _run.
     import keras
+
+    from keras_ps.coordinator import WorkerState
 
     class Demo(keras.callbacks.Callback):
         """Shows the evaluator's lines between epochs; kills (and restarts)
@@ -161,14 +165,14 @@ def _demo_callback(cluster, coordinator, evaluator_output, kill_at_step,
         def _restart(self):
             # Restart only once the coordinator has seen the loss, so the
             # demo shows one worker carrying on alone first.
-            coordinator.workers[1].wait_for_state(
-                _worker_state().FAILED, timeout=60)
+            coordinator.workers[1].wait_for_state(WorkerState.FAILED,
+                                                  timeout=60)
             cluster.restart("worker", 1)
             print("\n>>> restarted worker 1 on the same address; the "
                   "coordinator re-admits it when it answers", flush=True)
             self.restarted.set()
-            if coordinator.workers[1].wait_for_state(
-                    _worker_state().HEALTHY, timeout=120) and self.training:
+            if coordinator.workers[1].wait_until_runnable(timeout=120) and \
+                    self.training:
                 print("\n>>> worker 1 re-admitted: it runs steps again",
                       flush=True)
 
@@ -176,11 +180,6 @@ def _demo_callback(cluster, coordinator, evaluator_output, kill_at_step,
             self.training = False
 
     return Demo()
-
-
-def _worker_state():
-    from keras_ps.coordinator.worker import WorkerState
-    return WorkerState
 
 
 def main(argv=None):
@@ -243,6 +242,8 @@ def _run(args, out, checkpoint_dir, log_dir, export_path, task_logs):
     evaluator = _start_evaluator(checkpoint_dir, log_dir, export_path)
     evaluator_output = _EvaluatorOutput(evaluator)
 
+    # Imported now, not at the top: TF's import (about 2 s) overlaps the
+    # evaluator's start, and `--help` needs no TF.
     import keras
     import tensorflow as tf
 
@@ -273,7 +274,7 @@ def _run(args, out, checkpoint_dir, log_dir, export_path, task_logs):
             return seeds.map(lambda s: examples(tf.cast(s, tf.int32),
                                                 args.batch)).prefetch(2)
 
-        coordinator = keras_ps.training.coordinator_for(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
         total = args.epochs * args.steps_per_epoch
         demo = _demo_callback(
             cluster, coordinator, evaluator_output,

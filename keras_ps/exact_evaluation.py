@@ -18,17 +18,11 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ps import _constants
-from keras_ps import _keras_adapter
+from keras_ps._keras import fit_routing
+from keras_ps.coordinator.datasets import serialized
+from keras_ps.training_logs import python_logs
 
 logger = logging.getLogger(__name__)
-
-
-def _serialized(dataset):
-    graph = tf.raw_ops.DatasetToGraphV2(
-        input_dataset=tf.data.experimental.to_variant(dataset))
-    spec = dataset.element_spec
-    return lambda: tf.data.experimental.from_variant(
-        tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
 
 
 def _shard_function(model, variables, make_dataset, num_shards):
@@ -83,14 +77,14 @@ def evaluate_exactly_once(model, coordinator, dataset):
             ".repeat() from the evaluation data, or pass steps=N (and "
             "exact=False) to evaluate N batches.")
     strategy = model.distribute_strategy
-    _keras_adapter.symbolic_build(model, strategy, dataset.element_spec)
+    fit_routing.symbolic_build(model, strategy, dataset.element_spec)
     model.reset_metrics()
     variables = list(model.metrics_variables)
     initial = [np.asarray(v.numpy()) for v in variables]
     num_shards = coordinator.num_workers * _constants.env_int(
         _constants.EVAL_SHARDS_PER_WORKER_ENV_VAR,
         _constants.DEFAULT_EVAL_SHARDS_PER_WORKER)
-    fn = _shard_function(model, variables, _serialized(dataset), num_shards)
+    fn = _shard_function(model, variables, serialized(dataset), num_shards)
     initial_state = [tf.constant(value) for value in initial]
     remotes = [coordinator.schedule(fn, args=(tf.constant(i, tf.int64),
                                               initial_state))
@@ -104,6 +98,4 @@ def evaluate_exactly_once(model, coordinator, dataset):
         v.assign(total)
     logger.info("[chief] exact evaluation: %d shards over %d workers",
                 num_shards, coordinator.num_workers)
-    return {key: float(np.asarray(value)) if np.asarray(value).size == 1
-            else np.asarray(value)
-            for key, value in model.get_metrics_result().items()}
+    return python_logs(model.get_metrics_result())

@@ -25,8 +25,9 @@ def no_partitioning():
     """Variables created by this thread inside the block are never split.
 
     Used around the one `tf.Variable` that each `keras.Variable` wraps (a
-    Keras weight, metric or optimizer slot must be exactly one variable, see
-    DESIGN.md fact 6); Keras layer weights are split one level up instead.
+    Keras weight, metric or optimizer slot must be exactly one variable: the
+    gradient tape asks a `keras.Variable` for `.handle`, which a container of
+    shards has none of); Keras layer weights are split one level up instead.
     """
     depth = getattr(_switch, "depth", 0)
     _switch.depth = depth + 1

@@ -2,8 +2,16 @@
 
 A `tf.distribute.Strategy` subclass, so Keras 3's optimizer and trainer (which
 ask `tf.distribute.get_strategy()` for `colocate_vars_with`, `update`, `run`
-and replica contexts) work with it unchanged. Scheduling lives in
-`keras_ps.ClusterCoordinator`; this module only decides placement.
+and replica contexts) work with it unchanged. This module decides where
+variables live and connects the coordinator process to the cluster (once per
+process); scheduling lives in `keras_ps.ClusterCoordinator`, which sits above
+it. Importing it installs the Keras hooks that variable placement needs
+(keras_ps/_keras: sharded weights, atomic updates, optimizer updates).
+
+The strategy overrides private hooks of `tf.distribute.StrategyExtended`
+(`_create_variable`, `_update`, `_reduce_to`, ...): the public classes have no
+other way to define a strategy. keras_ps/_tf_adapter.py lists them and its
+test pins that they exist.
 """
 
 import itertools
@@ -12,47 +20,26 @@ import threading
 
 import tensorflow as tf
 
-from keras_ps import _keras_adapter
-from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
-from keras_ps import partitioners as partitioners_lib
+from keras_ps import sharded_variable
+from keras_ps._keras import atomic_updates as keras_atomic_updates
+from keras_ps._keras import optimizers as keras_optimizers
+from keras_ps._keras import sharding as keras_sharding
+from keras_ps._per_worker import PerWorkerValues
+from keras_ps._per_worker import current_worker
+from keras_ps._per_worker import worker_device
 from keras_ps.errors import ClusterConfigError
-
-# A model is built under a strategy: Keras' hooks must be in place by then.
-_keras_adapter.install()
 
 logger = logging.getLogger(__name__)
 
 COORDINATOR_JOB = "chief"
-
-# The dispatch context: which worker the calling thread is running a closure
-# or dataset_fn for. Set by the coordinator's worker threads.
-_dispatch = threading.local()
-
-
-def current_worker():
-    """(worker_index, num_workers) of the closure this thread dispatches, or None."""
-    return getattr(_dispatch, "worker", None)
-
-
-class _DispatchScope:
-    def __init__(self, index, num_workers):
-        self._value = (index, num_workers)
-
-    def __enter__(self):
-        self._saved = getattr(_dispatch, "worker", None)
-        _dispatch.worker = self._value
-
-    def __exit__(self, *exc):
-        _dispatch.worker = self._saved
+# What a worker task may see: the ps tasks and the coordinator, never another
+# worker, so a dead worker cannot break another worker's context.
+WORKER_DEVICE_FILTERS = ("/job:ps", f"/job:{COORDINATOR_JOB}")
 
 
 def _ps_device(index):
     return f"/job:ps/replica:0/task:{index}/device:CPU:0"
-
-
-def worker_device(index):
-    return f"/job:worker/replica:0/task:{index}/device:CPU:0"
 
 
 class ParameterServerStrategy(tf.distribute.Strategy):
@@ -165,7 +152,7 @@ def cluster_device_filters(spec):
     a dead worker cannot break another worker's context."""
     filters = tf.config.experimental.ClusterDeviceFilters()
     for i in range(len(spec["worker"])):
-        filters.set_device_filters("worker", i, ["/job:ps", f"/job:{COORDINATOR_JOB}"])
+        filters.set_device_filters("worker", i, list(WORKER_DEVICE_FILTERS))
     for i in range(len(spec["ps"])):
         filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
     return filters
@@ -219,8 +206,6 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
             with tf.device(colocate_with.device):
                 return next_creator(**kwargs)
         if self._partitioner is not None:
-            from keras_ps import sharded_variable  # avoids an import cycle
-
             created = sharded_variable.maybe_create_sharded(
                 self, next_creator, self._partitioner, kwargs)
             if created is not None:
@@ -275,8 +260,6 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         return tf.nest.map_structure(self._local_results, result)
 
     def _local_results(self, value):
-        from keras_ps.coordinator.values import PerWorkerValues
-
         if isinstance(value, PerWorkerValues):
             return tuple(value.values)
         return (value,)
@@ -322,3 +305,19 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
 
     def _experimental_distribute_values_from_function(self, value_fn):
         return value_fn(tf.distribute.experimental.ValueContext(0, 1))
+
+
+def _current_partitioner():
+    """(partitioner, device for initializers) of the current keras_ps strategy,
+    or (None, None): what the sharding hooks ask when a layer adds a weight."""
+    strategy = tf.distribute.get_strategy()
+    if not isinstance(strategy, ParameterServerStrategy) or \
+            strategy.variable_partitioner is None:
+        return None, None
+    return strategy.variable_partitioner, strategy.extended.parameter_devices[0]
+
+
+# A model is built under a strategy: Keras' hooks must be in place by then.
+keras_sharding.install(_current_partitioner)
+keras_atomic_updates.install()
+keras_optimizers.install()

@@ -1,169 +1,40 @@
 """Keras 3 `Model.fit`, `evaluate` and `predict` on a parameter-server cluster.
 
 A model built under `keras_ps.ParameterServerStrategy` is trained by this
-module instead of Keras' synchronous loop (keras_ps/_keras_adapter.py routes
-the calls). Training steps run on the workers through the strategy's
-`ClusterCoordinator`, `steps_per_execution` steps per scheduled function and
-many functions in flight; metrics live on the parameter servers and are read
-from there at the end of each epoch.
+module instead of Keras' synchronous loop: importing it routes those models'
+`fit` / `evaluate` / `predict` here (keras_ps/_keras/fit_routing.py). Training
+steps run on the workers through the strategy's `ClusterCoordinator`,
+`steps_per_execution` steps per scheduled function and many functions in
+flight; metrics live on the parameter servers and are read from there at the
+end of each epoch.
 """
 
 import logging
-import math
-import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
-from keras_ps import _keras_adapter
+from keras_ps import exact_evaluation
+from keras_ps import inputs
+from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
-from keras_ps.training_logs import StepLogs, StepLogsTracker
+from keras_ps.inputs import DatasetCreator  # noqa: F401  (keras_ps.training.DatasetCreator)
+from keras_ps.strategy import ParameterServerStrategy
+from keras_ps.training_logs import StepLogs, StepLogsTracker, python_logs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZE = 32
 
-_coordinators = weakref.WeakKeyDictionary()
+class ResumableCallback(keras.callbacks.Callback):
+    """A callback that tells `fit` where to resume after `on_train_begin`.
 
-
-def coordinator_for(strategy):
-    """The ClusterCoordinator that `fit`/`evaluate` use for `strategy` (one
-    per strategy, created on first use)."""
-    coordinator = _coordinators.get(strategy)
-    if coordinator is None:
-        coordinator = ClusterCoordinator(strategy)
-        _coordinators[strategy] = coordinator
-    return coordinator
-
-
-class DatasetCreator:
-    """Input for `model.fit`: a function that builds the dataset on each worker.
-
-    Args:
-        dataset_fn: `dataset_fn(input_context) -> tf.data.Dataset`. It runs
-            on every worker; `input_context.input_pipeline_id` is the worker's
-            index and `input_context.num_input_pipelines` the number of
-            workers, so each worker can read its own shard. The dataset should
-            repeat: `fit` takes `steps_per_epoch` batches per epoch from it.
-
-    Example:
-    ```python
-    def dataset_fn(context):
-        ds = tf.data.Dataset.from_tensor_slices((x, y))
-        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
-        return ds.shuffle(1024).batch(64).repeat()
-
-    model.fit(keras_ps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=100)
-    ```
+    `keras_ps.callbacks.BackupAndRestore` is one: after loading a backup it
+    returns the (epoch, step within the epoch) the backup was taken at.
     """
 
-    def __init__(self, dataset_fn):
-        if not callable(dataset_fn):
-            raise TypeError(
-                "DatasetCreator needs a callable dataset_fn(input_context). "
-                f"Received: dataset_fn={dataset_fn!r}.")
-        self.dataset_fn = dataset_fn
-
-    def __call__(self, input_context):
-        dataset = self.dataset_fn(input_context)
-        if not isinstance(dataset, tf.data.Dataset):
-            raise TypeError(
-                "The DatasetCreator's dataset_fn must return a tf.data.Dataset. "
-                f"Received: {type(dataset).__name__} from {self.dataset_fn!r}.")
-        return dataset
-
-    def __repr__(self):
-        return f"DatasetCreator({self.dataset_fn!r})"
-
-
-# -- input ----------------------------------------------------------------------
-def _is_array_like(x):
-    return isinstance(x, (np.ndarray, tf.Tensor, list, tuple, dict)) or \
-        hasattr(x, "__array__")
-
-
-def _arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle):
-    """Numpy arrays / tensors become a per-worker dataset: each worker reads
-    its own 1/num_workers of the rows (shard by worker index), shuffled each
-    pass, batched, repeated. The arrays travel inside the dataset's graph, so
-    keep them small (use a DatasetCreator for large data)."""
-    data = _as_arrays(x, y, sample_weight)
-    batch_size = batch_size or DEFAULT_BATCH_SIZE
-
-    def dataset_fn(context):
-        ds = tf.data.Dataset.from_tensor_slices(data)
-        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
-        if shuffle:
-            ds = ds.shuffle(8 * batch_size, reshuffle_each_iteration=True)
-        return ds.batch(batch_size).repeat()
-
-    return dataset_fn
-
-
-def _as_arrays(x, y, sample_weight):
-    """(x,), (x, y) or (x, y, sample_weight) as numpy arrays, checked to have
-    one row per example in every array."""
-    data = (x,) if y is None else (x, y) if sample_weight is None \
-        else (x, y, sample_weight)
-    data = tf.nest.map_structure(np.asarray, data)
-    rows = []
-    for name, part in zip(("x", "y", "sample_weight"), data):
-        leaves = tf.nest.flatten(part)
-        for i, leaf in enumerate(leaves):
-            label = name if len(leaves) == 1 else f"{name}[{i}]"
-            rows.append((label, leaf.shape[0] if leaf.ndim else None))
-    if len({count for _, count in rows}) > 1:
-        received = ", ".join(
-            f"{label} has {'no rows (a scalar)' if count is None else count}"
-            + ("" if count is None else " rows") for label, count in rows)
-        raise ValueError(
-            "x, y and sample_weight must have the same number of rows (one "
-            f"per example). Received: {received}. Fix: pass arrays of equal "
-            "length.")
-    return data
-
-
-def _training_input(x, y, sample_weight, batch_size, shuffle):
-    """A dataset_fn or a tf.data.Dataset for the coordinator, repeated."""
-    if isinstance(x, DatasetCreator):
-        _no_targets(x, y, sample_weight)
-        return x
-    if isinstance(x, tf.data.Dataset):
-        _no_targets(x, y, sample_weight)
-        return x.repeat()
-    if isinstance(x, keras.utils.PyDataset) or (
-            callable(getattr(x, "__iter__", None)) and not _is_array_like(x)):
-        raise TypeError(
-            "With parameter-server training the input must be a "
-            "keras_ps.DatasetCreator, a tf.data.Dataset or numpy arrays/"
-            f"tensors. Received: x of type {type(x).__name__}. Wrap a Python "
-            "generator in tf.data.Dataset.from_generator inside a "
-            "DatasetCreator's dataset_fn.")
-    if x is None:
-        raise ValueError("fit/evaluate need input data. Received: x=None.")
-    return _arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle)
-
-
-def _no_targets(x, y, sample_weight):
-    if y is not None or sample_weight is not None:
-        raise ValueError(
-            f"When x is a {type(x).__name__}, the targets and sample weights "
-            "come from it: y and sample_weight must be None. Received: "
-            f"y={type(y).__name__}, sample_weight={type(sample_weight).__name__}.")
-
-
-def _require_steps(name, value, what):
-    if value is None:
-        raise ValueError(
-            f"`{name}` is required with parameter-server training: workers "
-            "read their data independently, so the coordinator cannot tell "
-            f"where an epoch ends. Received: {name}=None. Pass {name}=<number "
-            f"of batches per {what}>.")
-    if not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive integer. Received: {name}={value!r}.")
-    return int(value)
+    def resume_position(self):
+        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
+        return None
 
 
 # -- scheduled functions ---------------------------------------------------------
@@ -205,14 +76,6 @@ def _executions(steps, per_execution):
             for begin in range(0, steps, per_execution)]
 
 
-def _python_logs(logs):
-    out = {}
-    for key, value in logs.items():
-        value = np.asarray(value)
-        out[key] = float(value) if value.size == 1 else value
-    return out
-
-
 def _make_callbacks(model, callbacks, verbose, epochs, steps):
     if isinstance(callbacks, keras.callbacks.CallbackList):
         return callbacks
@@ -240,13 +103,18 @@ def _batch_end(callback_list, batch, logs, hook):
             getattr(callback, hook)(batch, logs)
 
 
-def _resume_position(callback_list):
-    from keras_ps.callbacks import BackupAndRestore
-
+def _resume_position(model, callback_list, initial_epoch):
+    """(epoch, step) where this fit starts: a ResumableCallback's position, or
+    the epoch Keras' own BackupAndRestore restored, or `initial_epoch`."""
     for callback in callback_list.callbacks:
-        if isinstance(callback, BackupAndRestore):
-            return callback.resume_position()
-    return None
+        if isinstance(callback, ResumableCallback):
+            position = callback.resume_position()
+            if position is not None:
+                return position
+    restored = fit_routing.take_initial_epoch(model)
+    if restored:
+        return restored, 0
+    return initial_epoch, 0
 
 
 # -- fit ------------------------------------------------------------------------
@@ -258,25 +126,25 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     """`model.fit` for a model built under a keras_ps strategy (same arguments
     as Keras' `Model.fit`; `steps_per_epoch` is required)."""
     _check_compiled(model, "fit")
-    steps_per_epoch = _require_steps("steps_per_epoch", steps_per_epoch, "epoch")
+    steps_per_epoch = inputs.require_steps("steps_per_epoch", steps_per_epoch, "epoch")
     if class_weight is not None:
         raise ValueError(
             "class_weight is not supported with parameter-server training. "
             f"Received: class_weight={class_weight!r}. Put per-example weights "
             "in the dataset as (x, y, sample_weight) instead.")
     if validation_split:
-        if not _is_array_like(x) or isinstance(x, tf.data.Dataset):
+        if not inputs.is_array_like(x) or isinstance(x, tf.data.Dataset):
             raise ValueError(
                 "validation_split only works with numpy arrays/tensors. "
                 f"Received: x of type {type(x).__name__}. Pass validation_data.")
-        (x, y, sample_weight), validation_data = _split_arrays(
+        (x, y, sample_weight), validation_data = inputs.split_arrays(
             (x, y, sample_weight), validation_split)
 
     strategy = model.distribute_strategy
-    coordinator = coordinator_for(strategy)
+    coordinator = ClusterCoordinator(strategy)
     dataset = coordinator.create_per_worker_dataset(
-        _training_input(x, y, sample_weight, batch_size, shuffle))
-    _keras_adapter.symbolic_build(model, strategy, dataset.element_spec)
+        inputs.training_input(x, y, sample_weight, batch_size, shuffle))
+    fit_routing.symbolic_build(model, strategy, dataset.element_spec)
     iterator = iter(dataset)
     steps_fn = _StepFunctions(model, "train_step")
     per_execution = max(1, int(model.steps_per_execution or 1))
@@ -285,10 +153,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                                     steps_per_epoch)
     model.stop_training = False
     callback_list.on_train_begin()
-    start_epoch, start_step = initial_epoch, 0
-    resume = _resume_position(callback_list)
-    if resume is not None:
-        start_epoch, start_step = resume
+    start_epoch, start_step = _resume_position(model, callback_list,
+                                               initial_epoch)
+    if (start_epoch, start_step) != (initial_epoch, 0):
         logger.info("[chief] resuming at epoch %d, step %d", start_epoch,
                     start_step)
     training_logs = None
@@ -308,7 +175,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             if model.stop_training:
                 break
         coordinator.join()
-        epoch_logs = _python_logs(model.get_metrics_result())
+        epoch_logs = python_logs(model.get_metrics_result())
         if validation_data is not None and _should_validate(epoch,
                                                             validation_freq):
             val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
@@ -342,22 +209,6 @@ def _should_validate(epoch, validation_freq):
     return epoch + 1 in validation_freq
 
 
-def _split_arrays(arrays, validation_split):
-    if not 0 < validation_split < 1:
-        raise ValueError(
-            "validation_split must be between 0 and 1. Received: "
-            f"validation_split={validation_split}.")
-    first = tf.nest.flatten(arrays[0])[0]
-    rows = len(first)
-    cut = int(math.floor(rows * (1.0 - validation_split)))
-
-    def part(lo, hi):
-        return tf.nest.map_structure(
-            lambda a: None if a is None else np.asarray(a)[lo:hi], arrays)
-
-    return part(0, cut), part(cut, rows)
-
-
 # -- evaluate --------------------------------------------------------------------
 def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
              sample_weight=None, steps=None, callbacks=None,
@@ -372,14 +223,13 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
     metrics locally and returns them, and the coordinator adds each shard's
     metrics once, so a shard redone after a worker loss is not counted twice.
     """
-    from keras_ps import exact_evaluation
-
-    kwargs.pop("_use_cached_eval_dataset", None)
+    for name in fit_routing.KERAS_PRIVATE_EVALUATE_ARGS:
+        kwargs.pop(name, None)
     if kwargs:
         raise TypeError(f"Unexpected evaluate arguments: {sorted(kwargs)}.")
     _check_compiled(model, "evaluate")
     strategy = model.distribute_strategy
-    coordinator = coordinator_for(strategy)
+    coordinator = ClusterCoordinator(strategy)
     if exact is None:
         exact = steps is None
     if exact:
@@ -388,7 +238,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
                 "Exact evaluation visits every example once and ignores "
                 f"`steps`. Received: steps={steps}, exact=True. Drop one.")
         logs = exact_evaluation.evaluate_exactly_once(
-            model, coordinator, _exact_input(x, y, sample_weight, batch_size))
+            model, coordinator, inputs.exact_input(x, y, sample_weight, batch_size))
     else:
         logs = _evaluate_steps(model, coordinator, x, y, sample_weight,
                                batch_size, steps, callbacks, verbose)
@@ -397,24 +247,12 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
     return _logs_as_list(model, logs)
 
 
-def _exact_input(x, y, sample_weight, batch_size):
-    if isinstance(x, DatasetCreator):
-        _no_targets(x, y, sample_weight)
-        return x(tf.distribute.InputContext())
-    if isinstance(x, tf.data.Dataset):
-        _no_targets(x, y, sample_weight)
-        return x
-    data = _as_arrays(x, y, sample_weight)
-    return tf.data.Dataset.from_tensor_slices(data).batch(
-        batch_size or DEFAULT_BATCH_SIZE)
-
-
 def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
                     steps, callbacks, verbose):
-    steps = _require_steps("steps", steps, "evaluation")
+    steps = inputs.require_steps("steps", steps, "evaluation")
     dataset = coordinator.create_per_worker_dataset(
-        _training_input(x, y, sample_weight, batch_size, shuffle=False))
-    _keras_adapter.symbolic_build(model, model.distribute_strategy,
+        inputs.training_input(x, y, sample_weight, batch_size, shuffle=False))
+    fit_routing.symbolic_build(model, model.distribute_strategy,
                                   dataset.element_spec)
     iterator = iter(dataset)
     steps_fn = _StepFunctions(model, "test_step")
@@ -429,7 +267,7 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
         _batch_end(callback_list, begin + count - 1, StepLogs(remote, tracker),
                    "on_test_batch_end")
     coordinator.join()
-    logs = _python_logs(model.get_metrics_result())
+    logs = python_logs(model.get_metrics_result())
     callback_list.on_test_end(logs)
     return logs
 
@@ -450,6 +288,15 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None,
     could not promise without extra bookkeeping."""
     if isinstance(x, DatasetCreator):
         x = x(tf.distribute.InputContext())
-    keras_predict = _keras_adapter.original_trainer_method("predict")
+    keras_predict = fit_routing.original_trainer_method("predict")
     return keras_predict(model, x, batch_size=batch_size, verbose=verbose,
                          steps=steps, callbacks=callbacks)
+
+
+def _is_keras_ps_model(model):
+    return isinstance(getattr(model, "distribute_strategy", None),
+                      ParameterServerStrategy)
+
+
+fit_routing.install(_is_keras_ps_model,
+                    {"fit": fit, "evaluate": evaluate, "predict": predict})

@@ -14,9 +14,10 @@ import numpy as np
 from keras_ps.coordinator.values import RemoteValueStatus
 
 
-def _pythonify(logs):
+def python_logs(logs):
+    """Metric results as Python floats (arrays stay arrays), in their order."""
     out = {}
-    for key, value in sorted(logs.items()):
+    for key, value in logs.items():
         value = np.asarray(value)
         out[key] = float(value) if value.size == 1 else value
     return out
@@ -70,7 +71,7 @@ class StepLogs(dict):
 
     def _resolve(self):
         if not self._resolved:
-            values = _pythonify(self.remote_value.fetch())
+            values = python_logs(dict(sorted(self.remote_value.fetch().items())))
             dict.update(self, values)
             self._resolved = True
             self.tracker.resolved(values)

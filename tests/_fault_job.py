@@ -3,17 +3,15 @@
 Usage: python tests/_fault_job.py worker_kill|ps_kill
 """
 
-import json
 import sys
 import time
 
 import tensorflow as tf
 
 import keras_ps
+from _results import say
 
 
-def say(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 
 
 def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
@@ -29,11 +27,10 @@ def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
 
 
 def run_after_readmission(coordinator, step, iterator, index=1, steps=300):
-    """Waits until worker `index` is HEALTHY again, runs `steps` more closures;
+    """Waits until worker `index` takes closures again, runs `steps` more;
     returns (re-admitted in time, closures that worker ran of them)."""
     worker = coordinator.workers[index]
-    back = worker.wait_for_state(
-        keras_ps.coordinator.WorkerState.HEALTHY, timeout=60)
+    back = worker.wait_until_runnable(timeout=60)
     before = worker.closures_run
     for _ in range(steps):
         coordinator.schedule(step, args=(iterator,))

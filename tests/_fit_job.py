@@ -12,6 +12,10 @@ Usage:
       SIGKILL ps 0 mid-epoch 1 and report the error fit raised and how long
       after the kill; with 0 (the same script run again, on a new cluster),
       resume from the backup and finish.
+  python tests/_fit_job.py keras_backup CLUSTER_SPEC_JSON BACKUP_DIR 1|0
+      fit(epochs=4, steps_per_epoch=4) with Keras' own
+      keras.callbacks.BackupAndRestore; with 1, SIGKILL this process at the
+      end of epoch 1 (after the callback saved); with 0, run to the end.
   python tests/_fit_job.py grow_shrink
       fit starts on 2 of 3 running workers; the third joins in epoch 0 and
       leaves in epoch 2 (coordinator.update_workers), nobody restarts.
@@ -19,6 +23,8 @@ Usage:
 
 import json
 import logging
+import os
+import signal
 import sys
 
 import keras
@@ -26,12 +32,11 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _results import say
 
 EPOCHS, STEPS, PER_EXECUTION = 3, 40, 2
 
 
-def say(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 
 
 def data(seed=0, n=4096):
@@ -84,6 +89,32 @@ def backup(spec_json, backup_dir):
         resumed=backup_cb.resume_position())
 
 
+class _KillSelfAfterEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            print(f"KILLED after epoch {epoch}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def keras_backup(spec_json, backup_dir, kill):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    model = build(strategy)
+    # Keras' callback first: it saves at the end of the epoch before the kill.
+    callbacks = [keras.callbacks.BackupAndRestore(backup_dir)]
+    if kill:
+        callbacks.append(_KillSelfAfterEpoch(1))
+    history = model.fit(dataset_creator(), epochs=4, steps_per_epoch=4,
+                        callbacks=callbacks, verbose=0)
+    say(epochs=history.epoch,
+        iterations=int(model.optimizer.iterations.numpy()))
+
+
 class _KillWorker(keras.callbacks.Callback):
     def __init__(self, cluster):
         super().__init__()
@@ -109,7 +140,7 @@ def worker_kill(kill):
         x, y = data(seed=7, n=1024)
         accuracy = model.evaluate(x, y, batch_size=128, verbose=0,
                                   return_dict=True)["accuracy"]
-        coordinator = keras_ps.training.coordinator_for(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
         say(epochs=history.epoch, accuracy=accuracy,
             iterations=int(model.optimizer.iterations.numpy()),
             states=[w.state.value for w in coordinator.workers])
@@ -198,7 +229,7 @@ def grow_shrink():
             tf.train.ClusterSpec(spec), rpc_layer="grpc")
         strategy = keras_ps.ParameterServerStrategy(resolver)
         model = build(strategy)
-        coordinator = keras_ps.training.coordinator_for(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
         membership = _Membership(coordinator, addresses)
         history = model.fit(dataset_creator(), epochs=EPOCHS,
                             steps_per_epoch=STEPS, callbacks=[membership],
@@ -217,6 +248,8 @@ if __name__ == "__main__":
         backup(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "ps_restart":
         ps_restart(sys.argv[2], sys.argv[3] == "1")
+    elif sys.argv[1] == "keras_backup":
+        keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

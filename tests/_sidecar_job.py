@@ -12,7 +12,6 @@ Usage:
 """
 
 import glob
-import json
 import logging
 import os
 import sys
@@ -23,12 +22,11 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _results import say
 
 VOCAB, LENGTH, STEPS = 64, 6, 10
 
 
-def say(**kw):
-    print("RESULT " + json.dumps(kw), flush=True)
 
 
 def data(seed=0, n=2048):

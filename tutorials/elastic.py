@@ -214,7 +214,7 @@ def main(argv=None):
                 keras.layers.Dense(1, activation="sigmoid")])
             model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
                           steps_per_execution=PER_EXECUTION)
-        coordinator = keras_ps.training.coordinator_for(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
         grow = GrowAndShrink(rdzv_endpoint, log_dir,
                              grow_at=min(9, args.steps_per_epoch // 2),
                              min_steps_run=2)

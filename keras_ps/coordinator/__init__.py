@@ -1,12 +1,19 @@
-"""The cluster coordinator: scheduling, retries and per-worker values."""
+"""The cluster coordinator: scheduling, retries and per-worker values.
 
+Modules: `coordinator` (the public ClusterCoordinator), `closures` (the
+queue), `packing` (several calls in one remote call), `worker` (one thread
+per worker task and its states), `failure_handling` (probes, the failure
+policy, the hang watchdog, re-admission), `datasets` (per-worker datasets),
+`values` (RemoteValue), `config` (settings), `gate` (calls vs cluster updates).
+"""
+
+from keras_ps._per_worker import PerWorkerValues
 from keras_ps.coordinator.coordinator import ClusterCoordinator
-from keras_ps.coordinator.coordinator import num_workers
-from keras_ps.coordinator.coordinator import worker_index
-from keras_ps.coordinator.values import PerWorkerValues
 from keras_ps.coordinator.values import RemoteValue
 from keras_ps.coordinator.values import RemoteValueStatus
 from keras_ps.coordinator.worker import WorkerState
+from keras_ps.coordinator.worker_context import num_workers
+from keras_ps.coordinator.worker_context import worker_index
 
 __all__ = [
     "ClusterCoordinator",

@@ -4,8 +4,7 @@ import collections
 import logging
 import threading
 
-import tensorflow as tf
-
+from keras_ps.coordinator import packing
 from keras_ps.coordinator.values import RemoteValue
 from keras_ps.errors import ClosureCancelledError
 
@@ -64,21 +63,14 @@ class ClosureQueue:
                 self._cv.wait()
             if self._stopped:
                 return None
-            # Take a fair share so one worker doesn't starve the others.
-            share = -(-len(self._pending) // max(1, num_takers))
-            limit = max(1, min(max_pack, share))
-            # Powers of two only: each pack size is a separate trace.
-            limit = 1 << (limit.bit_length() - 1)
+            # A fair share, so one worker doesn't starve the others.
+            limit = packing.pack_limit(len(self._pending), max_pack, num_takers)
             first = self._pending[0]
             run = 0  # closures of the same function at the head of the queue
             while (run < limit and run < len(self._pending)
                    and self._pending[run].fn is first.fn):
                 run += 1
-            # Exactly a power of two: at most log2(max_pack)+1 traces per
-            # function, all made early in a job (a trace waits for every
-            # worker; see Worker._without_new_trace).
-            size = 1 << (run.bit_length() - 1)
-            batch = [self._pending.popleft() for _ in range(size)]
+            batch = [self._pending.popleft() for _ in range(packing.pack_size(run))]
             self._inflight += len(batch)
             for closure in batch:
                 closure.generation = self._generation
@@ -130,10 +122,6 @@ class ClosureQueue:
             error, self._error = self._error, None
             raise error
 
-    def raise_if_error(self):
-        with self._cv:
-            self._raise_if_error_locked()
-
     def done(self):
         with self._cv:
             self._raise_if_error_locked()
@@ -159,7 +147,3 @@ class ClosureQueue:
             self._stopped = True
             self._cancel_pending_locked()
             self._cv.notify_all()
-
-    def counts(self):
-        with self._cv:
-            return len(self._pending), self._inflight

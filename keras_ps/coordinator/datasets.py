@@ -5,8 +5,9 @@ import logging
 
 import tensorflow as tf
 
-from keras_ps import strategy as strategy_lib
-from keras_ps.coordinator.values import PerWorkerValues
+from keras_ps._per_worker import PerWorkerValues
+from keras_ps._per_worker import dispatch_scope
+from keras_ps._per_worker import worker_device
 
 logger = logging.getLogger(__name__)
 
@@ -29,23 +30,38 @@ def _no_variables(next_creator, **kwargs):
         "only use them inside dataset_fn.")
 
 
+def serialized(dataset):
+    """A function that rebuilds `dataset` wherever it is called.
+
+    A dataset made on the coordinator travels as its serialized graph and is
+    rebuilt on each worker (its variant tensor cannot be copied to another
+    task)."""
+    graph = tf.raw_ops.DatasetToGraphV2(
+        input_dataset=tf.data.experimental.to_variant(dataset))
+    spec = dataset.element_spec
+    return lambda: tf.data.experimental.from_variant(
+        tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+
+
 class PerWorkerDataset:
     """A dataset created on every worker by `coordinator.create_per_worker_dataset`.
 
     `iter()` gives a `PerWorkerValues` of iterators to pass to `schedule`.
+
+    Args:
+        dataset_or_fn: a `tf.data.Dataset`, or `dataset_fn()` /
+            `dataset_fn(input_context)` returning one.
+        strategy: the strategy (its `input_context()` per worker).
+        gate: held shared while iterators are created, so a worker's
+            re-admission (which rebuilds its datasets) cannot interleave.
+        members: for each worker index, whether it is in the cluster now.
     """
 
-    def __init__(self, coordinator, dataset_or_fn):
-        self._coordinator = coordinator
+    def __init__(self, dataset_or_fn, strategy, gate, members):
+        self._strategy = strategy
+        self._gate = gate
         if isinstance(dataset_or_fn, tf.data.Dataset):
-            # A dataset made on the coordinator travels as its serialized
-            # graph and is rebuilt on each worker (its variant can't be copied).
-            dataset = dataset_or_fn
-            graph = tf.raw_ops.DatasetToGraphV2(
-                input_dataset=tf.data.experimental.to_variant(dataset))
-            spec = dataset.element_spec
-            self._fn = lambda: tf.data.experimental.from_variant(
-                tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+            self._fn = serialized(dataset_or_fn)
             self._with_context = False
         elif callable(dataset_or_fn):
             self._fn = dataset_or_fn
@@ -55,16 +71,15 @@ class PerWorkerDataset:
                 "create_per_worker_dataset needs a dataset_fn or a "
                 f"tf.data.Dataset. Received: {dataset_or_fn!r}.")
         # Built now on the workers in the cluster; a worker that is down or
-        # joins later gets its dataset when it is admitted (_rebuild).
-        self._datasets = [self._build(i) if member else None
-                          for i, member in enumerate(coordinator.members())]
+        # joins later gets its dataset when it is admitted (rebuild).
+        self._datasets = [self._build(i, len(members)) if member else None
+                          for i, member in enumerate(members)]
         self._iterators = []  # PerWorkerValues handed out, rebuilt on recovery
 
-    def _build(self, index):
-        strategy = self._coordinator.strategy
-        num = self._coordinator.num_workers
-        with tf.device(strategy_lib.worker_device(index)), \
-                strategy_lib._DispatchScope(index, num), \
+    def _build(self, index, num_workers):
+        strategy = self._strategy
+        with tf.device(worker_device(index)), \
+                dispatch_scope(index, num_workers), \
                 tf.variable_creator_scope(_no_variables):
             if self._with_context:
                 context = strategy.input_context()
@@ -98,22 +113,23 @@ class PerWorkerDataset:
     def _iter_on(self, index):
         if index >= len(self._datasets) or self._datasets[index] is None:
             return None
-        with tf.device(strategy_lib.worker_device(index)):
+        with tf.device(worker_device(index)):
             return iter(self._datasets[index])
 
     def __iter__(self):
-        with self._coordinator._gate.shared():
+        with self._gate.shared():
             iterators = PerWorkerValues(
                 [self._iter_on(i) for i in range(len(self._datasets))],
                 source=self)
             self._iterators.append(iterators)
         return iterators
 
-    def _rebuild(self, index):
-        """(Re)creates worker `index`'s dataset and every iterator on it."""
+    def rebuild(self, index, num_workers):
+        """(Re)creates worker `index`'s dataset and every iterator on it
+        (called with the gate held exclusively)."""
         while len(self._datasets) <= index:
             self._datasets.append(None)
-        self._datasets[index] = self._build(index)
+        self._datasets[index] = self._build(index, num_workers)
         for iterators in self._iterators:
-            iterators._replace(index, self._iter_on(index))
+            iterators.replace(index, self._iter_on(index))
         logger.info("[worker:%d] per-worker dataset rebuilt", index)

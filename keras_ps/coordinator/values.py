@@ -1,4 +1,4 @@
-"""Values the coordinator hands out: RemoteValue and PerWorkerValues."""
+"""RemoteValue: the result of a scheduled function, filled in when it has run."""
 
 import enum
 import threading
@@ -97,45 +97,3 @@ def _explain(error, fn_name):
 
 def _to_numpy(value):
     return value.numpy() if hasattr(value, "numpy") else value
-
-
-class PerWorkerValues:
-    """One value per worker (e.g. each worker's dataset iterator).
-
-    Pass it to `coordinator.schedule`: each closure receives the value of the
-    worker it runs on. It is not an iterator itself; call `next()` inside the
-    scheduled `tf.function`.
-    """
-
-    def __init__(self, values, source=None):
-        self._values = list(values)
-        # What made the values (a per-worker dataset), kept alive as long as
-        # they are, so the coordinator can rebuild them on a returning worker.
-        self._source = source
-
-    @property
-    def values(self):
-        return tuple(self._values)
-
-    def _replace(self, index, value):
-        while len(self._values) <= index:
-            self._values.append(None)
-        self._values[index] = value
-
-    def __len__(self):
-        return len(self._values)
-
-    def __next__(self):
-        raise TypeError(
-            "next() was called on PerWorkerValues (a per-worker iterator) on "
-            "the coordinator. Call next(iterator) inside the tf.function you "
-            "pass to coordinator.schedule(fn, args=(iterator,)) instead.")
-
-    def __iter__(self):
-        raise TypeError(
-            "PerWorkerValues cannot be iterated on the coordinator. Pass it "
-            "to coordinator.schedule(fn, args=(value,)); each worker gets its "
-            "own element.")
-
-    def __repr__(self):
-        return f"<PerWorkerValues of {len(self._values)} workers>"

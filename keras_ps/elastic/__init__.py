@@ -5,31 +5,31 @@ TensorFlow: `ElasticClusterResolver` (which subclasses TF's ClusterResolver)
 is loaded on first access, through the module `__getattr__` below.
 """
 
-from keras_ps.elastic.api import ClusterSpec
+from keras_ps.elastic.agent import AgentConfig
+from keras_ps.elastic.agent import ElasticAgent
 from keras_ps.elastic.api import MembershipChange
+from keras_ps.elastic.api import MembershipView
 from keras_ps.elastic.api import NodeState
 from keras_ps.elastic.api import RendezvousAuthError
+from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.api import RendezvousClosedError
 from keras_ps.elastic.api import RendezvousConfig
 from keras_ps.elastic.api import RendezvousError
 from keras_ps.elastic.api import RendezvousInvalidArgumentError
 from keras_ps.elastic.api import RendezvousResourceExhaustedError
+from keras_ps.elastic.rendezvous_server import RendezvousServer
 from keras_ps.elastic.api import RendezvousStateError
 from keras_ps.elastic.api import RendezvousTimeoutError
 from keras_ps.elastic.api import RendezvousUnknownNodeError
-from keras_ps.elastic.agent import AgentConfig
-from keras_ps.elastic.agent import ElasticAgent
-from keras_ps.elastic.agent import WorkerStatus
+from keras_ps.elastic.agent import TaskStatus
 from keras_ps.elastic.api import WaitingNodes
-from keras_ps.elastic.client import RendezvousClient
-from keras_ps.elastic.server import RendezvousServer
 
 __all__ = [
     "AgentConfig",
-    "ClusterSpec",
     "ElasticAgent",
     "ElasticClusterResolver",
     "MembershipChange",
+    "MembershipView",
     "NodeState",
     "RendezvousAuthError",
     "RendezvousClient",
@@ -42,8 +42,8 @@ __all__ = [
     "RendezvousStateError",
     "RendezvousTimeoutError",
     "RendezvousUnknownNodeError",
+    "TaskStatus",
     "WaitingNodes",
-    "WorkerStatus",
 ]
 
 

@@ -23,13 +23,12 @@ import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 from keras_ps.elastic import api
+from keras_ps.elastic._meetings import Meetings
 from keras_ps.elastic._decisions import decide_phase
 from keras_ps.elastic._decisions import describe_addresses
 from keras_ps.elastic._decisions import lease_expired
 from keras_ps.elastic._decisions import lowest_free_slot
-from keras_ps.elastic._decisions import meeting_outcome
 from keras_ps.elastic.api import MeetingKind
-from keras_ps.elastic.api import MeetingState
 from keras_ps.elastic.api import NodeState
 from keras_ps.elastic.api import RemovalReason
 from keras_ps.elastic.api import RendezvousPhase
@@ -52,21 +51,6 @@ class _Node:
     inflight: int = 0
     index: int = -1
     seen_version: int = 0
-
-
-@dataclasses.dataclass
-class _Meeting:
-    kind: MeetingKind
-    tag: str
-    generation: int
-    participants: set
-    opened_at: float
-    deadline: float
-    arrived: Dict[str, bytes] = dataclasses.field(default_factory=dict)
-    state: MeetingState = MeetingState.OPEN
-    missing: Tuple[str, ...] = ()
-    finished_at: float = 0.0
-    collected: set = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +88,7 @@ class MembershipState:
         self._version = 0
         self._totals: Dict[int, Tuple[int, int]] = {0: (0, 0)}
         self._changes = collections.deque(maxlen=64)
-        self._open: Dict[tuple, _Meeting] = {}
-        self._finished: Dict[tuple, _Meeting] = {}
-        self._generation = 0
+        self._meetings = Meetings(self.condition, lambda: list(self._nodes))
         self._next_lease_check = _INF
 
     # ---------------------------------------------------------- membership
@@ -150,7 +132,7 @@ class MembershipState:
             self._reconcile(now)
             return node.state
 
-    def spec_for(self, address: str) -> Optional[api.ClusterSpec]:
+    def spec_for(self, address: str) -> Optional[api.MembershipView]:
         """The cluster spec as `address` sees it, None while it waits.
 
         Raises:
@@ -161,7 +143,7 @@ class MembershipState:
             node = self._known(address)
             if node.state is not NodeState.ADMITTED:
                 return None
-            return api.ClusterSpec(tuple(self._slots), node.index,
+            return api.MembershipView(tuple(self._slots), node.index,
                                    self._version)
 
     def keep_alive(self, address: str) -> api.WaitingNodes:
@@ -223,29 +205,13 @@ class MembershipState:
         """
         with self.condition:
             node = self._known(address)
-            now = node.last_seen
             if node.state is not NodeState.ADMITTED:
                 raise api.RendezvousStateError(
                     f"node {address} is waiting for a place; only admitted "
                     f"nodes can enter {kind.value} {tag!r}")
-            key = (kind, tag)
-            meeting = self._open.get(key)
-            if meeting is None:
-                self._generation += 1
-                participants = {a for a in self._slots if a is not None}
-                meeting = _Meeting(kind, tag, self._generation, participants,
-                                   opened_at=now, deadline=now + timeout)
-                self._open[key] = meeting
-                logger.debug("%s %r generation %s opened for %s nodes",
-                             kind.value, tag, meeting.generation,
-                             len(participants))
-            else:
-                meeting.deadline = min(meeting.deadline, now + timeout)
-            meeting.participants.add(address)
-            meeting.arrived[address] = data
-            self._settle(meeting, now)
-            self.condition.notify_all()
-            return meeting.generation
+            participants = {a for a in self._slots if a is not None}
+            return self._meetings.arrive(kind, address, tag, data, timeout,
+                                         node.last_seen, participants)
 
     def meeting_result(self, kind: MeetingKind, address: str, tag: str,
                        generation: int) -> Optional[Dict[str, bytes]]:
@@ -258,27 +224,7 @@ class MembershipState:
         """
         with self.condition:
             self._known(address)
-            key = (kind, tag)
-            meeting = self._open.get(key)
-            if meeting is not None and meeting.generation == generation:
-                return None
-            meeting = self._finished.get(key)
-            if meeting is None or meeting.generation != generation:
-                raise api.RendezvousStateError(
-                    f"{kind.value} {tag!r} generation {generation} is not "
-                    f"known to the server")
-            meeting.collected.add(address)
-            if meeting.collected.issuperset(meeting.arrived):
-                del self._finished[key]
-            if meeting.state is MeetingState.FAILED:
-                waited = meeting.deadline - meeting.opened_at
-                raise api.RendezvousTimeoutError(
-                    f"{kind.value} {tag!r} timed out after {waited:.3g}s; "
-                    f"{len(meeting.missing)} of {len(meeting.participants)} "
-                    f"nodes did not arrive: "
-                    f"{describe_addresses(meeting.missing)}",
-                    missing=meeting.missing)
-            return dict(meeting.arrived)
+            return self._meetings.result(kind, tag, address, generation)
 
     # ---------------------------------------------------- time and waiting
 
@@ -289,9 +235,7 @@ class MembershipState:
             now = self._tick()
             retention = (self._config.keepalive_timeout
                          + self._config.long_poll_timeout)
-            for key, meeting in list(self._finished.items()):
-                if now - meeting.finished_at > retention:
-                    del self._finished[key]
+            self._meetings.forget_finished(now, retention)
             return self.next_deadline()
 
     def next_deadline(self) -> float:
@@ -300,7 +244,7 @@ class MembershipState:
             times = [self._next_lease_check]
             if self._gather_deadline is not None:
                 times.append(self._gather_deadline)
-            times.extend(m.deadline for m in self._open.values())
+            times.extend(self._meetings.deadlines())
             return min(times)
 
     def wait_for(self, attempt: Callable[[], object], deadline: float):
@@ -352,7 +296,7 @@ class MembershipState:
                             if n.state is NodeState.WAITING)
             return MembershipSnapshot(
                 self._phase, self._version, tuple(self._slots), waiting,
-                self._job, len(self._open), len(self._finished))
+                self._job, *self._meetings.counts())
 
     @property
     def changes(self) -> Tuple[api.MembershipChange, ...]:
@@ -382,9 +326,7 @@ class MembershipState:
         if (self._gather_deadline is not None
                 and now >= self._gather_deadline):
             self._reconcile(now)
-        for meeting in list(self._open.values()):
-            if now >= meeting.deadline:
-                self._settle(meeting, now)
+        self._meetings.settle_due(now)
         return now
 
     def _expire(self, now: float):
@@ -414,15 +356,7 @@ class MembershipState:
                             reason.value)
         while self._slots and self._slots[-1] is None:
             self._slots.pop()
-        gone = set(addresses)
-        for meeting in list(self._open.values()):
-            meeting.participants -= gone
-            for address in gone:
-                meeting.arrived.pop(address, None)
-            if not meeting.participants:
-                del self._open[(meeting.kind, meeting.tag)]
-            else:
-                self._settle(meeting, now)
+        self._meetings.remove_nodes(set(addresses), now)
         if not self._nodes:
             if self._job is not None:
                 logger.info("all nodes gone; rendezvous %s -> %s",
@@ -485,29 +419,6 @@ class MembershipState:
         self._admitted += 1
         logger.debug("node %s %s -> %s at index %s", node.address,
                      NodeState.WAITING.value, NodeState.ADMITTED.value, index)
-
-    def _settle(self, meeting: _Meeting, now: float):
-        state = meeting_outcome(meeting.participants, meeting.arrived,
-                                meeting.deadline, now)
-        if state is MeetingState.OPEN:
-            return
-        meeting.state, meeting.finished_at = state, now
-        key = (meeting.kind, meeting.tag)
-        del self._open[key]
-        self._finished[key] = meeting
-        if state is MeetingState.FAILED:
-            order = {a: i for i, a in enumerate(self._nodes)}
-            meeting.missing = tuple(sorted(
-                (p for p in meeting.participants if p not in meeting.arrived),
-                key=lambda a: order.get(a, len(order))))
-            logger.warning("%s %r generation %s timed out; missing: %s",
-                           meeting.kind.value, meeting.tag, meeting.generation,
-                           describe_addresses(meeting.missing))
-        else:
-            logger.debug("%s %r generation %s complete (%s nodes)",
-                         meeting.kind.value, meeting.tag, meeting.generation,
-                         len(meeting.arrived))
-        self.condition.notify_all()
 
     def _prune_history(self):
         if len(self._totals) <= 64 + self._admitted:

@@ -32,7 +32,7 @@ TASK_STOP_GRACE = 10.0
 EXIT_BARRIER_TAG = "keras_ps-agent-exit"
 
 
-class WorkerStatus(enum.Enum):
+class TaskStatus(enum.Enum):
     """What the agent's monitor sees of its task."""
 
     HEALTHY = "healthy"
@@ -49,12 +49,12 @@ class AgentDecision(enum.Enum):
     GIVE_UP = "give_up"
 
 
-def decide(status: WorkerStatus, restarts: int,
+def decide(status: TaskStatus, restarts: int,
            max_restarts: int) -> AgentDecision:
     """The agent's failure policy: decides only, the agent acts."""
-    if status is WorkerStatus.HEALTHY:
+    if status is TaskStatus.HEALTHY:
         return AgentDecision.CONTINUE
-    if status is WorkerStatus.SUCCEEDED:
+    if status is TaskStatus.SUCCEEDED:
         return AgentDecision.FINISH
     return (AgentDecision.RESTART if restarts < max_restarts
             else AgentDecision.GIVE_UP)
@@ -125,9 +125,9 @@ class ElasticAgent:
                                                   token=config.token)
         self._stop = threading.Event()
         self._process: Optional[subprocess.Popen] = None
-        self._spec: Optional[api.ClusterSpec] = None
+        self._spec: Optional[api.MembershipView] = None
         self.restarts = 0
-        self.status: Optional[WorkerStatus] = None
+        self.status: Optional[TaskStatus] = None
         self._prefix = f"[agent {config.address}]"
 
     def request_stop(self, signum=None, frame=None):
@@ -193,13 +193,13 @@ class ElasticAgent:
         logger.info("%s stop requested", self._prefix)
         return 0
 
-    def _poll(self) -> WorkerStatus:
+    def _poll(self) -> TaskStatus:
         code = self._process.poll()
         if code is None:
-            return WorkerStatus.HEALTHY
-        return WorkerStatus.SUCCEEDED if code == 0 else WorkerStatus.FAILED
+            return TaskStatus.HEALTHY
+        return TaskStatus.SUCCEEDED if code == 0 else TaskStatus.FAILED
 
-    def _set_status(self, status: WorkerStatus):
+    def _set_status(self, status: TaskStatus):
         if status is not self.status:
             logger.info("%s task %s -> %s", self._prefix,
                         self.status and self.status.value, status.value)
@@ -215,7 +215,7 @@ class ElasticAgent:
                    KERAS_PS_RDZV_ENDPOINT=self.config.rdzv_endpoint)
         self._process = subprocess.Popen(command, env=env)
         self.status = None
-        self._set_status(WorkerStatus.HEALTHY)
+        self._set_status(TaskStatus.HEALTHY)
         # One line on stdout so supervisors (and tests) learn the task's pid.
         print(f"keras_ps.elastic.agent: task pid={self._process.pid} "
               f"index={spec.index} address={address}", flush=True)

@@ -174,7 +174,7 @@ class RemovalReason(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class ClusterSpec:
+class MembershipView:
     """The admitted workers as one node sees them.
 
     Attributes:

@@ -16,8 +16,8 @@ import grpc
 from keras_ps.elastic import api
 from keras_ps.elastic import rendezvous_pb2 as pb
 from keras_ps.elastic import rendezvous_pb2_grpc as pb_grpc
-from keras_ps.elastic.server import PemSource
-from keras_ps.elastic.server import read_pem
+from keras_ps.elastic.rendezvous_server import PemSource
+from keras_ps.elastic.rendezvous_server import read_pem
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class RendezvousClient:
     # ------------------------------------------------------------ public
 
     def get_cluster_spec(self, address: str, min_nodes: int, max_nodes: int,
-                         timeout: Optional[float] = None) -> api.ClusterSpec:
+                         timeout: Optional[float] = None) -> api.MembershipView:
         """Joins the rendezvous and waits for this node's place.
 
         Args:
@@ -117,7 +117,7 @@ class RendezvousClient:
                 continue
             registered = response.registered
             if response.status == pb.ADMITTED:
-                return api.ClusterSpec(
+                return api.MembershipView(
                     tuple(a or None for a in response.workers),
                     response.index, response.version)
             self._backoff(response.retry_after, deadline)
@@ -181,7 +181,7 @@ class RendezvousClient:
         return dict(response.data)
 
     def list_members(self, known_version: int = -1,
-                     timeout: float = 0.0) -> api.ClusterSpec:
+                     timeout: float = 0.0) -> api.MembershipView:
         """Reads the cluster spec without joining it (an observer's view).
 
         Args:
@@ -208,7 +208,7 @@ class RendezvousClient:
             raise api.RendezvousTimeoutError(
                 f"rendezvous server {self._endpoint} did not answer within "
                 f"{timeout + self._timeout:.3g}s") from None
-        return api.ClusterSpec(tuple(a or None for a in response.workers),
+        return api.MembershipView(tuple(a or None for a in response.workers),
                                -1, response.version)
 
     def close(self):
@@ -274,7 +274,7 @@ class RendezvousClient:
             return rpc(request, timeout=rpc_timeout, metadata=self._metadata)
         except grpc.RpcError as error:
             raise self._convert(error) from None
-        except ValueError as error:  # "Cannot invoke RPC on closed channel"
+        except ValueError:  # "Cannot invoke RPC on closed channel"
             if self._closed.is_set():
                 raise api.RendezvousClosedError(
                     "the RendezvousClient is closed") from None

@@ -103,7 +103,7 @@ def run_standalone(args, parser: Optional[argparse.ArgumentParser] = None
     Returns:
         The process exit code.
     """
-    from keras_ps.elastic.server import RendezvousServer
+    from keras_ps.elastic.rendezvous_server import RendezvousServer
 
     parser = parser or build_parser()
     if not args.rdzv_endpoint:

@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
+from keras_ps import cluster as cluster_lib
 from keras_ps.elastic import api
 from keras_ps.elastic.client import RendezvousClient
 
@@ -23,7 +24,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_POLL_INTERVAL = 2.0
 
 
-class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
+class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
+                             cluster_lib.MembershipWatcher):
     """Chief and ps given; workers as the rendezvous admits them.
 
     Args:
@@ -68,7 +70,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
         self.startup_timeout = startup_timeout
         self._client = RendezvousClient(rdzv_endpoint, token=token)
         self._lock = threading.Lock()
-        self._members: Optional[api.ClusterSpec] = None
+        self._members: Optional[api.MembershipView] = None
         self._watches: List["_Watch"] = []
         self.task_type, self.task_id = None, None
         self.rpc_layer = rpc_layer
@@ -108,7 +110,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
             return list(self._members.workers) if self._members else []
 
     def wait_for_workers(self, count: int,
-                         timeout: float) -> api.ClusterSpec:
+                         timeout: float) -> api.MembershipView:
         """Waits until `count` workers are admitted; returns the membership.
 
         Raises:
@@ -159,7 +161,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver):
 class _Watch:
     """One thread long-polling the membership for one callback."""
 
-    def __init__(self, resolver, callback, start: Optional[api.ClusterSpec]):
+    def __init__(self, resolver, callback, start: Optional[api.MembershipView]):
         self._resolver = resolver
         self._callback = callback
         self._seen = start.workers if start else None

@@ -1,0 +1,79 @@
+"""Which worker a value or a call belongs to.
+
+`PerWorkerValues` holds one value per worker (each worker's dataset iterator);
+the dispatch context says which worker the calling thread is running a
+closure or a `dataset_fn` for. Both sit below the strategy and the
+coordinator: the strategy unwraps per-worker values in `_local_results`, the
+coordinator's worker threads set the context.
+"""
+
+import threading
+
+_dispatch = threading.local()
+
+
+def worker_device(index):
+    """The device string of worker task `index`."""
+    return f"/job:worker/replica:0/task:{index}/device:CPU:0"
+
+
+def current_worker():
+    """(worker_index, num_workers) of the closure this thread dispatches, or None."""
+    return getattr(_dispatch, "worker", None)
+
+
+class dispatch_scope:  # noqa: N801  (used like a function: `with dispatch_scope(...)`)
+    """Within it, this thread dispatches for worker `index` of `num_workers`."""
+
+    def __init__(self, index, num_workers):
+        self._value = (index, num_workers)
+
+    def __enter__(self):
+        self._saved = getattr(_dispatch, "worker", None)
+        _dispatch.worker = self._value
+
+    def __exit__(self, *exc):
+        _dispatch.worker = self._saved
+
+
+class PerWorkerValues:
+    """One value per worker (e.g. each worker's dataset iterator).
+
+    Pass it to `coordinator.schedule`: each closure receives the value of the
+    worker it runs on. It is not an iterator itself; call `next()` inside the
+    scheduled `tf.function`.
+    """
+
+    def __init__(self, values, source=None):
+        self._values = list(values)
+        # What made the values (a per-worker dataset), kept alive as long as
+        # they are, so the coordinator can rebuild them on a returning worker.
+        self._source = source
+
+    @property
+    def values(self):
+        return tuple(self._values)
+
+    def replace(self, index, value):
+        """Sets worker `index`'s value (a rebuilt iterator on a returning worker)."""
+        while len(self._values) <= index:
+            self._values.append(None)
+        self._values[index] = value
+
+    def __len__(self):
+        return len(self._values)
+
+    def __next__(self):
+        raise TypeError(
+            "next() was called on PerWorkerValues (a per-worker iterator) on "
+            "the coordinator. Call next(iterator) inside the tf.function you "
+            "pass to coordinator.schedule(fn, args=(iterator,)) instead.")
+
+    def __iter__(self):
+        raise TypeError(
+            "PerWorkerValues cannot be iterated on the coordinator. Pass it "
+            "to coordinator.schedule(fn, args=(value,)); each worker gets its "
+            "own element.")
+
+    def __repr__(self):
+        return f"<PerWorkerValues of {len(self._values)} workers>"

@@ -1,0 +1,82 @@
+"""The coordinator's settings, validated once, from arguments or the environment."""
+
+import dataclasses
+
+from keras_ps import _constants
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinatorConfig:
+    """How the coordinator packs calls and handles worker failures.
+
+    Every field has an environment variable and a default in
+    keras_ps/_constants.py; `from_env` reads them, an explicit argument wins.
+
+    Attributes:
+        max_pack: most closures of one function per remote call (1: no packing).
+        probe_timeout: seconds a connectivity probe of a task may take.
+        recovery_interval: seconds between probes of a failed or joining worker.
+        rebuild_retry_delay: seconds before retrying a failed re-admission.
+        readmit_workers: whether a failed worker that answers again is re-admitted.
+        no_worker_timeout: seconds `join` tolerates no healthy worker (0: forever).
+        hang_timeout: seconds a call may run before its worker is probed and,
+            if it does not answer, declared failed (0: no hang watchdog).
+    """
+
+    max_pack: int = _constants.DEFAULT_MAX_PACK
+    probe_timeout: float = _constants.DEFAULT_PROBE_TIMEOUT
+    recovery_interval: float = _constants.DEFAULT_RECOVERY_INTERVAL
+    rebuild_retry_delay: float = _constants.REBUILD_RETRY_DELAY
+    readmit_workers: bool = bool(_constants.DEFAULT_READMIT_WORKERS)
+    no_worker_timeout: float = _constants.DEFAULT_NO_WORKER_TIMEOUT
+    hang_timeout: float = _constants.DEFAULT_HANG_TIMEOUT
+    # Where max_pack came from, for error messages.
+    max_pack_source: str = dataclasses.field(default="max_pack", compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.max_pack, bool) or not isinstance(self.max_pack, int) \
+                or self.max_pack < 1:
+            raise ValueError(
+                f"max_pack must be at least 1. Received: {self.max_pack_source}="
+                f"{self.max_pack}. Use 1 to turn packing off, or leave it "
+                f"unset for the default {_constants.DEFAULT_MAX_PACK}.")
+        for name in ("probe_timeout", "recovery_interval"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(
+                    f"{name} must be a positive number of seconds. Received: "
+                    f"{name}={value!r}.")
+        for name in ("rebuild_retry_delay", "no_worker_timeout", "hang_timeout"):
+            value = getattr(self, name)
+            if not value >= 0:
+                raise ValueError(
+                    f"{name} must be 0 or a positive number of seconds. "
+                    f"Received: {name}={value!r}.")
+
+    @classmethod
+    def from_env(cls, max_pack=None):
+        """The settings from the environment; `max_pack` overrides its variable."""
+        source = "max_pack"
+        if max_pack is None:
+            source = _constants.MAX_PACK_ENV_VAR
+            max_pack = _constants.env_int(
+                _constants.MAX_PACK_ENV_VAR, _constants.DEFAULT_MAX_PACK)
+        return cls(
+            max_pack=max_pack,
+            max_pack_source=source,
+            probe_timeout=_constants.env_float(
+                _constants.PROBE_TIMEOUT_ENV_VAR,
+                _constants.DEFAULT_PROBE_TIMEOUT),
+            recovery_interval=_constants.env_float(
+                _constants.RECOVERY_INTERVAL_ENV_VAR,
+                _constants.DEFAULT_RECOVERY_INTERVAL),
+            readmit_workers=bool(_constants.env_int(
+                _constants.READMIT_WORKERS_ENV_VAR,
+                _constants.DEFAULT_READMIT_WORKERS)),
+            no_worker_timeout=_constants.env_float(
+                _constants.NO_WORKER_TIMEOUT_ENV_VAR,
+                _constants.DEFAULT_NO_WORKER_TIMEOUT),
+            hang_timeout=_constants.env_float(
+                _constants.HANG_TIMEOUT_ENV_VAR,
+                _constants.DEFAULT_HANG_TIMEOUT),
+        )

@@ -1,0 +1,198 @@
+"""Failure handling: probing tasks, deciding what a failure means, the hang
+watchdog and the re-admission of a worker that answers again.
+
+Decide apart from act: `decide` is a pure function of what was observed (the
+error's type, probes of the worker and the ps tasks); the worker thread acts
+on its `Decision` and logs why. Failures are classified by exception type
+only, never by message text.
+"""
+
+import enum
+import logging
+import socket
+import threading
+import time
+
+import tensorflow as tf
+
+from keras_ps import _tf_adapter
+from keras_ps import strategy as strategy_lib
+
+logger = logging.getLogger(__name__)
+
+# -- probing -------------------------------------------------------------------
+# An HTTP/2 client connection preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                  b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+_SETTINGS_FRAME = 4
+
+
+def probe(address, timeout):
+    """True if a gRPC server answers at `address` within `timeout` seconds.
+
+    Opens an HTTP/2 connection and waits for the server's SETTINGS frame, the
+    first thing a live gRPC server sends: milliseconds on a live server, an
+    immediate False when nothing listens, and False after `timeout` for a
+    stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
+    (gRPC's own channel-ready check polls, about 0.2 s per call.)
+    """
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + timeout
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)),
+                                      timeout=timeout) as sock:
+            sock.sendall(_HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                sock.settimeout(remaining)
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return header[3] == _SETTINGS_FRAME
+    except (OSError, ValueError):
+        return False
+
+
+# -- the policy ------------------------------------------------------------------
+# Errors a lost or restarted task can surface as. Any other error type is the
+# user's function failing.
+_CONNECTIVITY_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+)
+
+MAX_TRANSIENT_RETRIES = 3
+
+
+class Decision(enum.Enum):
+    RETRY_ELSEWHERE = "retry_elsewhere"  # worker lost: requeue, recover worker
+    RETRY = "retry"  # transient error on a live worker: requeue, stay healthy
+    RAISE_PS_FAILURE = "raise_ps_failure"  # a ps is gone: fatal for the job
+    RAISE = "raise"  # the user's function failed
+
+
+def is_connectivity_error(error):
+    return isinstance(error, _CONNECTIVITY_ERRORS)
+
+
+def decide(error, worker_alive, dead_ps, context_lost=False,
+           consecutive_failures=1):
+    """Returns the Decision for a closure that raised `error`.
+
+    Args:
+        error: the exception the remote call raised.
+        worker_alive: whether the worker answered a probe after the failure.
+        dead_ps: list of ps indices that did not answer a probe.
+        context_lost: the worker answers but lost our eager context (it was
+            restarted); its state must be rebuilt before it runs again.
+        consecutive_failures: failures of this worker in a row, this one
+            included.
+    """
+    if dead_ps:
+        return Decision.RAISE_PS_FAILURE
+    if not worker_alive or context_lost:
+        return Decision.RETRY_ELSEWHERE
+    if is_connectivity_error(error):
+        # A live worker with a connection error: a blip, or a restart that
+        # lost our context. Retry a few times, then rebuild its context.
+        if consecutive_failures > MAX_TRANSIENT_RETRIES:
+            return Decision.RETRY_ELSEWHERE
+        return Decision.RETRY
+    return Decision.RAISE
+
+
+# -- the hang watchdog --------------------------------------------------------------
+class HangWatchdog:
+    """Declares a worker failed when its call has run `hang_timeout` seconds
+    and the worker does not answer a probe: a stopped or hung process never
+    returns the call, and would hold its closures forever. A busy worker
+    still answers the probe, so long steps are never cut short."""
+
+    def __init__(self, workers, config):
+        self._workers = workers  # () -> the current Worker objects
+        self._config = config
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="keras_ps-hang-watchdog")
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stopping.set()
+
+    def _run(self):
+        timeout = self._config.hang_timeout
+        interval = min(1.0, timeout / 2)
+        while not self._stopping.wait(interval):
+            for w in self._workers():
+                age = w.in_flight_seconds()
+                if age is None or age < timeout:
+                    continue
+                if not probe(w.address, self._config.probe_timeout):
+                    w.abandon_in_flight(
+                        f"call running {age:.0f}s and the worker does not answer")
+
+
+# -- re-admission -------------------------------------------------------------------
+class Readmission:
+    """Makes a restarted (or new) worker usable: pushes the cluster definition
+    with the workers that are members now, then rebuilds what lived on that
+    worker's process (its datasets and iterators), with no call in flight.
+
+    Pushing the definition creates a fresh eager context on the returning
+    task only; ps variables, traced functions and the other workers'
+    iterators keep working. Lost workers are left out of the definition: TF
+    waits for every listed task when the definition changes.
+    """
+
+    def __init__(self, gate, members, num_workers, datasets):
+        self._gate = gate
+        self._members = members  # () -> {index: address} of workers in the cluster
+        self._num_workers = num_workers  # () -> the number of worker places
+        self._datasets = datasets  # () -> the live per-worker datasets
+        # The cluster as connected; updated copies are pushed.
+        self._server_def = _tf_adapter.get_server_def()
+        # Bumped by every push: a call that started before a push and failed
+        # after it lost its context, whatever its error says.
+        self.generation = 0
+
+    def readmit(self, index):
+        started = time.monotonic()
+        with self._gate.exclusive():
+            gate = time.monotonic()
+            _tf_adapter.update_server_def(self.membership_def())
+            connected = time.monotonic()
+            self.generation += 1
+            for dataset in self._datasets():
+                dataset.rebuild(index, self._num_workers())
+        logger.info(
+            "[worker:%d] rebuilt in %.2fs: %.2fs waiting for calls in flight, "
+            "%.2fs server def, %.2fs datasets", index,
+            time.monotonic() - started, gate - started, connected - gate,
+            time.monotonic() - connected)
+
+    def membership_def(self):
+        """The connected server def with the worker job reduced to the
+        workers that are in the cluster now."""
+        server_def = type(self._server_def)()
+        server_def.CopyFrom(self._server_def)
+        members = self._members()
+        for job in server_def.cluster.job:
+            if job.name == "worker":
+                job.ClearField("tasks")
+                for index, address in members.items():
+                    job.tasks[index] = address
+        for job in server_def.cluster_device_filters.jobs:
+            if job.name == "worker":
+                job.ClearField("tasks")
+                for index in members:
+                    job.tasks[index].device_filters.extend(
+                        strategy_lib.WORKER_DEVICE_FILTERS)
+        return server_def

@@ -1,0 +1,171 @@
+"""The input of fit / evaluate / predict on a parameter-server cluster.
+
+`DatasetCreator` (a function that builds the dataset on each worker), a
+`tf.data.Dataset`, or numpy arrays; how each becomes a per-worker dataset (for
+training) or one finite dataset (for exactly-once evaluation).
+"""
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+DEFAULT_BATCH_SIZE = 32
+
+
+class DatasetCreator:
+    """Input for `model.fit`: a function that builds the dataset on each worker.
+
+    Args:
+        dataset_fn: `dataset_fn(input_context) -> tf.data.Dataset`. It runs
+            on every worker; `input_context.input_pipeline_id` is the worker's
+            index and `input_context.num_input_pipelines` the number of
+            workers, so each worker can read its own shard. The dataset should
+            repeat: `fit` takes `steps_per_epoch` batches per epoch from it.
+
+    Example:
+    ```python
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        return ds.shuffle(1024).batch(64).repeat()
+
+    model.fit(keras_ps.DatasetCreator(dataset_fn), epochs=3, steps_per_epoch=100)
+    ```
+    """
+
+    def __init__(self, dataset_fn):
+        if not callable(dataset_fn):
+            raise TypeError(
+                "DatasetCreator needs a callable dataset_fn(input_context). "
+                f"Received: dataset_fn={dataset_fn!r}.")
+        self.dataset_fn = dataset_fn
+
+    def __call__(self, input_context):
+        dataset = self.dataset_fn(input_context)
+        if not isinstance(dataset, tf.data.Dataset):
+            raise TypeError(
+                "The DatasetCreator's dataset_fn must return a tf.data.Dataset. "
+                f"Received: {type(dataset).__name__} from {self.dataset_fn!r}.")
+        return dataset
+
+    def __repr__(self):
+        return f"DatasetCreator({self.dataset_fn!r})"
+
+
+
+def is_array_like(x):
+    return isinstance(x, (np.ndarray, tf.Tensor, list, tuple, dict)) or \
+        hasattr(x, "__array__")
+
+
+def arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle):
+    """Numpy arrays / tensors become a per-worker dataset: each worker reads
+    its own 1/num_workers of the rows (shard by worker index), shuffled each
+    pass, batched, repeated. The arrays travel inside the dataset's graph, so
+    keep them small (use a DatasetCreator for large data)."""
+    data = as_arrays(x, y, sample_weight)
+    batch_size = batch_size or DEFAULT_BATCH_SIZE
+
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices(data)
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        if shuffle:
+            ds = ds.shuffle(8 * batch_size, reshuffle_each_iteration=True)
+        return ds.batch(batch_size).repeat()
+
+    return dataset_fn
+
+
+def as_arrays(x, y, sample_weight):
+    """(x,), (x, y) or (x, y, sample_weight) as numpy arrays, checked to have
+    one row per example in every array."""
+    data = (x,) if y is None else (x, y) if sample_weight is None \
+        else (x, y, sample_weight)
+    data = tf.nest.map_structure(np.asarray, data)
+    rows = []
+    for name, part in zip(("x", "y", "sample_weight"), data):
+        leaves = tf.nest.flatten(part)
+        for i, leaf in enumerate(leaves):
+            label = name if len(leaves) == 1 else f"{name}[{i}]"
+            rows.append((label, leaf.shape[0] if leaf.ndim else None))
+    if len({count for _, count in rows}) > 1:
+        received = ", ".join(
+            f"{label} has {'no rows (a scalar)' if count is None else count}"
+            + ("" if count is None else " rows") for label, count in rows)
+        raise ValueError(
+            "x, y and sample_weight must have the same number of rows (one "
+            f"per example). Received: {received}. Fix: pass arrays of equal "
+            "length.")
+    return data
+
+
+def training_input(x, y, sample_weight, batch_size, shuffle):
+    """A dataset_fn or a tf.data.Dataset for the coordinator, repeated."""
+    if isinstance(x, DatasetCreator):
+        no_targets(x, y, sample_weight)
+        return x
+    if isinstance(x, tf.data.Dataset):
+        no_targets(x, y, sample_weight)
+        return x.repeat()
+    if isinstance(x, keras.utils.PyDataset) or (
+            callable(getattr(x, "__iter__", None)) and not is_array_like(x)):
+        raise TypeError(
+            "With parameter-server training the input must be a "
+            "keras_ps.DatasetCreator, a tf.data.Dataset or numpy arrays/"
+            f"tensors. Received: x of type {type(x).__name__}. Wrap a Python "
+            "generator in tf.data.Dataset.from_generator inside a "
+            "DatasetCreator's dataset_fn.")
+    if x is None:
+        raise ValueError("fit/evaluate need input data. Received: x=None.")
+    return arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle)
+
+
+def no_targets(x, y, sample_weight):
+    if y is not None or sample_weight is not None:
+        raise ValueError(
+            f"When x is a {type(x).__name__}, the targets and sample weights "
+            "come from it: y and sample_weight must be None. Received: "
+            f"y={type(y).__name__}, sample_weight={type(sample_weight).__name__}.")
+
+
+def require_steps(name, value, what):
+    if value is None:
+        raise ValueError(
+            f"`{name}` is required with parameter-server training: workers "
+            "read their data independently, so the coordinator cannot tell "
+            f"where an epoch ends. Received: {name}=None. Pass {name}=<number "
+            f"of batches per {what}>.")
+    if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive integer. Received: {name}={value!r}.")
+    return int(value)
+
+
+def split_arrays(arrays, validation_split):
+    if not 0 < validation_split < 1:
+        raise ValueError(
+            "validation_split must be between 0 and 1. Received: "
+            f"validation_split={validation_split}.")
+    first = tf.nest.flatten(arrays[0])[0]
+    rows = len(first)
+    cut = int(math.floor(rows * (1.0 - validation_split)))
+
+    def part(lo, hi):
+        return tf.nest.map_structure(
+            lambda a: None if a is None else np.asarray(a)[lo:hi], arrays)
+
+    return part(0, cut), part(cut, rows)
+
+
+def exact_input(x, y, sample_weight, batch_size):
+    if isinstance(x, DatasetCreator):
+        no_targets(x, y, sample_weight)
+        return x(tf.distribute.InputContext())
+    if isinstance(x, tf.data.Dataset):
+        no_targets(x, y, sample_weight)
+        return x
+    data = as_arrays(x, y, sample_weight)
+    return tf.data.Dataset.from_tensor_slices(data).batch(
+        batch_size or DEFAULT_BATCH_SIZE)

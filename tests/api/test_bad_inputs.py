@@ -1,0 +1,717 @@
+"""The bad-input catalogue: each wrong input a user can give keras_ps, the
+exception it raises, and that the message names the bad value and the fix.
+
+docs/bad_inputs.md lists the same cases as a table. Every case runs against
+real parts: one module-wide in-process cluster (1 ps, 2 workers) for the cases
+that need one, a real RendezvousServer with a token on a portpicker port, and
+real `python -m keras_ps.server` processes for the command line.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import portpicker  # noqa: E402
+import pytest  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_ps  # noqa: E402
+from keras_ps import cluster as cluster_lib  # noqa: E402
+from keras_ps import elastic  # noqa: E402
+from keras_ps.errors import ClusterConfigError  # noqa: E402
+from keras_ps.errors import PartitionerError  # noqa: E402
+from keras_ps.sidecar.evaluator import CheckpointMismatchError  # noqa: E402
+
+from _paths import REPO  # noqa: E402
+TOKEN = "bad-inputs-s3cret"
+
+
+# -- shared real parts, each made on first use ------------------------------------
+class _Env:
+    """What the cases act on. The cluster, strategy, coordinator and
+    rendezvous server are created by the first case that needs them and
+    shared by the rest of the module."""
+
+    def __init__(self, tmp_path_factory):
+        self._tmp = tmp_path_factory
+        self._resolver = None
+        self._strategy = None
+        self._coordinator = None
+        self._server = None
+        self._clients = []
+
+    def tmp(self):
+        return str(self._tmp.mktemp("case"))
+
+    @property
+    def resolver(self):
+        if self._resolver is None:
+            self._resolver = keras_ps.create_in_process_cluster(
+                num_workers=2, num_ps=1)
+        return self._resolver
+
+    @property
+    def strategy(self):
+        if self._strategy is None:
+            self._strategy = keras_ps.ParameterServerStrategy(self.resolver)
+        return self._strategy
+
+    def strategy_with(self, partitioner):
+        """A second strategy on the same cluster (the connection is reused)."""
+        self.strategy  # connect with the plain strategy first
+        return keras_ps.ParameterServerStrategy(
+            self.resolver, variable_partitioner=partitioner)
+
+    @property
+    def coordinator(self):
+        if self._coordinator is None:
+            self._coordinator = keras_ps.ClusterCoordinator(self.strategy)
+        return self._coordinator
+
+    def drain(self):
+        """Consumes an error a case left in the coordinator, so the next
+        case starts clean."""
+        if self._coordinator is not None:
+            try:
+                self._coordinator.join()
+            except Exception:  # noqa: BLE001 - the case already checked it
+                pass
+
+    @property
+    def rendezvous(self):
+        if self._server is None:
+            self._server = elastic.RendezvousServer(
+                elastic.RendezvousConfig(token=TOKEN, gather_timeout=0.0),
+                port=portpicker.pick_unused_port())
+            self._server.start()
+        return self._server
+
+    def client(self, token=TOKEN):
+        client = elastic.RendezvousClient(self.rendezvous.endpoint,
+                                          token=token, timeout=5.0,
+                                          poll_timeout=1.0)
+        self._clients.append(client)
+        return client
+
+    def close(self):
+        for client in self._clients:
+            client.close()
+        if self._server is not None:
+            self._server.stop(grace=0)
+        if self._coordinator is not None:
+            self._coordinator.shutdown()
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    shared = _Env(tmp_path_factory)
+    yield shared
+    shared.close()
+
+
+def full_message(error):
+    """What the user reads: the message and any notes keras_ps added."""
+    return "\n".join([str(error)] + list(getattr(error, "__notes__", ())))
+
+
+# -- the catalogue -------------------------------------------------------------------
+CASES = []
+
+
+def case(case_id, exception, *needles, timeout=30):
+    """Registers `fn(env)` as a case: it must raise `exception` whose message
+    holds every one of `needles` (the bad value and the fix)."""
+    def register(fn):
+        CASES.append(pytest.param(fn, exception, needles, id=case_id,
+                                  marks=pytest.mark.timeout(timeout)))
+        return fn
+    return register
+
+
+def _spec(**jobs):
+    return {job: [f"localhost:{port}" for port in ports]
+            for job, ports in jobs.items()}
+
+
+# TF_CONFIG and cluster specs -------------------------------------------------------
+@case("tf_config_unset", ClusterConfigError,
+      "TF_CONFIG is not set", "Set it to JSON like")
+def tf_config_unset(env):
+    saved = os.environ.pop("TF_CONFIG", None)
+    try:
+        cluster_lib.resolver_from_tf_config()
+    finally:
+        if saved is not None:
+            os.environ["TF_CONFIG"] = saved
+
+
+@case("tf_config_not_json", ClusterConfigError,
+      "not valid JSON", "'{\"cluster\": {\"ps\": ['", "Expected JSON like")
+def tf_config_not_json(env):
+    cluster_lib.parse_tf_config('{"cluster": {"ps": [')
+
+
+@case("tf_config_not_an_object", ClusterConfigError,
+      "must be a JSON object", "Received: ['worker']", "Expected JSON like")
+def tf_config_not_an_object(env):
+    cluster_lib.parse_tf_config('["worker"]')
+
+
+@case("tf_config_no_task", ClusterConfigError,
+      "no task section", "task=None", '"task": {"type"')
+def tf_config_no_task(env):
+    cluster_lib.parse_tf_config(json.dumps({"cluster": _spec(ps=[2001],
+                                                             worker=[2002])}))
+
+
+@case("tf_config_no_cluster", ClusterConfigError,
+      "no cluster section", "worker:0", 'Add "cluster"')
+def tf_config_no_cluster(env):
+    cluster_lib.parse_tf_config('{"task": {"type": "worker", "index": 0}}')
+
+
+@case("tf_config_unknown_task_type", ClusterConfigError,
+      "type='master'", "Expected one of ['chief', 'ps', 'worker', 'evaluator']")
+def tf_config_unknown_task_type(env):
+    cluster_lib.parse_tf_config(json.dumps({
+        "cluster": _spec(ps=[2001], worker=[2002]),
+        "task": {"type": "master", "index": 0}}))
+
+
+@case("tf_config_index_not_int", ClusterConfigError,
+      "index='first'", "Expected an integer", '"index": 0')
+def tf_config_index_not_int(env):
+    cluster_lib.parse_tf_config(json.dumps({
+        "cluster": _spec(ps=[2001], worker=[2002]),
+        "task": {"type": "worker", "index": "first"}}))
+
+
+@case("tf_config_index_out_of_range", ClusterConfigError,
+      "worker:3", "lists 2 worker task(s)", "Expected an index from 0 to 1")
+def tf_config_index_out_of_range(env):
+    cluster_lib.parse_tf_config(json.dumps({
+        "cluster": _spec(ps=[2001], worker=[2002, 2003]),
+        "task": {"type": "worker", "index": 3}}))
+
+
+@case("cluster_unknown_job", ClusterConfigError,
+      "Received: 'trainer'", "Expected one of ['chief', 'ps', 'worker'")
+def cluster_unknown_job(env):
+    cluster_lib.normalize_cluster_spec(_spec(ps=[2001], trainer=[2002]))
+
+
+@case("cluster_duplicate_address", ClusterConfigError,
+      "'localhost:2001'", "ps:0", "worker:0", "Every task needs its own host:port")
+def cluster_duplicate_address(env):
+    cluster_lib.normalize_cluster_spec(_spec(ps=[2001], worker=[2001]))
+
+
+@case("cluster_address_without_port", ClusterConfigError,
+      "worker:0", "Received: 'localhost'", "Expected 'host:port'")
+def cluster_address_without_port(env):
+    cluster_lib.normalize_cluster_spec({"ps": ["localhost:2001"],
+                                        "worker": ["localhost"]})
+
+
+@case("cluster_port_out_of_range", ClusterConfigError,
+      "'localhost:70000'", "port in 1..65535")
+def cluster_port_out_of_range(env):
+    cluster_lib.normalize_cluster_spec({"ps": ["localhost:70000"]})
+
+
+@case("cluster_sparse_indices", ClusterConfigError,
+      "'worker'", "indices [0, 2]", "0..n-1")
+def cluster_sparse_indices(env):
+    cluster_lib.normalize_cluster_spec(
+        {"worker": {"0": "localhost:2001", "2": "localhost:2002"}})
+
+
+@case("cluster_job_not_a_list", ClusterConfigError,
+      "Received: 'localhost:2001'", "Use a dict like {'ps': ['host:port'")
+def cluster_job_not_a_list(env):
+    cluster_lib.normalize_cluster_spec({"ps": "localhost:2001"})
+
+
+@case("strategy_no_ps_job", ClusterConfigError,
+      "no 'ps' job", "Received jobs: ['worker']", "at least one ps")
+def strategy_no_ps_job(env):
+    keras_ps.ParameterServerStrategy(
+        cluster_lib.resolver_from_spec(_spec(worker=[2002])))
+
+
+@case("strategy_not_a_resolver", TypeError,
+      "cluster_resolver={'ps'", "resolver_from_spec")
+def strategy_not_a_resolver(env):
+    keras_ps.ParameterServerStrategy(_spec(ps=[2001], worker=[2002]))
+
+
+@case("local_cluster_no_workers", ClusterConfigError,
+      "num_workers=0", "at least one worker and one ps")
+def local_cluster_no_workers(env):
+    keras_ps.LocalCluster(num_workers=0, num_ps=1)
+
+
+@case("local_cluster_log_dir_is_a_file", ClusterConfigError,
+      "is not a directory", "created if missing")
+def local_cluster_log_dir_is_a_file(env):
+    with tempfile.NamedTemporaryFile() as file:
+        keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=file.name)
+
+
+# The coordinator ---------------------------------------------------------------------
+@case("schedule_python_function", TypeError,
+      "fn='plain_step'", "tf.function(fn)")
+def schedule_python_function(env):
+    def plain_step():
+        return 1
+
+    env.coordinator.schedule(plain_step)
+
+
+@case("schedule_remote_value_argument", TypeError,
+      "<RemoteValue", ".fetch()")
+def schedule_remote_value_argument(env):
+    one = tf.function(lambda: tf.constant(1))
+    remote = env.coordinator.schedule(one)
+    env.coordinator.schedule(tf.function(lambda x: x + 1), args=(remote,))
+
+
+@case("next_on_per_worker_values", TypeError,
+      "next() was called on PerWorkerValues",
+      "Call next(iterator) inside the tf.function")
+def next_on_per_worker_values(env):
+    dataset = env.coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(4).repeat())
+    next(iter(dataset))
+
+
+@case("for_loop_over_per_worker_values", TypeError,
+      "cannot be iterated on the coordinator", "coordinator.schedule(fn")
+def for_loop_over_per_worker_values(env):
+    dataset = env.coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(4).repeat())
+    for _ in iter(dataset):
+        pass
+
+
+class DataFileMissing(Exception):
+    pass
+
+
+@case("dataset_fn_raises", DataFileMissing,
+      "no such file: /data/train.csv", "dataset_fn", "worker 0",
+      "Fix the error in dataset_fn")
+def dataset_fn_raises(env):
+    def dataset_fn():
+        raise DataFileMissing("no such file: /data/train.csv")
+
+    env.coordinator.create_per_worker_dataset(dataset_fn)
+
+
+@case("dataset_fn_creates_variable", ValueError,
+      "name='vocab'", "under strategy.scope() before calling "
+      "create_per_worker_dataset")
+def dataset_fn_creates_variable(env):
+    def dataset_fn():
+        table = tf.Variable([1, 2, 3], name="vocab")
+        return tf.data.Dataset.range(3).map(lambda i: tf.gather(table, i))
+
+    env.coordinator.create_per_worker_dataset(dataset_fn)
+
+
+@case("dataset_fn_returns_non_dataset", TypeError,
+      "Received: list", "must return a tf.data.Dataset")
+def dataset_fn_returns_non_dataset(env):
+    env.coordinator.create_per_worker_dataset(lambda: [1, 2, 3])
+
+
+@case("per_worker_dataset_of_int", TypeError,
+      "Received: 42", "needs a dataset_fn or a tf.data.Dataset")
+def per_worker_dataset_of_int(env):
+    env.coordinator.create_per_worker_dataset(42)
+
+
+@case("dataset_runs_out_in_scheduled_function", tf.errors.OutOfRangeError,
+      "End of sequence", "ran out of data", ".repeat()")
+def dataset_runs_out_in_scheduled_function(env):
+    dataset = env.coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(2))
+    iterator = iter(dataset)
+
+    @tf.function
+    def step(it):
+        return next(it)
+
+    for _ in range(8):
+        env.coordinator.schedule(step, args=(iterator,))
+    env.coordinator.join()
+
+
+@tf.function
+def nan_step():
+    loss = tf.math.log(tf.constant(-1.0))
+    return tf.debugging.check_numerics(
+        loss, "loss is NaN; lower the learning rate")
+
+
+@case("nan_loss_check_numerics_fetch", tf.errors.InvalidArgumentError,
+      "loss is NaN; lower the learning rate", "Tensor had NaN values",
+      "scheduled function 'nan_step' failed")
+def nan_loss_check_numerics_fetch(env):
+    env.coordinator.schedule(nan_step).fetch(timeout=20)
+
+
+@case("nan_loss_check_numerics_join", tf.errors.InvalidArgumentError,
+      "loss is NaN; lower the learning rate", "Tensor had NaN values",
+      "scheduled function 'nan_step' failed")
+def nan_loss_check_numerics_join(env):
+    env.coordinator.schedule(nan_step)
+    env.coordinator.join()
+
+
+@case("max_pack_zero", ValueError,
+      "max_pack=0", "Use 1 to turn packing off")
+def max_pack_zero(env):
+    keras_ps.ClusterCoordinator(env.strategy, max_pack=0)
+
+
+@case("coordinator_without_strategy", TypeError,
+      "strategy=None", "keras_ps.ParameterServerStrategy")
+def coordinator_without_strategy(env):
+    keras_ps.ClusterCoordinator(None)
+
+
+def _with_env(name, value, fn):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        fn()
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
+
+
+@case("env_max_pack_not_int", ValueError,
+      "KERAS_PS_MAX_PACK='lots'", "must be an integer", "Unset it")
+def env_max_pack_not_int(env):
+    _with_env("KERAS_PS_MAX_PACK", "lots",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_max_pack_zero", ValueError,
+      "KERAS_PS_MAX_PACK=0", "Use 1 to turn packing off")
+def env_max_pack_zero(env):
+    _with_env("KERAS_PS_MAX_PACK", "0",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_hang_timeout_not_number", ValueError,
+      "KERAS_PS_HANG_TIMEOUT='10s'", "must be a number", "Unset it")
+def env_hang_timeout_not_number(env):
+    _with_env("KERAS_PS_HANG_TIMEOUT", "10s",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+# Model.fit ----------------------------------------------------------------------------
+def _model(strategy=None, compiled=True):
+    def build():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        if compiled:
+            model.compile(optimizer="sgd", loss="mse")
+        return model
+
+    if strategy is None:
+        return build()
+    with strategy.scope():
+        return build()
+
+
+X = np.zeros((16, 4), "float32")
+Y = np.zeros((16, 1), "float32")
+
+
+@case("fit_without_steps_per_epoch", ValueError,
+      "steps_per_epoch=None", "Pass steps_per_epoch=<number of batches")
+def fit_without_steps_per_epoch(env):
+    _model(env.strategy).fit(X, Y, epochs=1, verbose=0)
+
+
+@case("fit_steps_per_epoch_zero", ValueError,
+      "steps_per_epoch=0", "must be a positive integer")
+def fit_steps_per_epoch_zero(env):
+    _model(env.strategy).fit(X, Y, epochs=1, steps_per_epoch=0, verbose=0)
+
+
+@case("fit_numpy_mismatched_lengths", ValueError,
+      "x has 16 rows", "y has 10 rows", "same number of rows",
+      "pass arrays of equal length")
+def fit_numpy_mismatched_lengths(env):
+    _model(env.strategy).fit(X, Y[:10], epochs=1, steps_per_epoch=2,
+                             verbose=0)
+
+
+@case("fit_python_generator", TypeError,
+      "x of type generator", "tf.data.Dataset.from_generator",
+      "DatasetCreator")
+def fit_python_generator(env):
+    batches = ((X, Y) for _ in range(3))
+    _model(env.strategy).fit(batches, epochs=1, steps_per_epoch=2, verbose=0)
+
+
+@case("fit_dataset_with_y", ValueError,
+      "y=ndarray", "y and sample_weight must be None")
+def fit_dataset_with_y(env):
+    dataset = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4)
+    _model(env.strategy).fit(dataset, Y, epochs=1, steps_per_epoch=2,
+                             verbose=0)
+
+
+@case("fit_class_weight", ValueError,
+      "class_weight={0: 1.0}", "(x, y, sample_weight)")
+def fit_class_weight(env):
+    _model(env.strategy).fit(X, Y, class_weight={0: 1.0}, epochs=1,
+                             steps_per_epoch=2, verbose=0)
+
+
+@case("fit_not_compiled", ValueError,
+      "not compiled", "call `compile()` before `fit()`")
+def fit_not_compiled(env):
+    _model(env.strategy, compiled=False).fit(X, Y, steps_per_epoch=2,
+                                             verbose=0)
+
+
+@case("dataset_creator_not_callable", TypeError,
+      "dataset_fn='train.csv'", "callable dataset_fn(input_context)")
+def dataset_creator_not_callable(env):
+    keras_ps.DatasetCreator("train.csv")
+
+
+# Partitioners -------------------------------------------------------------------------
+def _variable_with(env, partitioner):
+    with env.strategy_with(partitioner).scope():
+        tf.Variable(tf.zeros([8, 4]), name="embedding")
+
+
+@case("partitioner_returns_int", PartitionerError,
+      "'embedding'", "returned 2", "not a list", "[num_shards, 1]")
+def partitioner_returns_int(env):
+    _variable_with(env, lambda shape, dtype, axis=0: 2)
+
+
+@case("partitioner_wrong_length", PartitionerError,
+      "returned [2]", "1 entries", "Expected 2 entries", "[num_shards, 1]")
+def partitioner_wrong_length(env):
+    _variable_with(env, lambda shape, dtype, axis=0: [2])
+
+
+@case("partitioner_zero_shards", PartitionerError,
+      "returned [0, 1]", "entry 0 at axis 0", "positive ints: [num_shards, 1]")
+def partitioner_zero_shards(env):
+    _variable_with(env, lambda shape, dtype, axis=0: [0, 1])
+
+
+@case("partitioner_negative_shards", PartitionerError,
+      "returned [-3, 1]", "entry -3 at axis 0", "[num_shards, 1]")
+def partitioner_negative_shards(env):
+    _variable_with(env, lambda shape, dtype, axis=0: [-3, 1])
+
+
+@case("partitioner_axis_1", PartitionerError,
+      "returned [1, 2]", "partitions axis 1", "return [num_shards, 1]")
+def partitioner_axis_1(env):
+    _variable_with(env, lambda shape, dtype, axis=0: [1, 2])
+
+
+@case("partitioner_not_callable", TypeError,
+      "variable_partitioner=4", "must be callable")
+def partitioner_not_callable(env):
+    keras_ps.ParameterServerStrategy(env.resolver, variable_partitioner=4)
+
+
+@case("fused_adam_not_bool", TypeError,
+      "fused_adam='yes'", "must be True or False")
+def fused_adam_not_bool(env):
+    keras_ps.ParameterServerStrategy(env.resolver, fused_adam="yes")
+
+
+@case("fixed_shards_zero", ValueError,
+      "num_shards=0", "Expected a positive integer")
+def fixed_shards_zero(env):
+    keras_ps.partitioners.FixedShardsPartitioner(0)
+
+
+# Restoring checkpoints ---------------------------------------------------------------
+def _other_model():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@case("sidecar_restore_other_model", CheckpointMismatchError,
+      "written by a different model", "'sequential", "(4, 1)", "(4, 3)",
+      "build the evaluator's model exactly like the trained one")
+def sidecar_restore_other_model(env):
+    directory = env.tmp()
+    writer = keras_ps.callbacks.SidecarCheckpoint(directory)
+    writer.set_model(_model())
+    writer.save(0, final=True)
+    keras_ps.SidecarEvaluator(_other_model(), (X, Y), directory,
+                              timeout=5, poll_interval=0.1).start()
+
+
+@case("backup_restore_other_model", ValueError,
+      "backup-1.weights.h5", "different model", "delete the backup directory")
+def backup_restore_other_model(env):
+    directory = env.tmp()
+    _model().save_weights(os.path.join(directory, "backup-1.weights.h5"))
+    with open(os.path.join(directory, "backup_state.json"), "w") as f:
+        json.dump({"epoch": 1, "step": 0, "serial": 1,
+                   "weights": "backup-1.weights.h5"}, f)
+    callback = keras_ps.callbacks.BackupAndRestore(directory)
+    callback.set_model(_other_model())
+    callback.on_train_begin()
+
+
+@case("backup_save_freq_zero", ValueError,
+      "save_freq=0", "'epoch' or a positive integer")
+def backup_save_freq_zero(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), save_freq=0)
+
+
+@case("sidecar_model_not_compiled", ValueError,
+      "not compiled", "model.compile(loss=")
+def sidecar_model_not_compiled(env):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    keras_ps.SidecarEvaluator(model, (X, Y), env.tmp())
+
+
+# Rendezvous ------------------------------------------------------------------------
+@case("rendezvous_wrong_token", elastic.RendezvousAuthError,
+      "wrong rendezvous token", "x-keras-ps-token", "token=")
+def rendezvous_wrong_token(env):
+    env.client(token="not-the-token").get_cluster_spec(
+        "127.0.0.1:21001", 1, 1, timeout=5)
+
+
+@case("rendezvous_no_token", elastic.RendezvousAuthError,
+      "missing or wrong rendezvous token", "KERAS_PS_RDZV_TOKEN")
+def rendezvous_no_token(env):
+    env.client(token=None).leave("127.0.0.1:21001")
+
+
+@case("rendezvous_min_nodes_zero", elastic.RendezvousInvalidArgumentError,
+      "min_nodes", "got 0", "must be >= 1")
+def rendezvous_min_nodes_zero(env):
+    env.client().get_cluster_spec("127.0.0.1:21002", 0, 1, timeout=5)
+
+
+@case("rendezvous_max_below_min", elastic.RendezvousInvalidArgumentError,
+      "max_nodes", "got 1", "must be >= min_nodes (2)")
+def rendezvous_max_below_min(env):
+    env.client().get_cluster_spec("127.0.0.1:21003", 2, 1, timeout=5)
+
+
+@case("rendezvous_bad_node_address", elastic.RendezvousInvalidArgumentError,
+      "'worker-3'", "is not HOST:PORT")
+def rendezvous_bad_node_address(env):
+    env.client().get_cluster_spec("worker-3", 1, 1, timeout=5)
+
+
+@case("rendezvous_empty_barrier_tag", elastic.RendezvousInvalidArgumentError,
+      "tag", "got ''", "non-empty string")
+def rendezvous_empty_barrier_tag(env):
+    env.client().barrier("127.0.0.1:21004", "", timeout=5)
+
+
+@case("rendezvous_data_too_large", elastic.RendezvousInvalidArgumentError,
+      "at most 1048576 bytes", "got 1048577 bytes")
+def rendezvous_data_too_large(env):
+    env.client().synchronize("127.0.0.1:21005", "blobs",
+                             b"x" * (1024 * 1024 + 1), timeout=5)
+
+
+@case("rendezvous_client_bad_endpoint", ValueError,
+      "endpoint 'rdzv.local'", "is not HOST:PORT")
+def rendezvous_client_bad_endpoint(env):
+    elastic.RendezvousClient("rdzv.local", token=TOKEN)
+
+
+@case("rendezvous_config_zero_keepalive", ValueError,
+      "keepalive_timeout", "got 0", "finite number of seconds > 0")
+def rendezvous_config_zero_keepalive(env):
+    elastic.RendezvousConfig(keepalive_timeout=0)
+
+
+@pytest.mark.parametrize("make_error, exception, needles", CASES)
+def test_bad_input(make_error, exception, needles, env):
+    try:
+        with pytest.raises(exception) as raised:
+            make_error(env)
+    finally:
+        env.drain()
+    message = full_message(raised.value)
+    missing = [needle for needle in needles if needle not in message]
+    assert not missing, f"{missing} not in the message:\n{message}"
+
+
+# The server command line: a one-line error and exit code 2, no traceback -----------
+_TF_STARTUP_LINE = re.compile(
+    r"^(WARNING: All log messages before absl::InitializeLog\(\)|"
+    r"[IWE]\d{4} [\d:. ]+\d+ \w+\.cc:\d+\])")
+
+SERVER_CASES = [
+    pytest.param(["--cluster_spec", '{"ps": [', "--job_name", "ps"],
+                 ["--cluster_spec is not valid JSON", "'{\"ps\": ['",
+                  "Expected JSON like"], id="server_cluster_spec_not_json"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "chief"],
+                 ["task type 'chief'", "python -m keras_ps.evaluator",
+                  "Run the chief as your training script"],
+                 id="server_job_chief"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "worker", "--task_index", "4"],
+                 ["worker:4", "Expected an index from 0 to 0"],
+                 id="server_task_index_out_of_range"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002]))],
+                 ["--job_name is required", "Pass --job_name ps"],
+                 id="server_missing_job_name"),
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, needles", SERVER_CASES)
+def test_server_cli_bad_flags(argv, needles):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_ps.server", *argv], cwd=REPO, env=env,
+        capture_output=True, text=True, timeout=50)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    # TF's C++ runtime prints its start-up lines before any Python runs
+    # (whatever TF_CPP_MIN_LOG_LEVEL says); keras_ps adds exactly one line.
+    ours = [line for line in result.stderr.splitlines()
+            if line.strip() and not _TF_STARTUP_LINE.match(line)]
+    assert len(ours) == 1, result.stderr
+    assert ours[0].startswith("keras_ps.server: error: "), ours[0]
+    missing = [needle for needle in needles if needle not in ours[0]]
+    assert not missing, f"{missing} not in: {ours[0]}"
+
+
+@pytest.mark.timeout(10)
+def test_doc_table_matches_the_cases():
+    """docs/bad_inputs.md has one row per case, named by its test id."""
+    with open(os.path.join(REPO, "docs", "bad_inputs.md")) as f:
+        rows = re.findall(r"^\| `([a-z0-9_]+)`:", f.read(), re.MULTILINE)
+    ids = [p.id for p in CASES + SERVER_CASES]
+    assert sorted(rows) == sorted(ids)
+    assert len(set(ids)) == len(ids)

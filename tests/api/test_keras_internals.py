@@ -1,0 +1,228 @@
+"""Pins every Keras internal that keras_ps._keras touches.
+
+A Keras upgrade that moves or changes one of them fails here, loudly, before
+any cluster test runs. No cluster needed.
+"""
+
+import inspect
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ps  # noqa: F401
+import keras_ps.training  # noqa: F401  (installs every hook; no cluster needed)
+from keras_ps import _sharded_weights
+from keras_ps import sharded_variable
+from keras_ps._keras import atomic_updates as keras_atomic_updates
+from keras_ps._keras import fit_routing
+from keras_ps._keras import hooks
+from keras_ps._keras import optimizers as keras_optimizers
+from keras_ps._keras import sharding as keras_sharding
+from keras_ps.partitioners import FixedShardsPartitioner
+
+
+# -- sharded layer weights ---------------------------------------------------------
+_EXPECTED_SHARDING_SIGNATURES = {
+    "add_weight": ["self", "args", "shape", "initializer", "dtype", "trainable",
+                   "autocast", "regularizer", "constraint", "aggregation",
+                   "overwrite_with_gradient", "name"],
+    "_initialize": ["self", "value"],
+    "take": ["x", "indices", "axis"],
+    "_save_state": ["saveable", "weights_store", "assets_store", "inner_path",
+                    "visited_saveables"],
+    "_load_state": ["saveable", "weights_store", "assets_store", "inner_path",
+                    "skip_mismatch", "visited_saveables", "failed_saveables",
+                    "error_msgs"],
+    "add_variable_from_reference": ["self", "reference_variable", "name",
+                                    "initializer"],
+    "_trackable_children": ["self", "save_type", "kwargs"],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("owner, name", keras_sharding.SHARDING_TARGETS,
+                          ids=[n for _, n in keras_sharding.SHARDING_TARGETS])
+def test_sharding_hook_targets_exist_with_expected_signature(owner, name):
+    hooked = getattr(owner, name)
+    original = hooks.original(owner, name)
+    assert original is not hooked, f"{name} is not hooked"
+    params = list(inspect.signature(original).parameters)
+    assert params == _EXPECTED_SHARDING_SIGNATURES[name]
+
+
+@pytest.mark.timeout(60)
+def test_sharding_keras_internals_used_by_the_hooks():
+    from keras.src import backend
+    from keras.src.backend.tensorflow import core
+
+    # ops.take dispatches through the module attribute we replace.
+    assert backend.numpy is keras_sharding.TF_NUMPY_MODULE
+    # Every keras.Variable's tf.Variable is made by _initialize.
+    assert issubclass(keras.Variable, core.Variable)
+    # The lists Keras' saving code counts, on a layer and an optimizer.
+    layer = keras.layers.Dense(2)
+    layer.build((None, 3))
+    for attr in keras_sharding.LAYER_STATE_LISTS:
+        assert isinstance(layer.__dict__[attr], list)
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(layer.trainable_variables)
+    for attr in keras_sharding.OPTIMIZER_STATE_LISTS:
+        assert isinstance(optimizer.__dict__[attr], list)
+    assert isinstance(optimizer, keras_sharding.OPTIMIZER_CLASS)
+    # The optimizer's variable lists are checkpoint dependencies.
+    children = optimizer._trackable_children("checkpoint")
+    assert "_trainable_variables" in children and "_variables" in children
+
+
+def _local_weight(rows=(2, 3), cols=3):
+    shards = [keras.Variable(np.full((r, cols), i, np.float32))
+              for i, r in enumerate(rows)]
+    return shards, _sharded_weights.ShardedWeight(
+        shards, [s.value for s in shards], "layer/w")
+
+
+@pytest.mark.timeout(60)
+def test_sharding_collapse_and_checkpoint_list():
+    shards, weight = _local_weight()
+    other = keras.Variable(1.0)
+    assert _sharded_weights.collapse([other, shards[0], shards[1]]) == [other, weight]
+    assert _sharded_weights.collapse([shards[1]]) == [shards[1]]  # incomplete
+    children = _sharded_weights.collapse_children({"l": [shards[0], shards[1]]})
+    assert children["l"]._trackable_children() == {"0": weight}
+    same = [shards[0], shards[1]]
+    first = _sharded_weights.collapse_children({"l": same})["l"]
+    # A checkpoint walks children several times: the same list, the same child.
+    assert _sharded_weights.collapse_children({"l": same})["l"] is first
+
+
+@pytest.mark.timeout(60)
+def test_sharding_collapsed_attributes_restores_lists():
+    shards, weight = _local_weight()
+    layer = keras.layers.Layer()
+    original = layer.__dict__["_trainable_variables"]
+    original.extend(shards)
+    with _sharded_weights.collapsed_attributes(layer, keras_sharding.LAYER_STATE_LISTS):
+        assert layer._trainable_variables == [weight]
+    assert layer.__dict__["_trainable_variables"] is original
+
+
+@pytest.mark.timeout(60)
+def test_sharding_take_hook_gathers_rows():
+    _, weight = _local_weight()
+    table = np.concatenate([np.zeros((2, 3)), np.ones((3, 3))]).astype(np.float32)
+    ids = np.array([[4, 0], [-1, 2]])
+    got = keras.ops.take(weight, ids, axis=0)
+    np.testing.assert_array_equal(got.numpy(), table[ids])
+    plain = keras.ops.take(tf.constant(table), ids, axis=0)  # Keras' own path
+    np.testing.assert_array_equal(plain.numpy(), table[ids])
+
+
+@pytest.mark.timeout(60)
+def test_sharding_add_sharded_weight_slices_one_initializer():
+    layer = keras.layers.Dense(3)
+    keras_add_weight = hooks.original(
+        keras_sharding.LAYER_CLASS, "add_weight").__get__(layer)
+    init = keras.initializers.RandomUniform(seed=7)
+    weight = _sharded_weights.add_sharded_weight(
+        layer, keras_add_weight, FixedShardsPartitioner(2), "/cpu:0", shape=(5, 3),
+        initializer=init, name="k")
+    assert [tuple(w.shape) for w in layer.weights] == [(3, 3), (2, 3)]
+    assert [w.name for w in layer.weights] == ["k_part_0", "k_part_1"]
+    np.testing.assert_array_equal(weight.numpy(), init((5, 3)).numpy())
+    np.testing.assert_array_equal(np.asarray(weight), weight.numpy())
+    scalar = _sharded_weights.add_sharded_weight(
+        layer, keras_add_weight, FixedShardsPartitioner(2), "/cpu:0", shape=(), name="s")
+    assert isinstance(scalar, keras.Variable)
+
+
+@pytest.mark.timeout(60)
+def test_sharding_slots_group_once_complete():
+    shards, weight = _local_weight()
+    slots = [keras.Variable(np.zeros(s.shape, np.float32)) for s in shards]
+    _sharded_weights.group_slot(slots[0], shards[0], "momentum")
+    assert _sharded_weights.shard_of(slots[0]) is None
+    _sharded_weights.group_slot(slots[1], shards[1], "momentum")
+    group, index = _sharded_weights.shard_of(slots[1])
+    assert index == 1 and group.path == "layer/w_momentum"
+    assert tuple(group.shape) == (5, 3)
+
+
+@pytest.mark.timeout(60)
+def test_sharding_no_partitioning_switch():
+    assert sharded_variable.partitioning_allowed()
+    with sharded_variable.no_partitioning():
+        with sharded_variable.no_partitioning():
+            assert not sharded_variable.partitioning_allowed()
+        assert not sharded_variable.partitioning_allowed()
+    assert sharded_variable.partitioning_allowed()
+    seen = []
+    initialize = hooks.original(keras.Variable, "_initialize")
+
+    def spy(self, value):
+        seen.append(sharded_variable.partitioning_allowed())
+        return initialize(self, value)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(keras.Variable, "_initialize",
+                   keras_sharding._unpartitioned_initialize(spy))
+        keras.Variable(1.0)
+    assert seen == [False]
+
+
+# -- optimizer updates on the ps ------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_fused_adam_keras_internals():
+    def params(fn):
+        fn = getattr(fn, "__keras_ps_original__", fn)
+        return list(inspect.signature(fn).parameters)
+
+    adam = keras_optimizers.ADAM_CLASS
+    assert adam is keras.optimizers.Adam
+    assert params(adam.update_step) == [
+        "self", "gradient", "variable", "learning_rate"]
+    assert params(adam._backend_update_step) == [
+        "self", "grads", "trainable_variables", "learning_rate"]
+    var = keras.Variable(np.ones((3, 2), "float32"))
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([var])
+    index = optimizer._get_variable_index(var.value)
+    assert optimizer._momentums[index].shape == var.shape
+    assert optimizer._velocities[index].shape == var.shape
+    assert optimizer._distribution_strategy is tf.distribute.get_strategy()
+    # A variable that is not on a ps takes Keras' own update.
+    assert not keras_optimizers._can_fuse_adam(optimizer, var.value)
+
+
+# -- Model.fit routing and atomic updates ---------------------------------------------
+@pytest.mark.timeout(60)
+def test_fit_routing_keras_internals():
+    for name in fit_routing.TRAINER_METHODS:
+        assert hooks.installed(fit_routing.TRAINER_CLASS, name), name
+    assert issubclass(keras.Model, fit_routing.TRAINER_CLASS)
+    # Keras builds an unbuilt model from the input spec with this method.
+    assert callable(keras.Model._symbolic_build)
+    # Keras' fit passes this private flag to evaluate for validation data.
+    fit_source = inspect.getsource(hooks.original(fit_routing.TRAINER_CLASS, "fit"))
+    for name in fit_routing.KERAS_PRIVATE_EVALUATE_ARGS:
+        assert name in fit_source
+    # Keras' BackupAndRestore tells fit where to resume through _initial_epoch.
+    assert "self._initial_epoch or initial_epoch" in fit_source
+    restore_source = inspect.getsource(keras.callbacks.BackupAndRestore)
+    assert "self.model._initial_epoch = epoch" in restore_source
+    model = keras.Sequential([keras.layers.Dense(1)])
+    model._initial_epoch = 3
+    assert fit_routing.take_initial_epoch(model) == 3
+    assert fit_routing.take_initial_epoch(model) is None
+
+
+@pytest.mark.timeout(60)
+def test_atomic_update_keras_internals():
+    for name in keras_atomic_updates.ATOMIC_METHODS:
+        assert hooks.installed(keras_atomic_updates.VARIABLE_CLASS, name), name
+    var = keras.Variable(1.0)
+    assert isinstance(var._value, tf.Variable)
+    assert not keras_atomic_updates.on_parameter_server(var)
+    var.assign_add(2.0)  # Keras' own path off the ps
+    assert float(var.numpy()) == 3.0

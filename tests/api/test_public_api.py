@@ -1,0 +1,41 @@
+"""Each public name imports in a fresh process; each TF internal we use exists."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_public_names_import_in_fresh_process():
+    code = (
+        "import keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic\n"
+        "for mod in (keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic):\n"
+        "    for name in mod.__all__:\n"
+        "        assert getattr(mod, name) is not None, (mod, name)\n"
+        "print('ok', len(keras_ps.__all__))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                            text=True, timeout=100)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_tf_internals_still_exist():
+    """Fails loudly when a TF upgrade moves an internal keras_ps relies on."""
+    from keras_ps import _tf_adapter
+    import tensorflow as tf
+
+    for hook in _tf_adapter.STRATEGY_HOOKS:
+        assert hasattr(tf.compat.v1.distribute.StrategyExtended, hook), hook
+    assert hasattr(tf.compat.v1.distribute.StrategyExtended, "call_for_each_replica")
+    @tf.function
+    def f():
+        return _tf_adapter.capture_call_time_value(
+            lambda: tf.constant(7, tf.int64), tf.TensorSpec([], tf.int64), "k")
+
+    assert f().numpy() == 7
+    assert callable(_tf_adapter.update_server_def)
+    assert callable(_tf_adapter.get_server_def)
+    with _tf_adapter.own_executor():
+        assert tf.add(1, 2).numpy() == 3
+    assert _tf_adapter.inside_function() is False

@@ -1,0 +1,230 @@
+import threading
+
+import pytest
+import tensorflow as tf
+
+import keras_ps
+from keras_ps.coordinator import worker_index, num_workers
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_fetch_of_a_scheduled_sum(strategy, coordinator):
+    @tf.function
+    def worker_fn(iterator):
+        def replica_fn(inputs):
+            return tf.math.reduce_sum(inputs)
+        return strategy.run(replica_fn, args=(next(iterator),))
+
+    def dataset_fn():
+        return tf.data.Dataset.from_tensor_slices([3] * 3)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    result = coordinator.schedule(worker_fn, args=(iterator,))
+    assert coordinator.fetch(result) == 3
+    assert result.fetch() == 3
+    assert result.get().numpy() == 3
+
+
+def test_scheduled_assign_add(strategy, coordinator):
+    with strategy.scope():
+        v = tf.Variable(initial_value=0, dtype=tf.int32)
+
+    @tf.function
+    def worker_fn():
+        v.assign_add(1)
+        return v.read_value()
+
+    result = coordinator.schedule(worker_fn)
+    coordinator.join()
+    assert result.fetch() == 1
+    assert v.numpy() == 1
+
+
+def test_many_packed_steps_each_run_once(strategy, coordinator):
+    with strategy.scope():
+        total = tf.Variable(0.0)
+
+    def dataset_fn():
+        return tf.data.Dataset.from_tensors(1.0).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def step(it):
+        x = next(it)
+        total.assign_add(x)
+        return x * 2
+
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(300)]
+    coordinator.join()
+    assert total.numpy() == 300.0  # no failures: exactly once
+    assert all(r.fetch() == 2.0 for r in results)
+    assert all(w.closures_run > 0 for w in coordinator.workers)
+
+
+def test_worker_index_inside_scheduled_function(coordinator):
+    @tf.function
+    def who():
+        return worker_index(), num_workers()
+
+    results = [coordinator.schedule(who) for _ in range(40)]
+    coordinator.join()
+    seen = {tuple(int(x) for x in r.fetch()) for r in results}
+    assert seen <= {(0, 2), (1, 2)}
+    assert {i for i, _ in seen} == {0, 1} or len(seen) == 1
+
+
+def test_dataset_fn_sees_input_context(coordinator):
+    def dataset_fn(context):
+        return tf.data.Dataset.from_tensors(
+            [context.input_pipeline_id, context.num_input_pipelines]).repeat()
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+
+    @tf.function
+    def read(it):
+        return next(it), worker_index()
+
+    results = [coordinator.schedule(read, args=(iterator,)) for _ in range(40)]
+    coordinator.join()
+    for r in results:
+        (pipeline, count), index = r.fetch()
+        assert pipeline == index and count == 2
+
+
+def test_per_worker_dataset_from_dataset(coordinator):
+    dataset = tf.data.Dataset.range(5).repeat()
+    iterator = iter(coordinator.create_per_worker_dataset(dataset))
+
+    @tf.function
+    def read(it):
+        return next(it)
+
+    result = coordinator.schedule(read, args=(iterator,))
+    assert result.fetch() == 0
+
+
+def test_application_error_raised_once_then_usable(strategy, coordinator):
+    from tensorflow.python.data.experimental.ops import testing
+
+    with strategy.scope():
+        x = tf.Variable(1.0)
+    # The failing step first waits 0.5 s on its worker and each other step
+    # 20 ms, so most of the 200 are still queued when the error comes back.
+    delayed = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.from_tensors(0.0).repeat().apply(
+            testing.sleep(500000))))
+
+    @tf.function
+    def bad(it):
+        return tf.debugging.check_numerics(next(it) / 0.0, "loss is NaN")
+
+    slow = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+            testing.sleep(20000))))
+
+    @tf.function
+    def ok(it):
+        return x + next(it)
+
+    first = coordinator.schedule(bad, args=(delayed,))
+    pending = []
+    with pytest.raises(tf.errors.InvalidArgumentError, match="loss is NaN"):
+        for _ in range(200):
+            pending.append(coordinator.schedule(ok, args=(slow,)))
+        coordinator.join()
+    coordinator.join()  # raised once only
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        first.fetch()
+    outcomes = {"ready": 0, "cancelled": 0, "same_error": 0}
+    for r in pending:
+        try:
+            r.fetch()
+            outcomes["ready"] += 1
+        except tf.errors.CancelledError:
+            outcomes["cancelled"] += 1
+        except tf.errors.InvalidArgumentError as e:
+            # A call already in flight on the failing worker can come back
+            # with the same error (TF's worker reports it again).
+            assert "loss is NaN" in str(e)
+            outcomes["same_error"] += 1
+    assert sum(outcomes.values()) == len(pending)
+    assert outcomes["cancelled"] > 0, outcomes
+    again = coordinator.schedule(ok, args=(slow,))
+    assert again.fetch() == 2.0
+
+
+def test_schedule_requires_tf_function(coordinator):
+    def plain():
+        return 1
+
+    with pytest.raises(TypeError, match="plain.*tf.function"):
+        coordinator.schedule(plain)
+
+
+def test_remote_value_argument_rejected(coordinator):
+    @tf.function
+    def one():
+        return tf.constant(1)
+
+    value = coordinator.schedule(one)
+    with pytest.raises(TypeError, match="RemoteValue.*fetch"):
+        coordinator.schedule(one, args=(value,))
+    coordinator.join()
+
+
+def test_next_on_per_worker_values(coordinator):
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(3)))
+    with pytest.raises(TypeError, match="inside the tf.function"):
+        next(iterator)
+
+
+def test_dataset_fn_that_creates_variables(coordinator):
+    def dataset_fn():
+        tf.Variable(1.0, name="oops")
+        return tf.data.Dataset.range(3)
+
+    with pytest.raises(ValueError, match="oops.*may not create variables"):
+        coordinator.create_per_worker_dataset(dataset_fn)
+
+
+def test_out_of_range_inside_scheduled_function(coordinator):
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(1)))
+
+    @tf.function
+    def read(it):
+        return next(it)
+
+    results = [coordinator.schedule(read, args=(iterator,)) for _ in range(6)]
+    with pytest.raises(tf.errors.OutOfRangeError):
+        coordinator.join()
+    coordinator.join()
+    # Nothing is left pending; the closure whose packed call ran out carries
+    # the OutOfRangeError, the rest of its pack and the queue are cancelled.
+    assert all(r.status.value != "pending" for r in results)
+    errors = []
+    for r in results:
+        try:
+            r.fetch()
+        except tf.errors.OpError as e:
+            errors.append(type(e))
+    assert tf.errors.OutOfRangeError in errors
+
+
+def test_worker_index_outside_function():
+    with pytest.raises(RuntimeError, match="inside a tf.function"):
+        worker_index()
+
+
+def test_one_coordinator_per_strategy(strategy, coordinator):
+    threads = threading.active_count()
+    again = keras_ps.ClusterCoordinator(strategy)
+    assert again is coordinator
+    assert keras_ps.ClusterCoordinator(strategy, max_pack=coordinator.max_pack) \
+        is coordinator
+    assert threading.active_count() == threads  # no second set of workers
+    with pytest.raises(ValueError, match="already has a coordinator"):
+        keras_ps.ClusterCoordinator(strategy, max_pack=coordinator.max_pack + 1)

@@ -1,0 +1,203 @@
+"""Fast unit tests of the pure parts: failure policy and closure queue."""
+
+import threading
+
+import pytest
+import tensorflow as tf
+
+from keras_ps.coordinator import failure_handling
+from keras_ps.coordinator.closures import Closure, ClosureQueue
+from keras_ps.coordinator.failure_handling import Decision
+from keras_ps.errors import ParameterServerUnavailableError
+
+pytestmark = pytest.mark.timeout(60)
+
+UNAVAILABLE = tf.errors.UnavailableError(None, None, "gone")
+APP = tf.errors.InvalidArgumentError(None, None, "NaN")
+
+
+@pytest.mark.parametrize("error, alive, dead_ps, failures, expected", [
+    (UNAVAILABLE, True, [0], 1, Decision.RAISE_PS_FAILURE),
+    (APP, True, [1], 1, Decision.RAISE_PS_FAILURE),
+    (UNAVAILABLE, False, [], 1, Decision.RETRY_ELSEWHERE),
+    (APP, False, [], 1, Decision.RETRY_ELSEWHERE),
+    (UNAVAILABLE, True, [], 1, Decision.RETRY),
+    (UNAVAILABLE, True, [], 4, Decision.RETRY_ELSEWHERE),
+    (APP, True, [], 1, Decision.RAISE),
+])
+def test_decide(error, alive, dead_ps, failures, expected):
+    assert failure_handling.decide(error, alive, dead_ps,
+                                 consecutive_failures=failures) is expected
+
+
+def test_context_lost_is_never_blamed_on_the_user():
+    assert failure_handling.decide(APP, True, [], context_lost=True) \
+        is Decision.RETRY_ELSEWHERE
+
+
+def _closures(fn, n):
+    return [Closure(fn, (), {}, False) for _ in range(n)]
+
+
+def test_take_packs_fair_power_of_two_share_of_one_function():
+    queue = ClosureQueue()
+    f, g = object(), object()
+    for c in _closures(f, 11) + _closures(g, 3):
+        queue.put(c)
+    batch = queue.take(max_pack=16, num_takers=2)  # share ceil(14/2)=7 -> 4
+    assert len(batch) == 4 and all(c.fn is f for c in batch)
+    batch = queue.take(max_pack=16, num_takers=1)  # 10 left, 7 of f -> 4
+    assert [c.fn for c in batch] == [f] * 4
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [f, f]
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [f]
+    assert [c.fn for c in queue.take(max_pack=4, num_takers=1)] == [g, g]
+
+
+def test_put_back_requeues_first_and_join_waits():
+    queue = ClosureQueue()
+    first, second = _closures(object(), 2)
+    queue.put(first)
+    queue.put(second)
+    batch = queue.take(max_pack=1, num_takers=1)
+    assert batch == [first]
+    queue.put_back(batch)
+    assert queue.take(max_pack=1, num_takers=1) == [first]
+    assert not queue.done()
+    queue.mark_finished(1)
+    assert queue.take(max_pack=1, num_takers=1) == [second]
+    queue.mark_finished(1)
+    assert queue.done()
+    queue.wait()
+
+
+def test_application_error_raised_once_and_pending_cancelled():
+    queue = ClosureQueue()
+    running, *pending = _closures(object(), 4)
+    for c in [running, *pending]:
+        queue.put(c)
+    queue.take(max_pack=1, num_takers=1)
+    queue.mark_failed(1, APP, running.generation)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        queue.wait()
+    queue.wait()  # raised once
+    for c in pending:
+        with pytest.raises(tf.errors.CancelledError):
+            c.remote_value.fetch(timeout=1)
+
+
+def test_errors_of_closures_already_in_flight_are_not_raised_again():
+    queue = ClosureQueue()
+    a, b = _closures(object(), 2)
+    queue.put(a)
+    queue.put(b)
+    queue.take(max_pack=1, num_takers=2)
+    queue.take(max_pack=1, num_takers=2)
+    queue.mark_failed(1, APP, a.generation)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        queue.wait()
+    queue.mark_failed(1, APP, b.generation)  # same generation: swallowed
+    queue.wait()
+    c = Closure(object(), (), {}, False)
+    queue.put(c)
+    queue.take(max_pack=1, num_takers=1)
+    queue.mark_failed(1, APP, c.generation)  # a new generation: raised
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        queue.wait()
+
+
+def test_fatal_error_raised_every_time():
+    queue = ClosureQueue()
+    queue.put(Closure(object(), (), {}, False))
+    queue.take(max_pack=1, num_takers=1)
+    fatal = ParameterServerUnavailableError("ps 0 gone")
+    queue.mark_fatal(1, fatal)
+    for _ in range(2):
+        with pytest.raises(ParameterServerUnavailableError):
+            queue.done()
+    with pytest.raises(tf.errors.UnavailableError):
+        queue.put(Closure(object(), (), {}, False))
+
+
+def test_take_blocks_until_work_arrives():
+    queue = ClosureQueue()
+    got = []
+    taker = threading.Thread(target=lambda: got.append(queue.take(4, 1)))
+    taker.start()
+    closure = Closure(object(), (), {}, False)
+    queue.put(closure)
+    taker.join(timeout=10)
+    assert got == [[closure]]
+
+
+def test_errors_pickle():
+    import pickle
+
+    error = pickle.loads(pickle.dumps(ParameterServerUnavailableError("ps 0 gone")))
+    assert isinstance(error, tf.errors.UnavailableError) and "ps 0 gone" in str(error)
+
+
+# -- worker states ------------------------------------------------------------------
+def test_worker_state_transitions_are_checked_and_final_states_stay():
+    from keras_ps.coordinator import worker as worker_lib
+    S = worker_lib.WorkerState
+    assert set(worker_lib.ALLOWED_TRANSITIONS) == set(S)
+    worker = worker_lib.Worker(services=None, index=0, address="localhost:1")
+    assert worker.transition(S.HUNG, "test")            # healthy -> hung
+    assert not worker.transition(S.HEALTHY, "test")     # hung must recover first
+    assert worker.state is S.HUNG
+    assert worker.transition(S.RECOVERING, "test")
+    assert worker.transition(S.READMITTED, "test")
+    assert worker.transition(S.HEALTHY, "test")         # first call ran
+    assert worker.transition(S.LEFT, "test")
+    assert not worker.transition(S.RECOVERING, "test")  # LEFT is final
+    assert worker.transition(S.STOPPED, "test")
+    assert worker.state is S.STOPPED
+
+
+# -- packing --------------------------------------------------------------------------
+def test_pack_sizes_are_powers_of_two_within_a_fair_share():
+    from keras_ps.coordinator import packing
+    assert packing.pack_limit(pending=100, max_pack=16, num_takers=2) == 16
+    assert packing.pack_limit(pending=12, max_pack=16, num_takers=2) == 4
+    assert packing.pack_limit(pending=1, max_pack=16, num_takers=4) == 1
+    assert [packing.pack_size(n) for n in (1, 2, 3, 7, 8, 9)] == [1, 2, 2, 4, 8, 8]
+
+
+def test_packed_functions_are_released_with_their_function():
+    import gc
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    step = tf.function(lambda x: x + 1)
+    packed = cache.get(step, 2)
+    assert cache.get(step, 2) is packed and cache.is_traced(step, 2)
+    assert len(cache) == 1
+    packed([((tf.constant(1),), {}), ((tf.constant(2),), {})])  # traced
+    del step, packed
+    gc.collect()
+    assert len(cache) == 0
+
+
+def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    step = tf.function(lambda: tf.constant(0))
+    batch = [Closure(step, (), {}, False) for _ in range(4)]
+    assert cache.without_new_trace(batch, lambda: True) == (batch, [])
+    assert cache.without_new_trace(batch, lambda: False) == (batch, [])
+    cache.get(step, 2)
+    assert cache.without_new_trace(batch, lambda: False) == (batch[:2], batch[2:])
+
+
+# -- settings -------------------------------------------------------------------------
+def test_coordinator_config_validates_and_reads_the_environment(monkeypatch):
+    from keras_ps.coordinator.config import CoordinatorConfig
+    monkeypatch.setenv("KERAS_PS_MAX_PACK", "4")
+    monkeypatch.setenv("KERAS_PS_HANG_TIMEOUT", "3")
+    config = CoordinatorConfig.from_env()
+    assert (config.max_pack, config.hang_timeout) == (4, 3.0)
+    assert CoordinatorConfig.from_env(max_pack=2).max_pack == 2
+    with pytest.raises(ValueError, match="Received: KERAS_PS_MAX_PACK=0"):
+        monkeypatch.setenv("KERAS_PS_MAX_PACK", "0")
+        CoordinatorConfig.from_env()
+    with pytest.raises(ValueError, match="probe_timeout=0"):
+        CoordinatorConfig(probe_timeout=0)

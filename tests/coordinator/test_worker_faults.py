@@ -1,0 +1,65 @@
+"""Real failures under a running loop: SIGKILL of worker and ps processes,
+SIGSTOP of a worker (hung, not dead)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _paths import TESTS
+from _results import last_report
+
+JOB = os.path.join(TESTS, "_fault_job.py")
+
+
+def run_job(mode, timeout, **env):
+    proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return last_report(proc.stdout)
+
+
+@pytest.mark.timeout(240)
+def test_worker_killed_mid_loop():
+    result = run_job("worker_kill", timeout=220)
+    # join() returned; every closure ran at least once (at-least-once: a
+    # killed worker's in-flight batch may have partly run before it died).
+    assert result["total"] >= result["steps"]
+    # At most one packed batch (16 closures) per worker is re-run.
+    assert result["total"] <= result["steps"] + 16 * 3
+    assert sum(result["per_worker"]) == result["steps"]
+    assert result["states"][1] == "failed"
+    assert result["per_worker"][0] > 0 and result["per_worker"][2] > 0
+    # Restarted on the same address, the worker is re-admitted: its dataset
+    # is rebuilt (a 4th dataset_fn call, for worker 1) and it runs closures.
+    assert result["readmitted"] is True
+    assert result["states_after"] == ["healthy"] * 3
+    assert sorted(result["built_on"][:3]) == [0, 1, 2]
+    assert result["built_on"][3:] == [1]
+    assert result["after_restart"] > 0
+    assert result["total_after"] >= result["total"] + 300
+
+
+@pytest.mark.timeout(120)
+def test_ps_killed_raises_within_10s():
+    result = run_job("ps_kill", timeout=100)
+    assert result["error"] == "ParameterServerUnavailableError"
+    assert result["seconds"] < 10
+    assert "Restart the job" in result["message"]
+
+
+@pytest.mark.timeout(240)
+def test_worker_stopped_does_not_hang_training():
+    # SIGSTOP: the process is alive, its port accepts TCP, its call never
+    # returns. The watchdog gives the call up after the hang timeout.
+    result = run_job("worker_stop", timeout=220, KERAS_PS_HANG_TIMEOUT="3")
+    assert result["state_while_stopped"] == "hung"
+    # join() returned while the worker was still stopped; the given-up call
+    # may also have run once the worker continued (at-least-once: at most one
+    # packed batch of 16).
+    assert result["steps"] <= result["total"] <= result["steps"] + 16
+    # After SIGCONT the same process is re-admitted and runs closures again.
+    assert result["readmitted"] is True
+    assert result["after_resume"] > 0

@@ -1,0 +1,177 @@
+"""Elastic training with real processes: the agent
+(`python -m keras_ps.elastic.launch ... -- TASK`) and Model.fit growing from 2
+to 3 workers and back (tutorials/elastic.py). Loopback only; every process is
+stopped at the end; waits are on conditions with deadlines."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import portpicker
+import psutil
+import pytest
+
+from _paths import REPO
+from _polling import wait_until
+from _results import last_report
+from keras_ps.elastic import api
+from keras_ps.elastic import launch
+from keras_ps.elastic.client import RendezvousClient
+from keras_ps.elastic.rendezvous_server import RendezvousServer
+
+
+
+@pytest.fixture
+def rdzv():
+    server = RendezvousServer(api.RendezvousConfig(gather_timeout=0.1,
+                                                   keepalive_timeout=5.0))
+    endpoint = f"127.0.0.1:{server.start()}"
+    clients = []
+
+    def client():
+        c = RendezvousClient(endpoint, timeout=5.0)
+        clients.append(c)
+        return c
+
+    yield endpoint, client
+    for c in clients:
+        c.close()
+    server.stop(0)
+
+
+@pytest.fixture
+def agents(tmp_path):
+    """Starts agent subprocesses; kills any still running at the end."""
+    started = []
+
+    def start(endpoint, task, *flags, nnodes="1:2"):
+        address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+        log = tmp_path / f"agent-{len(started)}.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "keras_ps.elastic.launch",
+                 f"--rdzv_endpoint={endpoint}", f"--nnodes={nnodes}",
+                 f"--address={address}", "--monitor_interval=0.1", *flags,
+                 "--", *task], stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        started.append(process)
+        return process, address, log
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def task_pids(log):
+    return [int(p) for p in re.findall(r"task pid=(\d+)", log.read_text())]
+
+
+@pytest.mark.timeout(10)
+def test_agent_policy_decides():
+    from keras_ps.elastic.agent import AgentDecision, TaskStatus, decide
+
+    assert decide(TaskStatus.HEALTHY, 0, 0) is AgentDecision.CONTINUE
+    assert decide(TaskStatus.SUCCEEDED, 5, 0) is AgentDecision.FINISH
+    assert decide(TaskStatus.FAILED, 1, 2) is AgentDecision.RESTART
+    assert decide(TaskStatus.FAILED, 2, 2) is AgentDecision.GIVE_UP
+
+
+@pytest.mark.timeout(60)
+def test_agent_restarts_failing_task_then_gives_up(rdzv, agents):
+    endpoint, client = rdzv
+    process, address, log = agents(
+        endpoint, [sys.executable, "-c", "import sys; sys.exit(3)"],
+        "--max_restarts=2")
+    assert process.wait(45) == 1
+    text = log.read_text()
+    assert len(task_pids(log)) == 3, text  # the first run and 2 restarts
+    assert "exit code 3" in text and "max_restarts=2" in text, text
+    assert text.count("restart ") >= 2, text
+    # It left the rendezvous on its way out.
+    assert address not in client().list_members().addresses
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_stops_task_and_leaves(rdzv, agents):
+    endpoint, client = rdzv
+    process, address, log = agents(
+        endpoint, [sys.executable, "-c", "import time; time.sleep(600)"])
+    observer = client()
+    wait_until(lambda: address in observer.list_members().addresses, 30,
+               "the agent's admission")
+    pid = wait_until(lambda: task_pids(log), 30, "the task's pid")[0]
+    other = client()
+    other.get_cluster_spec("127.0.0.1:1", 1, 2, timeout=10)
+    assert other.get_waiting_nodes("127.0.0.1:1") == 0
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(30) == 0, log.read_text()
+    assert not psutil.pid_exists(pid) or \
+        psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert other.get_waiting_nodes("127.0.0.1:1") == -1
+    assert observer.list_members().addresses == ("127.0.0.1:1",)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("argv, expected", [
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=x", "--address=127.0.0.1:2",
+      "--", "true"], "--nnodes"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=3:2", "--address=127.0.0.1:2",
+      "--", "true"], "nnodes"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--", "true"],
+     "--address"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2",
+      "--address=127.0.0.1:2"], "TASK"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--address=nope",
+      "--", "true"], "address"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--address=127.0.0.1:2",
+      "--max_restarts=-1", "--", "true"], "max_restarts"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--address=127.0.0.1:2",
+      "--monitor_interval=0", "--", "true"], "monitor_interval"),
+    ([], "--standalone"),
+])
+def test_agent_rejects_bad_flags(capsys, argv, expected):
+    with pytest.raises(SystemExit) as info:
+        launch.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "error:" in err and expected in err
+
+
+def run_tutorial(*args, timeout):
+    out = subprocess.run(
+        [sys.executable, os.path.join(REPO, "tutorials", "elastic.py"),
+         *args], capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return last_report(out.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_fit_grows_to_three_and_shrinks_back_to_two():
+    result = run_tutorial("--steps_per_epoch", "40", "--epochs", "4",
+                          timeout=280)
+    print(f"\njoin-to-first-step: {result['first_step_seconds']} s "
+          f"(worker serving after {result['serving_seconds']} s); "
+          f"iterations {result['iterations']} of {result['planned']}")
+    assert result["third_ran"] >= 2, result
+    per_worker = result["per_worker"]
+    assert len(per_worker) == 3 and all(per_worker.values()), result
+    assert result["states"] == ["healthy", "healthy", "left"], result
+    # At least once: a step is never lost; a packed execution in flight on
+    # the departing worker may run again elsewhere.
+    slack = result["max_pack"] * result["per_execution"]
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + slack, result
+    assert result["pids_unchanged"] and result["first_two_alive"], result
+    assert result["third_agent_exit"] == 0, result
+
+
+@pytest.mark.timeout(240)
+def test_elastic_tutorial_smoke():
+    result = run_tutorial("--steps_per_epoch", "8", "--epochs", "2",
+                          timeout=220)
+    assert result["iterations"] >= result["planned"] == 16, result
+    assert result["pids_unchanged"], result

@@ -1,0 +1,145 @@
+"""Model.fit under real faults: a SIGKILLed coordinator resumes from its
+backup; a SIGKILLed worker costs no epoch; a SIGKILLed ps stops fit with a
+clear error, and the same script run again resumes from the backup. Each runs in its own process
+(tests/_fit_job.py)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _paths import TESTS
+from _results import last_report
+
+JOB = os.path.join(TESTS, "_fit_job.py")
+
+
+def _env():
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+
+
+def _result(output):
+    return last_report(output)
+
+
+def _read_state(backup_dir):
+    try:
+        with open(os.path.join(backup_dir, "backup_state.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.timeout(280)
+def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
+    args = [sys.executable, JOB, "backup", spec, backup_dir]
+    job = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        # Kill the coordinator once a mid-epoch backup of epoch 1 exists.
+        deadline = time.monotonic() + 180
+        while True:
+            state = _read_state(backup_dir)
+            if state and state["epoch"] == 1 and state["step"] > 0:
+                break
+            assert job.poll() is None, job.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, "no mid-epoch backup appeared"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    killed_at = _read_state(backup_dir)
+    assert killed_at["epoch"] == 1 and killed_at["step"] > 0
+
+    again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    # It resumed inside epoch 1, at the step of the newest backup or later
+    # (the backup may have advanced between our read and the kill).
+    epoch, step = result["resumed"]
+    assert epoch == 1 and step >= killed_at["step"]
+    first = [l for l in again.stdout.splitlines() if l.startswith("PROGRESS")][0]
+    assert first.startswith("PROGRESS epoch=1 ")
+    assert result["epochs"] == [1, 2]
+    # Every planned step ran; at-least-once allows one packed execution
+    # (2 steps) per worker to run twice.
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 2 * 2
+    # The backup directory is deleted once training completes.
+    assert not os.path.exists(backup_dir)
+
+
+@pytest.mark.timeout(280)
+def test_keras_own_backup_and_restore_resumes_at_its_epoch(cluster, tmp_path):
+    backup_dir = str(tmp_path / "keras_backup")
+    spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
+    args = [sys.executable, JOB, "keras_backup", spec, backup_dir]
+    killed = subprocess.run(args + ["1"], env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    assert "KILLED after epoch 1" in killed.stdout
+    again = subprocess.run(args + ["0"], env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    # Keras' callback restored the weights and epoch 2: only epochs 2 and 3
+    # run again, and the optimizer ends at 4 epochs x 4 steps.
+    assert result["epochs"] == [2, 3]
+    assert result["iterations"] == 16
+
+
+def _worker_kill_run(kill):
+    out = subprocess.run([sys.executable, JOB, "worker_kill", "1" if kill else "0"],
+                         env=_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=250)
+    assert out.returncode == 0, out.stdout[-3000:]
+    return out.stdout, _result(out.stdout)
+
+
+@pytest.mark.timeout(300)
+def test_fit_survives_worker_sigkill():
+    output, killed = _worker_kill_run(kill=True)
+    assert "KILLED worker 2" in output
+    _, undisturbed = _worker_kill_run(kill=False)
+    assert killed["epochs"] == [0, 1, 2]
+    assert killed["states"][2] == "failed"
+    assert killed["iterations"] >= 3 * 40
+    assert undisturbed["accuracy"] > 0.9
+    assert abs(killed["accuracy"] - undisturbed["accuracy"]) <= 0.02
+
+
+@pytest.mark.timeout(300)
+def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    first = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "1"],
+                           env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=140)
+    assert "KILLED ps 0" in first.stdout
+    assert first.returncode == 1, first.stdout[-3000:]
+    failed = _result(first.stdout)
+    # The error reaches the user within 10 s, names the ps and says what to do.
+    assert failed["error"] == "ParameterServerUnavailableError"
+    assert failed["is_unavailable"] is True
+    assert failed["seconds"] < 10
+    assert "Restart the job" in failed["message"]
+    killed_at = _read_state(backup_dir)
+    assert killed_at is not None and killed_at["epoch"] == 1
+
+    # The same script again (a new cluster: the ps variables were lost).
+    again = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "0"],
+                           env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=140)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    epoch, step = result["resumed"]
+    assert (epoch, step) == (killed_at["epoch"], killed_at["step"])
+    assert result["epochs"] == [1, 2]
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 2 * 2

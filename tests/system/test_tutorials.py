@@ -1,0 +1,105 @@
+"""Smoke tests of tutorials/: each tutorial runs as a user runs it (a
+subprocess that starts its own multi-process LocalCluster), with small step
+counts, and must print the numbers the tutorial promises."""
+
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from _paths import REPO as ROOT  # noqa: E402
+TUTORIALS = os.path.join(ROOT, "tutorials")
+
+
+def run_tutorial(name, *args, timeout=150):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_CONFIG", None)  # a local cluster, not the caller's
+    result = subprocess.run(
+        [sys.executable, os.path.join(TUTORIALS, name), *args],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def number(pattern, text):
+    match = re.search(pattern, text)
+    assert match, f"{pattern!r} not in output:\n{text[-3000:]}"
+    return float(match.group(1))
+
+
+@pytest.mark.timeout(180)
+def test_model_fit_tutorial(tmp_path):
+    out = run_tutorial("model_fit.py", "--epochs", "3", "--steps_per_epoch",
+                       "10", "--steps_per_execution", "5", "--backup_freq", "5",
+                       "--workdir", str(tmp_path))
+    # The embedding is split 4 + 4 rows over the two ps.
+    assert "embedding shards: [((4, 16384), 'job:ps'), ((4, 16384), 'job:ps')]" in out
+    # The Keras progress lines, one per epoch.
+    assert [int(e) for e in re.findall(r"Epoch (\d)/3", out)] == [1, 2, 3]
+    assert number(r"Training steps: (\d+)", out) == 30
+    # The toy rule is learnt exactly, as in TF's tutorial.
+    assert number(r"Final training accuracy: ([\d.]+)", out) >= 0.95
+    assert number(r"Evaluation accuracy: ([\d.]+) on 200 examples", out) >= 0.95
+    assert number(r"without a cluster: accuracy ([\d.]+)", out) >= 0.95
+    # TensorBoard, ModelCheckpoint wrote their files; BackupAndRestore
+    # cleaned its backup up after a finished run.
+    assert glob.glob(str(tmp_path / "logs" / "train" / "events.*"))
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [
+        "model-01.keras", "model-02.keras", "model-03.keras"]
+    assert not os.path.exists(tmp_path / "backup")
+
+
+@pytest.mark.timeout(180)
+def test_custom_training_loop_tutorial_and_restart(tmp_path):
+    workdir = ["--workdir", str(tmp_path), "--steps_per_epoch", "5"]
+    first = run_tutorial("custom_training_loop.py", "--epochs", "2", *workdir)
+    assert "embedding shards: [((4, 16384), 'job:ps'), ((4, 16384), 'job:ps')]" in first
+    assert "Restored" not in first
+    assert re.findall(r"Finished epoch (\d)", first) == ["0", "1"]
+    # 2 epochs x 5 steps + the "final loss" step.
+    assert number(r"Training steps: (\d+)", first) == 11
+
+    # Started again on a fresh cluster with the same workdir: it restores the
+    # epoch-2 checkpoint (model, optimizer, epoch) and trains epochs 2 and 3.
+    second = run_tutorial("custom_training_loop.py", "--epochs", "4", *workdir)
+    assert re.search(r"Restored .*ckpt-2 at epoch 2", second)
+    assert re.findall(r"Finished epoch (\d)", second) == ["2", "3"]
+    assert number(r"Training steps: (\d+)", second) == 21
+    # The tutorial's accuracy on its toy rule.
+    assert number(r"Finished epoch 3, accuracy is ([\d.]+)", second) >= 0.95
+    assert number(r"Inline evaluation accuracy: ([\d.]+)", second) >= 0.95
+    exact = re.search(r"Exactly-once evaluation: accuracy ([\d.]+) on (\d+) "
+                      r"examples \(of (\d+)\)", second)
+    assert exact, second[-2000:]
+    assert float(exact.group(1)) >= 0.95
+    assert exact.group(2) == exact.group(3) == "160"
+
+
+@pytest.mark.timeout(240)
+def test_sidecar_evaluation_tutorial(tmp_path):
+    out = run_tutorial("sidecar_evaluation.py", "--epochs", "3",
+                       "--steps_per_epoch", "10", "--output_dir",
+                       str(tmp_path), timeout=220)
+    assert number(r"Training steps: (\d+)", out) == 30
+    # One checkpoint per epoch; the evaluator (its own process) accounts for
+    # each one: evaluated, or skipped with a log line when training outran
+    # it. The final one is always evaluated.
+    names = sorted(n[:-len(".json")] for n in os.listdir(tmp_path / "checkpoints")
+                   if n.endswith(".json"))
+    assert len(names) == 3
+    evaluated = re.findall(r"evaluated checkpoint (ckpt-\d+) \(epoch (\d)", out)
+    skipped = re.findall(r"skipped checkpoint (ckpt-\d+)", out)
+    assert sorted([n for n, _ in evaluated] + skipped) == names
+    assert evaluated[-1][0] == names[-1]
+    # It exported the best model by accuracy (1-based epoch in the name),
+    # which loads and scores without a cluster.
+    exported = sorted(os.listdir(tmp_path / "export"))
+    assert exported and set(exported) <= {
+        f"best-{int(e) + 1:02d}.keras" for _, e in evaluated}
+    assert number(r"reloaded without a cluster: accuracy ([\d.]+)", out) >= 0.85
+    # Evaluation events sit beside training's for TensorBoard.
+    assert glob.glob(str(tmp_path / "logs" / "validation" / "events.*"))
+    assert glob.glob(str(tmp_path / "logs" / "train" / "events.*"))
