@@ -13,14 +13,13 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 
 import portpicker
 
+from keras_ps import _network
 from keras_ps._config_errors import ClusterConfigError
 
 logger = logging.getLogger(__name__)
@@ -279,18 +278,9 @@ def create_in_process_cluster(num_workers, num_ps):
 
 
 def wait_for_port(address, timeout, process=None):
-    """Waits until `address` accepts TCP connections; False on timeout."""
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            return False
-        try:
-            with socket.create_connection((host, int(port)), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
+    """Waits until the task's gRPC server at `address` answers; False on
+    timeout, or at once when `process` has exited."""
+    return _network.wait_until_answers(address, timeout, process)
 
 
 class LocalCluster:

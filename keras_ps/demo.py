@@ -218,7 +218,7 @@ def main(argv=None):
     # shutdown) go to a file; errors are printed to the terminal below.
     terminal_stderr = _stderr_to(os.path.join(task_logs, "coordinator.log"))
     try:
-        return _run(args, out, checkpoint_dir, log_dir, export_path, task_logs)
+        return _run(args, checkpoint_dir, log_dir, export_path, task_logs)
     except BaseException:
         import traceback
         os.write(terminal_stderr, traceback.format_exc().encode())
@@ -236,7 +236,7 @@ def _stderr_to(path):
     return saved
 
 
-def _run(args, out, checkpoint_dir, log_dir, export_path, task_logs):
+def _run(args, checkpoint_dir, log_dir, export_path, task_logs):
     # The evaluator imports TF while the cluster starts; it waits for the
     # first checkpoint.
     evaluator = _start_evaluator(checkpoint_dir, log_dir, export_path)

@@ -1,10 +1,16 @@
 """The keras_ps error hierarchy.
 
-Every error keras_ps raises on purpose derives from `KerasPSError`, so a user
-can catch them all at once. Errors that replace a standard Python or TF error
-also derive from it (`ClusterConfigError` is a `ValueError`,
-`ParameterServerUnavailableError` is a `tf.errors.UnavailableError`), so code
+Every error class keras_ps defines derives from `KerasPSError`, so a user can
+catch them all at once: the ones here, the rendezvous' (rooted in
+`keras_ps.elastic.RendezvousError`) and the sidecar evaluator's
+(`SidecarTimeoutError`, `CheckpointMismatchError`). Each also derives from
+the standard error it stands for (`ClusterConfigError` is a `ValueError`,
+`ParameterServerUnavailableError` a `tf.errors.UnavailableError`), so code
 written against TF's native strategy keeps working. All are picklable.
+
+A bad argument to a function or constructor raises Python's own `ValueError`
+or `TypeError`, as Keras does; the message names the argument, what was
+received and what is expected.
 """
 
 import tensorflow as tf

@@ -8,25 +8,20 @@ import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import threading
+
+# keras_ps/__init__ sets GRPC_FAIL_FAST before anything starts gRPC; none of
+# these modules imports TensorFlow (a task serves sooner without its Python API).
+from keras_ps import _network
+from keras_ps import _tf_adapter
+from keras_ps import cluster as cluster_lib
+from keras_ps._config_errors import ClusterConfigError
 
 
 def _fail(message):
     print(f"keras_ps.server: error: {message}", file=sys.stderr, flush=True)
     return 2
-
-
-def _port_free(address):
-    host, _, port = address.rpartition(":")
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", int(port)))
-        except OSError:
-            return False
-    return True
 
 
 def main(argv=None):
@@ -43,8 +38,6 @@ def main(argv=None):
     # Must be set before TF starts gRPC: calls to a dead task fail at once
     # instead of waiting for it to come back.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
-    from keras_ps import cluster as cluster_lib
-    from keras_ps._config_errors import ClusterConfigError
 
     def check_job(job):
         if job not in ("ps", "worker"):
@@ -80,7 +73,7 @@ def main(argv=None):
         return _fail(str(e))
 
     address = cluster[job][index]
-    if not _port_free(address):
+    if not _network.port_is_free(_network.split_address(address)[1]):
         return _fail(
             f"port of {job}:{index} ({address}) is already in use. Stop the "
             "process holding it or give this task another port."
@@ -88,7 +81,6 @@ def main(argv=None):
 
     # TF's server alone, without the rest of its Python API: serving starts
     # 2.5 s sooner (a worker joining a running job waits on this).
-    from keras_ps import _tf_adapter
     server_lib, config_pb2 = _tf_adapter.server_modules()
 
     training = cluster_lib.training_cluster(cluster)

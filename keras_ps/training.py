@@ -244,7 +244,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
                                batch_size, steps, callbacks, verbose)
     if return_dict:
         return logs
-    return _logs_as_list(model, logs)
+    return _logs_as_list(logs)
 
 
 def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
@@ -272,9 +272,8 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     return logs
 
 
-def _logs_as_list(model, logs):
+def _logs_as_list(logs):
     # Keras' order: the loss first, then the compiled metrics.
-    del model
     values = list(logs.values())
     return values[0] if len(values) == 1 else values
 

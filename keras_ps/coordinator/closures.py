@@ -127,7 +127,7 @@ class ClosureQueue:
             self._raise_if_error_locked()
             return not self._pending and self._inflight == 0
 
-    def wait(self, timeout=None, idle_check=None):
+    def wait(self, idle_check=None):
         """Waits until nothing is pending or in flight; raises the first error.
 
         `idle_check` is called periodically and may raise (e.g. when no worker

@@ -9,6 +9,7 @@ import tensorflow as tf
 
 from keras_ps import cluster as cluster_lib
 from keras_ps import strategy as strategy_lib
+from keras_ps._network import probe
 from keras_ps._per_worker import PerWorkerValues
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import worker as worker_lib
@@ -281,7 +282,7 @@ class ClusterCoordinator:
 
     def _dead_ps(self):
         return {i: address for i, address in enumerate(self._ps_addresses)
-                if not failure_handling.probe(address,
+                if not probe(address,
                                               self.config.probe_timeout)}
 
     def _on_worker_admitted(self):
@@ -310,7 +311,7 @@ class ClusterCoordinator:
         for w in list(self._workers):
             if w.state is worker_lib.WorkerState.HUNG:
                 return False
-            if w.state in worker_lib.IN_CLUSTER and not failure_handling.probe(
+            if w.state in worker_lib.IN_CLUSTER and not probe(
                     w.address, self.config.probe_timeout):
                 return False
         return True

@@ -1,61 +1,24 @@
-"""Failure handling: probing tasks, deciding what a failure means, the hang
+"""Failure handling: deciding what a failure means, the hang
 watchdog and the re-admission of a worker that answers again.
 
 Decide apart from act: `decide` is a pure function of what was observed (the
-error's type, probes of the worker and the ps tasks); the worker thread acts
+error's type, probes of the worker and the ps tasks, keras_ps._network.probe); the worker thread acts
 on its `Decision` and logs why. Failures are classified by exception type
 only, never by message text.
 """
 
 import enum
 import logging
-import socket
 import threading
 import time
 
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
+from keras_ps._network import probe
 from keras_ps import strategy as strategy_lib
 
 logger = logging.getLogger(__name__)
-
-# -- probing -------------------------------------------------------------------
-# An HTTP/2 client connection preface and an empty SETTINGS frame.
-_HTTP2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-                  b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
-_SETTINGS_FRAME = 4
-
-
-def probe(address, timeout):
-    """True if a gRPC server answers at `address` within `timeout` seconds.
-
-    Opens an HTTP/2 connection and waits for the server's SETTINGS frame, the
-    first thing a live gRPC server sends: milliseconds on a live server, an
-    immediate False when nothing listens, and False after `timeout` for a
-    stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
-    (gRPC's own channel-ready check polls, about 0.2 s per call.)
-    """
-    host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)),
-                                      timeout=timeout) as sock:
-            sock.sendall(_HTTP2_PREFACE)
-            header = b""
-            while len(header) < 9:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                sock.settimeout(remaining)
-                chunk = sock.recv(9 - len(header))
-                if not chunk:
-                    return False
-                header += chunk
-            return header[3] == _SETTINGS_FRAME
-    except (OSError, ValueError):
-        return False
-
 
 # -- the policy ------------------------------------------------------------------
 # Errors a lost or restarted task can surface as. Any other error type is the

@@ -15,6 +15,7 @@ from typing import Callable
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
+from keras_ps._network import probe
 from keras_ps._per_worker import PerWorkerValues
 from keras_ps._per_worker import dispatch_scope
 from keras_ps._per_worker import worker_device
@@ -303,7 +304,7 @@ class Worker:
                         self.index, len(batch))
             queue.put_back(batch)
             return
-        worker_alive = failure_handling.probe(
+        worker_alive = probe(
             self.address, services.config.probe_timeout)
         dead_ps = {}
         if failure_handling.is_connectivity_error(error) or not worker_alive:
@@ -350,7 +351,7 @@ class Worker:
             return
         while self.state in (WorkerState.FAILED, WorkerState.HUNG,
                              WorkerState.JOINING):
-            if failure_handling.probe(self.address, config.probe_timeout):
+            if probe(self.address, config.probe_timeout):
                 self.transition(WorkerState.RECOVERING, "answers")
                 break
             with self._state_lock:

@@ -15,6 +15,8 @@ import math
 import os
 from typing import ClassVar, Mapping, Optional, Tuple
 
+from keras_ps._config_errors import KerasPSError
+
 #: gRPC metadata key that carries the shared secret.
 TOKEN_METADATA_KEY = "x-keras-ps-token"
 #: Trailing metadata key listing the nodes a failed meeting waited for.
@@ -38,7 +40,7 @@ ENV_PREFIX = "KERAS_PS_RDZV_"
 # --------------------------------------------------------------------------
 
 
-class RendezvousError(Exception):
+class RendezvousError(KerasPSError):
     """Base class of every error the rendezvous raises on purpose."""
 
     #: Name of the `grpc.StatusCode` this error travels as.

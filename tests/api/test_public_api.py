@@ -39,3 +39,26 @@ def test_tf_internals_still_exist():
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3
     assert _tf_adapter.inside_function() is False
+
+
+def test_every_error_class_is_a_picklable_keras_ps_error():
+    import inspect
+    import pickle
+
+    import keras_ps
+    from keras_ps import elastic
+    from keras_ps import errors
+    from keras_ps.sidecar import evaluator
+
+    found = []
+    for module in (errors, elastic.api, evaluator):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if (issubclass(cls, BaseException) and cls.__name__[0] != "_" and
+                    cls.__module__.startswith("keras_ps")):
+                found.append(cls)
+    assert len(found) >= 15, found
+    for cls in found:
+        assert issubclass(cls, keras_ps.KerasPSError), cls
+        error = cls("what went wrong")
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is cls and "what went wrong" in str(again)

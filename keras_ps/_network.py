@@ -1,0 +1,75 @@
+"""Addresses and whether a task's gRPC server answers. No TensorFlow needed."""
+
+import socket
+import time
+
+# An HTTP/2 client connection preface and an empty SETTINGS frame.
+_HTTP2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+                  b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+_SETTINGS_FRAME = 4
+
+
+def split_address(address):
+    """`"host:port"` -> (host, port); an IPv6 host loses its brackets.
+
+    Raises:
+        ValueError: no `:port`, or a port that is not a number.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"Expected 'host:port'. Received: {address!r}.")
+    return host.strip("[]"), int(port)
+
+
+def probe(address, timeout):
+    """True if a gRPC server answers at `address` within `timeout` seconds.
+
+    Opens an HTTP/2 connection and waits for the server's SETTINGS frame, the
+    first thing a live gRPC server sends: milliseconds on a live server, an
+    immediate False when nothing listens, and False after `timeout` for a
+    stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
+    (gRPC's own channel-ready check polls, about 0.2 s per call.)
+    """
+    deadline = time.monotonic() + timeout
+    try:
+        host, port = split_address(address)
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(_HTTP2_PREFACE)
+            header = b""
+            while len(header) < 9:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                sock.settimeout(remaining)
+                chunk = sock.recv(9 - len(header))
+                if not chunk:
+                    return False
+                header += chunk
+            return header[3] == _SETTINGS_FRAME
+    except (OSError, ValueError):
+        return False
+
+
+def wait_until_answers(address, timeout, process=None):
+    """Waits until a gRPC server answers at `address`; False on timeout, or
+    at once when `process` (the server's process, if given) has exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            return False
+        if probe(address, min(1.0, max(0.05, deadline - time.monotonic()))):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def port_is_free(port):
+    """True when this machine can bind `port` (no server listens on it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(port)))
+        except OSError:
+            return False
+    return True
