@@ -26,6 +26,11 @@ DEFAULT_RECOVERY_INTERVAL = 0.1
 # its context failed (each try briefly pauses every worker's calls).
 REBUILD_RETRY_DELAY = 1.0
 
+# Seconds a new strategy waits for every ps and worker task to answer before
+# it connects (a task may still be starting or restarting).
+CONNECT_TIMEOUT_ENV_VAR = "KERAS_PS_CONNECT_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT = 60.0
+
 # Whether a failed worker that answers again is re-admitted (its eager context
 # and per-worker datasets are rebuilt). 0 keeps lost workers out for good.
 READMIT_WORKERS_ENV_VAR = "KERAS_PS_READMIT_WORKERS"

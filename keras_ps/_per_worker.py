@@ -9,6 +9,8 @@ coordinator's worker threads set the context.
 
 import threading
 
+import tensorflow as tf
+
 _dispatch = threading.local()
 
 
@@ -62,6 +64,15 @@ class PerWorkerValues:
 
     def __len__(self):
         return len(self._values)
+
+    @property
+    def type_spec(self):
+        """The `tf.TypeSpec` of one worker's value (a per-worker iterator's
+        `IteratorSpec`), or None before any worker has a value."""
+        for value in self._values:
+            if value is not None:
+                return tf.type_spec_from_value(value)
+        return None
 
     def __next__(self):
         raise TypeError(

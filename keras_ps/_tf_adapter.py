@@ -28,11 +28,12 @@ STRATEGY_HOOKS = (
 
 @functools.lru_cache(maxsize=None)
 def _internals():
+    from tensorflow.python.eager import cancellation
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor
     from tensorflow.python.framework import ops
 
-    return types.SimpleNamespace(context=context,
+    return types.SimpleNamespace(cancellation=cancellation, context=context,
                                  executor=executor, ops=ops)
 
 
@@ -112,3 +113,11 @@ def capture_call_time_value(closure, spec, name):
 
 def inside_function():
     return _internals().ops.inside_function()
+
+
+def new_cancellation_manager():
+    """A manager whose `start_cancel()` cancels the calls made through its
+    `get_cancelable_function(concrete_function)`, remote ones included (no
+    public API; TF's own coordinator cancels in-flight functions this way
+    after an error)."""
+    return _internals().cancellation.CancellationManager()

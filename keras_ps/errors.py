@@ -39,6 +39,13 @@ class ParameterServerUnavailableError(_TFErrorMixin, tf.errors.UnavailableError)
         super().__init__(None, None, message)
 
 
+class ClusterUnreachableError(_TFErrorMixin, tf.errors.UnavailableError):
+    """Some task did not answer when the strategy connected to the cluster."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+
 class NoWorkersAvailableError(_TFErrorMixin, tf.errors.UnavailableError):
     """Every worker has been unreachable for longer than the allowed time."""
 

@@ -20,6 +20,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps import _connection
 from keras_ps import cluster as cluster_lib
 from keras_ps import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
@@ -32,10 +33,8 @@ from keras_ps.errors import ClusterConfigError
 
 logger = logging.getLogger(__name__)
 
-COORDINATOR_JOB = "chief"
-# What a worker task may see: the ps tasks and the coordinator, never another
-# worker, so a dead worker cannot break another worker's context.
-WORKER_DEVICE_FILTERS = ("/job:ps", f"/job:{COORDINATOR_JOB}")
+COORDINATOR_JOB = _connection.COORDINATOR_JOB
+WORKER_DEVICE_FILTERS = _connection.WORKER_DEVICE_FILTERS
 
 
 def _ps_device(index):
@@ -106,9 +105,29 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         self._fused_adam = fused_adam
         extended = _Extended(self, spec, variable_partitioner)
         super().__init__(extended)
-        _connect(spec)
+        self._connection = _connection.connect(spec)
         logger.info("[chief] connected to %d ps and %d workers",
                     len(spec["ps"]), len(spec["worker"]))
+
+    def check_connected(self):
+        """Raises if a strategy for another cluster replaced this one's connection.
+
+        Raises:
+            ClusterConfigError: this process connected to another cluster
+                since; this strategy's variables and coordinator are gone.
+        """
+        if self._connection.replaced:
+            raise ClusterConfigError(
+                "This strategy's cluster connection was replaced: the process "
+                "has since connected to another cluster (TF's eager runtime "
+                "holds one per process). Received: a strategy for ps "
+                f"{self._cluster_spec['ps']}. Create a new strategy (and "
+                "model) for the cluster you want to train on, or run each "
+                "cluster's coordinator in its own process.")
+
+    def on_disconnect(self, callback):
+        """Calls `callback()` when another cluster's connection replaces this one."""
+        self._connection.on_replace(callback)
 
     @property
     def cluster_resolver(self):
@@ -147,41 +166,6 @@ class ParameterServerStrategy(tf.distribute.Strategy):
             num_replicas_in_sync=1)
 
 
-def cluster_device_filters(spec):
-    """Workers see only the ps tasks and the coordinator, never each other, so
-    a dead worker cannot break another worker's context."""
-    filters = tf.config.experimental.ClusterDeviceFilters()
-    for i in range(len(spec["worker"])):
-        filters.set_device_filters("worker", i, list(WORKER_DEVICE_FILTERS))
-    for i in range(len(spec["ps"])):
-        filters.set_device_filters("ps", i, ["/job:worker", f"/job:{COORDINATOR_JOB}"])
-    return filters
-
-
-_connected = None  # the cluster this process is connected to
-
-
-def _connect(spec):
-    """Connects this process (as the coordinator) to the cluster, once.
-
-    Reconnecting would invalidate every remote handle, so a second strategy on
-    the same cluster reuses the connection.
-    """
-    global _connected
-    jobs = {job: spec[job] for job in ("ps", "worker")}
-    if spec.get(COORDINATOR_JOB):
-        jobs[COORDINATOR_JOB] = spec[COORDINATOR_JOB][:1]
-    if _connected == jobs:
-        return
-    _connected = jobs
-    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec(jobs), rpc_layer="grpc")
-    tf.config.experimental_connect_to_cluster(
-        resolver, job_name=COORDINATOR_JOB, task_index=0,
-        make_master_device_default=False,
-        cluster_device_filters=cluster_device_filters(jobs))
-
-
 class _Extended(tf.compat.v1.distribute.StrategyExtended):
     # The V1 extended class: Strategy.run calls its call_for_each_replica.
     """The strategy's hooks that TF's and Keras' code call."""
@@ -200,6 +184,13 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
             return _ps_device(next(self._next_ps) % self._num_ps)
 
     def _create_variable(self, next_creator, **kwargs):
+        if kwargs.pop("per_worker_variable", False):
+            raise ValueError(
+                "keras_ps does not create per-worker variables. Received: "
+                "tf.Variable(..., per_worker_variable=True) under a keras_ps "
+                "strategy's scope. Return per-worker results from the "
+                "scheduled function and combine them on the coordinator "
+                "(coordinator.fetch), or keep the state in a ps variable.")
         colocate_with = kwargs.pop("colocate_with", None)
         if colocate_with is not None:
             # Optimizer slots and the like: same ps as their variable, never split.

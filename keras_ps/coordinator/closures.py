@@ -4,6 +4,7 @@ import collections
 import logging
 import threading
 
+from keras_ps import _tf_adapter
 from keras_ps.coordinator import packing
 from keras_ps.coordinator.values import RemoteValue
 from keras_ps.errors import ClosureCancelledError
@@ -15,7 +16,7 @@ class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
     __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
-                 "generation")
+                 "generation", "cancellation")
 
     def __init__(self, fn, args, kwargs, per_worker):
         self.fn = fn
@@ -24,6 +25,7 @@ class Closure:
         self.per_worker = per_worker  # args hold PerWorkerValues to substitute
         self.remote_value = RemoteValue(getattr(fn, "__name__", None))
         self.generation = 0  # error generation when a worker took it
+        self.cancellation = None  # cancels it in flight after another's error
 
     def cancel(self):
         self.remote_value._set_error(ClosureCancelledError(
@@ -48,6 +50,9 @@ class ClosureQueue:
         # Bumped by every application error: errors of closures taken before
         # it (already in flight) are not raised again.
         self._generation = 0
+        # Cancels the calls in flight when an application error is reported;
+        # replaced then, so later closures are not cancelled.
+        self._cancellation = _tf_adapter.new_cancellation_manager()
 
     def put(self, closure):
         with self._cv:
@@ -74,6 +79,7 @@ class ClosureQueue:
             self._inflight += len(batch)
             for closure in batch:
                 closure.generation = self._generation
+                closure.cancellation = self._cancellation
             return batch
 
     def put_back(self, closures):
@@ -100,7 +106,19 @@ class ClosureQueue:
             if generation == self._generation:
                 self._error = error
                 self._generation += 1
+                # Long functions still running elsewhere are cancelled, as
+                # TF's coordinator does: their fetch() raises CancelledError.
+                self._cancellation.start_cancel()
+                self._cancellation = _tf_adapter.new_cancellation_manager()
             self._cancel_pending_locked()
+            self._cv.notify_all()
+
+    def mark_cancelled(self, closures):
+        """Closures whose call was cancelled in flight by an earlier error."""
+        with self._cv:
+            self._inflight -= len(closures)
+            for closure in closures:
+                closure.cancel()
             self._cv.notify_all()
 
     def mark_fatal(self, count, error):

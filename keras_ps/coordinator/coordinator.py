@@ -42,7 +42,9 @@ class ClusterCoordinator:
     strategy). Execution is at-least-once: a function whose worker is lost is
     run again on another worker. The first error a function raises comes out
     once from `schedule`, `join` or `done`; functions still pending then are
-    cancelled. Consecutive closures of one function are packed into a single
+    cancelled, and so are those running on other workers (their `fetch()`
+    raises `CancelledError`; the datasets of a worker whose call was
+    cancelled are made again, as after a restart). Consecutive closures of one function are packed into a single
     remote call (up to `max_pack`), which is what makes dispatch cheap.
 
     Args:
@@ -66,6 +68,7 @@ class ClusterCoordinator:
                 "ClusterCoordinator needs a keras_ps.ParameterServerStrategy. "
                 f"Received: strategy={strategy!r}.")
         config = CoordinatorConfig.from_env(max_pack)  # validates max_pack
+        strategy.check_connected()
         with _by_strategy_lock:
             existing = _by_strategy.get(strategy)
             if existing is not None:
@@ -80,7 +83,8 @@ class ClusterCoordinator:
             coordinator = super().__new__(cls)
             coordinator._start(strategy, config)
             _by_strategy[strategy] = coordinator
-            return coordinator
+        strategy.on_disconnect(coordinator.shutdown)
+        return coordinator
 
     def __init__(self, strategy, max_pack=None):
         del strategy, max_pack  # set up once, in __new__
@@ -207,7 +211,7 @@ class ClusterCoordinator:
         # tracked dataset on it) cannot interleave with creating this one.
         with self._gate.shared():
             dataset = PerWorkerDataset(dataset_fn, self.strategy, self._gate,
-                                       self._members())
+                                       self._members, self._unreachable)
             self._datasets.add(dataset)
         return dataset
 
@@ -284,6 +288,10 @@ class ClusterCoordinator:
         return {i: address for i, address in enumerate(self._ps_addresses)
                 if not probe(address,
                                               self.config.probe_timeout)}
+
+    def _unreachable(self, index):
+        self._workers[index].transition(
+            worker_lib.WorkerState.FAILED, "does not answer")
 
     def _on_worker_admitted(self):
         self._unhealthy_since = None

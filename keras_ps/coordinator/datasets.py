@@ -8,6 +8,7 @@ import tensorflow as tf
 from keras_ps._per_worker import PerWorkerValues
 from keras_ps._per_worker import dispatch_scope
 from keras_ps._per_worker import worker_device
+from keras_ps.coordinator import failure_handling
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,19 @@ class PerWorkerDataset:
         strategy: the strategy (its `input_context()` per worker).
         gate: held shared while iterators are created, so a worker's
             re-admission (which rebuilds its datasets) cannot interleave.
-        members: for each worker index, whether it is in the cluster now.
+        members: () -> for each worker index, whether it is in the cluster now.
+        on_unreachable: called with a worker's index when its dataset cannot
+            be made because the worker does not answer; the coordinator then
+            counts it failed, and its dataset is made when it is re-admitted.
     """
 
-    def __init__(self, dataset_or_fn, strategy, gate, members):
+    def __init__(self, dataset_or_fn, strategy, gate, members,
+                 on_unreachable):
+        self._members_now = members
+        members = members()
         self._strategy = strategy
         self._gate = gate
+        self._on_unreachable = on_unreachable
         if isinstance(dataset_or_fn, tf.data.Dataset):
             self._fn = serialized(dataset_or_fn)
             self._with_context = False
@@ -70,10 +78,11 @@ class PerWorkerDataset:
             raise TypeError(
                 "create_per_worker_dataset needs a dataset_fn or a "
                 f"tf.data.Dataset. Received: {dataset_or_fn!r}.")
-        # Built now on the workers in the cluster; a worker that is down or
+        # Built now on the workers that answer; a worker that is down or
         # joins later gets its dataset when it is admitted (rebuild).
-        self._datasets = [self._build(i, len(members)) if member else None
-                          for i, member in enumerate(members)]
+        self._datasets = [
+            self._unless_unreachable(i, self._build, i, len(members))
+            if member else None for i, member in enumerate(members)]
         self._iterators = []  # PerWorkerValues handed out, rebuilt on recovery
 
     def _build(self, index, num_workers):
@@ -102,6 +111,20 @@ class PerWorkerDataset:
                 f"{type(dataset).__name__} from {self._fn!r}.")
         return dataset
 
+    def build(self):
+        """Makes the dataset on every member worker that does not have it yet
+        (it is made at creation already; this is for code written for TF's
+        per-worker datasets, which are made lazily)."""
+        with self._gate.shared():
+            members = self._members_now()
+            for index, member in enumerate(members):
+                if member and (index >= len(self._datasets) or
+                               self._datasets[index] is None):
+                    while len(self._datasets) <= index:
+                        self._datasets.append(None)
+                    self._datasets[index] = self._unless_unreachable(
+                        index, self._build, index, len(members))
+
     @property
     def element_spec(self):
         """The structure of the dataset's elements (same on every worker)."""
@@ -109,6 +132,18 @@ class PerWorkerDataset:
             if dataset is not None:
                 return dataset.element_spec
         raise RuntimeError("No worker is in the cluster to build the dataset on.")
+
+    def _unless_unreachable(self, index, make, *args):
+        """`make(*args)`, or None when worker `index` does not answer."""
+        try:
+            return make(*args)
+        except Exception as error:
+            if not failure_handling.is_connectivity_error(error):
+                raise
+            logger.info("[worker:%d] unreachable (%s); its dataset is made "
+                        "when it is re-admitted", index, type(error).__name__)
+            self._on_unreachable(index)
+            return None
 
     def _iter_on(self, index):
         if index >= len(self._datasets) or self._datasets[index] is None:
@@ -119,8 +154,8 @@ class PerWorkerDataset:
     def __iter__(self):
         with self._gate.shared():
             iterators = PerWorkerValues(
-                [self._iter_on(i) for i in range(len(self._datasets))],
-                source=self)
+                [self._unless_unreachable(i, self._iter_on, i)
+                 for i in range(len(self._datasets))], source=self)
             self._iterators.append(iterators)
         return iterators
 

@@ -270,9 +270,10 @@ class Worker:
         if len(batch) > 1 and not packing.is_traced(fn, 1):
             # Size 1 is the fallback while a worker may be hung: have it ready.
             packing.get(fn, 1).get_concrete_function(calls[:1])
+        run = batch[0].cancellation.get_cancelable_function(concrete)
         with tf.device(self.device), dispatch_scope(
                 self.index, self._services.num_workers()):
-            results, token = concrete(calls)
+            results, token = run(calls)
         # A remote call returns once it is enqueued; fetching the token (an
         # output of the same function) waits until every step has run.
         token.numpy()
@@ -303,6 +304,20 @@ class Worker:
             logger.info("[worker:%d] left with %d closures in flight; requeued",
                         self.index, len(batch))
             queue.put_back(batch)
+            return
+        if batch[0].cancellation.is_cancelled:
+            # Cancelled in flight because another closure failed first.
+            logger.info("[worker:%d] %d closures cancelled in flight after an "
+                        "error elsewhere", self.index, len(batch))
+            queue.mark_cancelled(batch)
+            # A call cancelled inside an iterator's next() leaves that
+            # iterator ended: this worker's datasets are made again, as
+            # after a restart (its iterators start over).
+            try:
+                services.readmission.readmit(self.index)
+            except Exception as rebuild_error:  # recovered like a failure
+                self.transition(WorkerState.FAILED,
+                                type(rebuild_error).__name__)
             return
         worker_alive = probe(
             self.address, services.config.probe_timeout)

@@ -39,8 +39,9 @@ class _Env:
     rendezvous server are created by the first case that needs them and
     shared by the rest of the module."""
 
-    def __init__(self, tmp_path_factory):
+    def __init__(self, tmp_path_factory, cluster):
         self._tmp = tmp_path_factory
+        self._cluster = cluster
         self._resolver = None
         self._strategy = None
         self._coordinator = None
@@ -53,8 +54,9 @@ class _Env:
     @property
     def resolver(self):
         if self._resolver is None:
-            self._resolver = keras_ps.create_in_process_cluster(
-                num_workers=2, num_ps=1)
+            # The session's cluster: a process holds one connection, and
+            # the other tests' strategies share it.
+            self._resolver = self._cluster.resolver
         return self._resolver
 
     @property
@@ -110,8 +112,8 @@ class _Env:
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    shared = _Env(tmp_path_factory)
+def env(tmp_path_factory, cluster):
+    shared = _Env(tmp_path_factory, cluster)
     yield shared
     shared.close()
 

@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 import tensorflow as tf
@@ -228,3 +229,49 @@ def test_one_coordinator_per_strategy(strategy, coordinator):
     assert threading.active_count() == threads  # no second set of workers
     with pytest.raises(ValueError, match="already has a coordinator"):
         keras_ps.ClusterCoordinator(strategy, max_pack=coordinator.max_pack + 1)
+
+
+def test_error_cancels_a_long_function_in_flight(coordinator):
+    @tf.function
+    def long_running():
+        # Runs for minutes unless cancelled (a cheap op per iteration).
+        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
+                             [tf.constant(0)])[0]
+
+    @tf.function
+    def fails():
+        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
+
+    long = coordinator.schedule(long_running)
+    busy = lambda: any(w.in_flight_seconds() is not None
+                       for w in coordinator.workers)
+    deadline = time.monotonic() + 60
+    while not busy():
+        assert time.monotonic() < deadline, "the long function never started"
+        time.sleep(0.01)
+    coordinator.schedule(fails)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        coordinator.join()
+    with pytest.raises(tf.errors.CancelledError):
+        long.fetch()
+    # The coordinator goes on: later functions run.
+    ok = coordinator.schedule(tf.function(lambda: tf.constant(5)))
+    assert ok.fetch() == 5
+
+
+def test_per_worker_dataset_build_element_spec_and_iterator_type_spec(
+        coordinator):
+    dataset = coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.from_tensors(tf.constant([1, 2])).repeat())
+    dataset.build()  # made already; building again changes nothing
+    assert dataset.element_spec == tf.TensorSpec([2], tf.int32)
+    iterators = iter(dataset)
+    spec = iterators.type_spec
+    assert isinstance(spec, tf.data.IteratorSpec)
+    assert spec == tf.data.IteratorSpec(dataset.element_spec)
+
+
+def test_per_worker_variable_is_refused_with_what_to_do(strategy):
+    with strategy.scope():
+        with pytest.raises(ValueError, match="per_worker_variable=True"):
+            tf.Variable(0.0, per_worker_variable=True)

@@ -1,0 +1,138 @@
+"""A coordinator process for tests of connecting and per-worker datasets
+around workers that are down; prints RESULT lines the test reads.
+
+Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster
+"""
+
+import logging
+import os
+import sys
+import threading
+import time
+
+import portpicker
+import tensorflow as tf
+
+import keras_ps
+from _results import say
+
+
+class _Seen(logging.Handler):
+    """Sets `event` when a log record contains `text`."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.text, self.event = text, threading.Event()
+
+    def emit(self, record):
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+def connect():
+    """A strategy waits for a worker that is still starting; one whose
+    worker never answers fails with an error naming it."""
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        spec = {job: list(tasks) for job, tasks in cluster.spec.items()}
+        nobody = f"localhost:{portpicker.pick_unused_port()}"
+        os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "2"
+        start = time.monotonic()
+        try:
+            keras_ps.ParameterServerStrategy(keras_ps.cluster.resolver_from_spec(
+                {"ps": spec["ps"], "worker": spec["worker"] + [nobody]}))
+            unreachable = None
+        except tf.errors.UnavailableError as error:
+            unreachable = dict(type=type(error).__name__, message=str(error),
+                               seconds=time.monotonic() - start)
+        os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "60"
+
+        cluster.kill("worker", 0)
+        seen = _Seen("waiting for")
+        logging.getLogger("keras_ps").addHandler(seen)
+        logging.getLogger("keras_ps").setLevel(logging.INFO)
+
+        def restart_once_waited():
+            if seen.event.wait(60):
+                cluster.restart("worker", 0)
+
+        threading.Thread(target=restart_once_waited, daemon=True).start()
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = tf.Variable(0.0)
+
+        @tf.function
+        def step():
+            v.assign_add(1.0)
+
+        for _ in range(10):
+            coordinator.schedule(step)
+        coordinator.join()
+        say(unreachable=unreachable, waited=seen.event.is_set(),
+            total=float(v.numpy()))
+
+
+def dataset_while_down():
+    """Per-worker datasets made while a worker is down: made on the others,
+    and on that worker once it is back."""
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        cluster.kill("worker", 1)
+        from_fn = coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat())
+        from_dataset = coordinator.create_per_worker_dataset(
+            tf.data.Dataset.from_tensors(2.0).repeat())
+        iterators = (iter(from_fn), iter(from_dataset))
+        state_after_create = coordinator.workers[1].state.value
+
+        @tf.function
+        def step(a, b):
+            total.assign_add(next(a) + next(b))
+
+        cluster.restart("worker", 1)
+        for _ in range(100):
+            coordinator.schedule(step, args=iterators)
+        readmitted = coordinator.workers[1].wait_until_runnable(timeout=60)
+        for _ in range(200):
+            coordinator.schedule(step, args=iterators)
+        coordinator.join()
+        say(state_after_create=state_after_create, readmitted=readmitted,
+            total=float(total.numpy()),
+            per_worker=[w.closures_run for w in coordinator.workers])
+
+
+def second_cluster():
+    """Clusters one after another in one process, as a notebook makes them."""
+    runs, old = [], None
+    for n in range(4):
+        resolver = keras_ps.create_in_process_cluster(num_workers=2, num_ps=1)
+        strategy = keras_ps.ParameterServerStrategy(resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            v = tf.Variable(0.0)
+
+        @tf.function
+        def step():
+            v.assign_add(1.0)
+
+        for _ in range(40):
+            coordinator.schedule(step)
+        coordinator.join()
+        runs.append(float(v.numpy()))
+        if old is None:
+            old = strategy
+    try:
+        keras_ps.ClusterCoordinator(old)
+        refused = None
+    except keras_ps.errors.ClusterConfigError as error:
+        refused = str(error)
+    say(runs=runs, refused=refused)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    {"connect": connect, "dataset_while_down": dataset_while_down,
+     "second_cluster": second_cluster}[sys.argv[1]]()

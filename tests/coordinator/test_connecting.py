@@ -1,0 +1,53 @@
+"""Connecting to a cluster whose tasks are (re)starting, per-worker datasets
+made while a worker is down, and clusters one after another in one process.
+Each runs in its own coordinator process (tests/_cluster_job.py)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _paths import TESTS
+from _results import last_report
+
+JOB = os.path.join(TESTS, "_cluster_job.py")
+
+
+def run_job(mode, timeout):
+    proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
+                          text=True, timeout=timeout,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return last_report(proc.stdout)
+
+
+@pytest.mark.timeout(200)
+def test_strategy_waits_for_a_starting_worker_and_names_one_that_never_answers():
+    result = run_job("connect", timeout=180)
+    unreachable = result["unreachable"]
+    assert unreachable["type"] == "ClusterUnreachableError"
+    assert "worker:1" in unreachable["message"]
+    assert "KERAS_PS_CONNECT_TIMEOUT" in unreachable["message"]
+    assert unreachable["seconds"] >= 2
+    # The strategy was built while worker 0 was down: it waited, the worker
+    # came back, and the steps ran.
+    assert result["waited"] is True
+    assert result["total"] == 10
+
+
+@pytest.mark.timeout(200)
+def test_per_worker_dataset_made_while_a_worker_is_down():
+    result = run_job("dataset_while_down", timeout=180)
+    assert result["state_after_create"] == "failed"
+    assert result["readmitted"] is True
+    # Every step read 1.0 + 2.0; the returning worker ran steps too.
+    assert result["total"] >= 300 * 3.0
+    assert result["per_worker"][1] > 0
+
+
+@pytest.mark.timeout(200)
+def test_clusters_one_after_another_in_one_process():
+    result = run_job("second_cluster", timeout=180)
+    assert result["runs"] == [40.0] * 4
+    assert "connection was replaced" in result["refused"]
