@@ -83,7 +83,7 @@ cmd_stop() {
   [[ -f "$PIDFILE" ]] || { log "no dockerd started by this script"; return 0; }
   local pid
   pid="$(cat "$PIDFILE")"
-  if kill -0 "$pid" 2>/dev/null; then
+  if [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == dockerd ]]; then
     kill -TERM "$pid"
     local deadline=$((SECONDS + 60))
     while kill -0 "$pid" 2>/dev/null && ((SECONDS < deadline)); do sleep 0.5; done
