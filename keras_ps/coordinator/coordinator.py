@@ -245,8 +245,28 @@ class ClusterCoordinator:
         return sum(w.state is worker_lib.WorkerState.HEALTHY for w in self._workers)
 
     def dead_ps(self):
+        """The ps whose variables are lost: those that do not answer a
+        probe, and those that answer but were restarted (a restart policy
+        can bring a ps back before any probe sees it gone)."""
         return [i for i, address in enumerate(self.ps_addresses)
-                if not worker_lib.probe(address, self.probe_timeout)]
+                if not worker_lib.probe(address, self.probe_timeout)
+                or not self._ps_holds_context(i)]
+
+    def _ps_holds_context(self, index):
+        """Whether ps `index` still serves this process' eager context: a
+        trivial op run there. A restarted ps has a new server that knows no
+        context of ours and refuses it."""
+        import tensorflow as tf
+
+        try:
+            with self._gate.shared():
+                with tf.device(f"/job:ps/replica:0/task:{index}/device:CPU:0"):
+                    tf.identity(tf.constant(0)).numpy()
+            return True
+        except tf.errors.OpError as error:
+            logger.info("[ps:%d] answers but refuses this job's context (%s): "
+                        "restarted", index, type(error).__name__)
+            return False
 
     def _check_workers(self):
         if self.num_healthy():

@@ -277,7 +277,10 @@ class Worker:
             return
         worker_alive = probe(self.address, self._coordinator.probe_timeout)
         dead_ps = []
-        if failure_policy.is_connectivity_error(error) or not worker_alive:
+        # A restarted ps fails calls with connectivity errors first, then,
+        # once workers are rebuilt, with others: look at the ps in both cases.
+        if failure_policy.is_connectivity_error(error) or not worker_alive \
+                or self._just_recovered or stale:
             dead_ps = self._coordinator.dead_ps()
         self._consecutive_failures += 1
         decision = failure_policy.decide(
