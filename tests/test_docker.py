@@ -601,12 +601,13 @@ def test_chief_ps_and_worker_crashes_recover(make_cluster):
     assert re.search(r"\[worker:1\] healthy -> failed", last), last[-4000:]
     assert re.search(r"\[worker:1\] \w+ -> healthy", last), last[-4000:]
     assert re.search(r"\[worker:1\] first call after \(re\)admission", last), last
-    per_worker = dict(re.findall(r"worker (\d): (\d+) \((\w+)\)",
-                                 re.search(r"^Steps per worker: .*$", last, re.M)[0]))
+    line = re.search(r"^Steps per worker: .*$", last, re.M)
+    assert line, last[-3000:]
+    per_worker = {index: (int(steps), state) for index, steps, state in
+                  re.findall(r"worker (\d): (\d+) \((\w+)\)", line[0])}
     print(f"\nresumed at epoch {epoch} step {step}; chief restarted "
-          f"{chief_failed:.1f}s after the ps kill; steps per worker (last run): "
-          f"{re.search(r'^Steps per worker: .*$', last, re.M)[0]}")
-    assert int(per_worker["1"]) > 0
+          f"{chief_failed:.1f}s after the ps kill; last run: {line[0]}")
+    assert per_worker["1"][0] > 0 and per_worker["1"][1] == "healthy", line[0]
 
     # The evaluator ends by itself after the final checkpoint, having
     # exported the best model, which loads and scores like the chief's.
