@@ -524,8 +524,8 @@ def test_compose_up_trains_and_returns_the_chiefs_exit_code(make_cluster):
     accuracy = number(r"Evaluation accuracy: ([\d.]+) on 200 examples", output)
     assert accuracy >= 0.95
     assert board, "TensorBoard never listed the training run"
-    # The rest of the cluster may still serve (Compose 1.29 stops only the
-    # chief, v2 all): `down -v` removes all of it.
+    # The rest of the cluster still serves (Compose 1.29 and v2 alike stop
+    # only the attached chief): `down -v` removes all of it.
     running = docker("ps", "--format", "{{.Names}}", *cluster._label()).split()
     print(f"running after `up` returned: {running}")
     cluster.run("down", "-v", timeout=180)
