@@ -1,6 +1,6 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
-Usage: python tests/_fault_job.py worker_kill|ps_kill
+Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart
 """
 
 import sys
@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import keras_ps
 from _results import say
+from keras_ps._network import probe
 
 
 
@@ -81,6 +82,15 @@ def main(mode):
                 coordinator.schedule(step, args=(iterator,))
             coordinator.join()
             cluster.kill("ps", 0)
+            if mode == "ps_restart":
+                # Back on its address before any closure fails: every probe
+                # finds it alive, but its variables are gone.
+                cluster.restart("ps", 0)
+                deadline = time.monotonic() + 60
+                while not probe(cluster.spec["ps"][0], 1):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the restarted ps never answered")
+                    time.sleep(0.05)
             start = time.monotonic()
             try:
                 for _ in range(100):

@@ -27,6 +27,7 @@ Run:
 import argparse
 import glob
 import json
+import logging
 import os
 import random
 import sys
@@ -149,6 +150,10 @@ def main(argv=None):
     import keras_ps
 
     tf.get_logger().setLevel("ERROR")
+    # keras_ps' own log lines: workers failing and re-admitted, backups
+    # written and restored (a few lines per event, none per step).
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s")
+    logging.getLogger("keras_ps").setLevel(logging.INFO)
     if os.environ.get("TF_CONFIG"):
         resolver, cluster = keras_ps.cluster.resolver_from_tf_config(), None
     else:
@@ -217,6 +222,11 @@ def train(args, resolver):
                         epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
                         callbacks=callbacks, verbose=2)
     print(f"Training steps: {int(model.optimizer.iterations.numpy())}")
+    # What each worker ran in this process (a restarted chief counts anew).
+    workers = keras_ps.training.coordinator_for(strategy).workers
+    print("Steps per worker: " + ", ".join(
+        f"worker {w.index}: {w.closures_run * args.steps_per_execution} "
+        f"({w.state.value})" for w in workers))
     if history.history:
         print(f"Final training accuracy: {history.history['accuracy'][-1]:.4f}")
 

@@ -322,7 +322,10 @@ class Worker:
         worker_alive = probe(
             self.address, services.config.probe_timeout)
         dead_ps = {}
-        if failure_handling.is_connectivity_error(error) or not worker_alive:
+        # A restarted ps fails calls with connectivity errors first, then,
+        # once workers are rebuilt, with others: look at the ps in both cases.
+        if failure_handling.is_connectivity_error(error) or not worker_alive \
+                or self.state is WorkerState.READMITTED or stale:
             dead_ps = services.dead_ps()
         self._consecutive_failures += 1
         decision = failure_handling.decide(

@@ -50,6 +50,17 @@ def test_ps_killed_raises_within_10s():
     assert "Restart the job" in result["message"]
 
 
+@pytest.mark.timeout(120)
+def test_ps_restarted_at_once_raises_within_10s():
+    # A restart policy (Docker's, Kubernetes') can bring a killed ps back on
+    # its address before any closure fails: it answers every probe, but the
+    # variables it held are gone and it knows nothing of this job.
+    result = run_job("ps_restart", timeout=100)
+    assert result["error"] == "ParameterServerUnavailableError"
+    assert result["seconds"] < 10
+    assert "Restart the job" in result["message"]
+
+
 @pytest.mark.timeout(240)
 def test_worker_stopped_does_not_hang_training():
     # SIGSTOP: the process is alive, its port accepts TCP, its call never
