@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A Docker engine and a Python base image for building keras_ps' image on a
-# machine that has neither, e.g. CI (.ci/run) and tests/test_docker.py.
+# machine that has neither, e.g. CI (.ci/run) and tests/system/test_docker.py.
 #
 #   docker/engine.sh start        # make an engine answer (root on Debian: installs
 #                                 # docker.io, docker-compose and debootstrap once,
