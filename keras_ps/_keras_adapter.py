@@ -17,6 +17,8 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
+from keras_ps._keras import compat
+
 _installed = False
 _install_lock = threading.Lock()
 
@@ -31,6 +33,7 @@ def install():
         _install_atomic_updates()
         _install_sharding_hooks()
         _install_fused_adam()
+        compat.install()
         _installed = True
 
 
@@ -79,6 +82,8 @@ def symbolic_build(model, strategy, element_spec):
     step (`Trainer._symbolic_build`), which would create variables inside a
     function running on a worker.
     """
+    compat.place_model_state(model, strategy)
+    compat.build_eagerly(model, strategy, element_spec)
     with strategy.scope():
         model._symbolic_build(data_batch=element_spec)
 

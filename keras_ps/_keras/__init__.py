@@ -1,0 +1,1 @@
+"""keras_ps' hooks into Keras internals, one module per concern."""
