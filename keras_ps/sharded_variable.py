@@ -542,32 +542,75 @@ def _safe_embedding_lookup_sparse_v1(
 def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
     """Creates a ShardedVariable if `partitioner` asks for 2+ shards, else None.
 
-    Always None inside `no_partitioning()`.
+    As TF's strategy: a callable `initial_value` with a known `shape` and
+    `dtype` is called once per shard with `partition_shape` and
+    `partition_offset` when it accepts them (a partition-aware initializer),
+    else once for the whole value, which is sliced; without a known shape or
+    dtype it is called first and the value's shape decides. Always None
+    inside `no_partitioning()`. When it returns None, `kwargs` holds the
+    value already computed (so an initializer runs once).
     """
     if not partitioning_allowed():
         return None
     initial_value = kwargs.get("initial_value")
-    shape = kwargs.get("shape")
+    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+    init_fn = None
     if callable(initial_value):
-        if shape is None or not tf.TensorShape(shape).is_fully_defined():
-            return None
-        initial_value = initial_value()
-    initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
-    shape = initial_value.shape
+        if (shape is not None and dtype is not None
+                and tf.TensorShape(shape).is_fully_defined()):
+            init_fn = initial_value
+            shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+        else:
+            initial_value = initial_value()
+    if init_fn is None:
+        initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
+        kwargs["initial_value"] = initial_value
+        shape, dtype = initial_value.shape, initial_value.dtype
     if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
         return None
     name = kwargs.get("name") or "Variable"
-    spec = partitioner(shape, initial_value.dtype)
+    spec = partitioner(shape, dtype)
     num_shards = partitioners_lib.validate_partition_spec(spec, shape, name)
     if num_shards <= 1:
         return None
+    if init_fn is None:
+        part_value = lambda start, stop: initial_value[start:stop]  # noqa: E731
+    else:
+        part_value = _PartValues(init_fn, shape, dtype)
     shards = []
     for i, (start, stop) in enumerate(
             partitioners_lib.shard_row_ranges(int(shape[0]), num_shards)):
         shard_kwargs = dict(kwargs)
-        shard_kwargs["initial_value"] = initial_value[start:stop]
+        shard_kwargs["initial_value"] = part_value(start, stop)
         shard_kwargs["shape"] = None
         shard_kwargs["name"] = f"{name}/part_{i}"
         shards.append(extended._create_shard(next_creator, shard_kwargs))
     logger.info("[chief] %s %s split into %d shards", name, tuple(shape), num_shards)
     return ShardedVariable(shards, name=name)
+
+
+class _PartValues:
+    """Rows [start, stop) of a callable initial value: asked for that
+    partition (`partition_shape`, `partition_offset`, as TF's strategy asks),
+    or sliced from the whole value, computed once, when the callable does
+    not take them."""
+
+    def __init__(self, init_fn, shape, dtype):
+        self._init_fn, self._shape, self._dtype = init_fn, shape, dtype
+        self._full = None
+
+    def __call__(self, start, stop):
+        if self._full is None:
+            part_shape = tf.TensorShape([stop - start]).concatenate(
+                self._shape[1:])
+            offset = [start] + [0] * (self._shape.rank - 1)
+            try:
+                value = self._init_fn(partition_shape=part_shape.as_list(),
+                                      partition_offset=offset)
+            except (TypeError, ValueError):  # not partition-aware
+                value = self._init_fn()
+            value = tf.convert_to_tensor(value, dtype=self._dtype)
+            if value.shape == part_shape and part_shape != self._shape:
+                return value
+            self._full = value
+        return self._full[start:stop]
