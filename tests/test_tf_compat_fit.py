@@ -39,14 +39,18 @@ def _devices(model):
     return {v.path: v.value.device for v in variables}
 
 
+@pytest.mark.parametrize("loss_scale", [False, True],
+                         ids=["sgd", "loss_scale_sgd"])
 @pytest.mark.parametrize("compile_in_scope", [False, True],
                          ids=["compile_outside_scope", "compile_in_scope"])
 def test_optimizer_and_metric_state_on_ps_whatever_the_compile_scope(
-        plain_strategy, compile_in_scope):
+        plain_strategy, compile_in_scope, loss_scale):
     with plain_strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     # Made outside the scope, as in `model.compile(keras.optimizers.SGD(), ...)`.
     optimizer = keras.optimizers.SGD(0.01)
+    if loss_scale:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     mae = keras.metrics.MeanAbsoluteError()
     if compile_in_scope:
         with plain_strategy.scope():
@@ -58,8 +62,11 @@ def test_optimizer_and_metric_state_on_ps_whatever_the_compile_scope(
     assert int(model.optimizer.iterations.numpy()) == 100
     assert model.optimizer is optimizer
     devices = _devices(model)
-    expected = [optimizer.iterations, optimizer._learning_rate,
-                *model._loss_tracker.variables, *mae.variables]
+    expected = [optimizer.iterations, *model._loss_tracker.variables,
+                *mae.variables]
+    if loss_scale:
+        expected += [optimizer.inner_optimizer.iterations,
+                     optimizer.dynamic_scale]
     assert {v.path for v in expected} <= set(devices)
     off_ps = {p: d for p, d in devices.items() if "/job:ps/" not in d}
     assert off_ps == {}

@@ -7,6 +7,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ps
+from keras_ps import _tf_adapter
 from keras_ps.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(180)
@@ -282,3 +283,11 @@ def test_constructor_refuses_mismatched_shards():
                                          r"\[\(2, 3\), \(2, 4\)\]"):
         keras_ps.ShardedVariable([tf.Variable(tf.zeros([2, 3])),
                                   tf.Variable(tf.zeros([2, 4]))])
+
+
+def test_tf_internals_overridden_still_exist():
+    for name in _tf_adapter.TRACKABLE_HOOKS:
+        assert callable(getattr(tf.__internal__.tracking.Trackable, name)), name
+    for name in _tf_adapter.TYPE_SPEC_HOOKS:
+        assert hasattr(tf.TypeSpec, name), name
+    assert issubclass(keras_ps.ShardedVariable, tf.__internal__.CompositeTensor)
