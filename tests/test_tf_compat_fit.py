@@ -107,7 +107,9 @@ def test_lazily_built_model_under_partitioner_fits(sharding_strategy):
 
 
 @pytest.mark.parametrize("method, arg", [("fit", "steps_per_epoch"),
-                                         ("evaluate", "steps")])
+                                         ("evaluate", "steps")],
+                         ids=["fit_steps_per_epoch_minus_one",
+                              "evaluate_steps_minus_one"])
 def test_run_until_data_ends_is_refused_with_the_reason(plain_strategy,
                                                          method, arg):
     with plain_strategy.scope():

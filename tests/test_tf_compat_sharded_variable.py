@@ -271,7 +271,8 @@ def test_checkpoint_still_holds_one_full_tensor(table, tmp_path):
     ([np.zeros((2, 3))], TypeError, r"(?s)must be a tf.Variable\. Received: an "
                                     r"element of type ndarray.*Create each"),
     ("lookup", TypeError, r"Received: variables='lookup'"),
-], ids=["none", "empty", "not_variables", "a_string"])
+], ids=["sharded_variable_none", "sharded_variable_empty",
+        "sharded_variable_not_variables", "sharded_variable_a_string"])
 def test_constructor_refuses_bad_shards(variables, error, pattern):
     with pytest.raises(error, match=pattern):
         keras_ps.ShardedVariable(variables)
