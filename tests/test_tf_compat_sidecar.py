@@ -48,12 +48,15 @@ def test_evaluator_reads_tf_train_checkpoints_into_an_unbuilt_model(
     manager.save()
 
     eval_model = _eval_model()
+    export = keras_ps.callbacks.SidecarEvaluatorModelExport(
+        str(tmp_path / "best-{step}.keras"), monitor="loss", mode="min")
     sidecar = keras_ps.SidecarEvaluator(eval_model, data=_data(seed=1),
                                         checkpoint_dir=str(tmp_path),
                                         max_evaluations=1, poll_interval=0.05,
-                                        timeout=60)
+                                        timeout=60, callbacks=[export])
     (made,) = sidecar.start()
-    assert made.checkpoint.step == 6
+    assert made.checkpoint.step == 6 and made.checkpoint.epoch is None
+    assert (tmp_path / "best-6.keras").exists()
     assert int(eval_model.optimizer.iterations.numpy()) == 6
     # Each kernel is split in 2 on the ps; read whole (concatenated).
     assert len(model.layers[0].kernel.variables) == 2
