@@ -19,7 +19,7 @@ def _rows():
 
 def test_each_row_names_a_case_in_its_file():
     rows = _rows()
-    assert len(rows) == 16
+    assert len(rows) >= 16
     for case, path in rows:
         with open(os.path.join(REPO, path)) as f:
             source = f.read()

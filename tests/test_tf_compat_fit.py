@@ -39,16 +39,17 @@ def _devices(model):
     return {v.path: v.value.device for v in variables}
 
 
-@pytest.mark.parametrize("loss_scale", [False, True],
-                         ids=["sgd", "loss_scale_sgd"])
+@pytest.mark.parametrize("kind", ["sgd", "adam", "loss_scale_sgd"])
 @pytest.mark.parametrize("compile_in_scope", [False, True],
                          ids=["compile_outside_scope", "compile_in_scope"])
 def test_optimizer_and_metric_state_on_ps_whatever_the_compile_scope(
-        plain_strategy, compile_in_scope, loss_scale):
+        plain_strategy, compile_in_scope, kind):
     with plain_strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     # Made outside the scope, as in `model.compile(keras.optimizers.SGD(), ...)`.
-    optimizer = keras.optimizers.SGD(0.01)
+    optimizer = (keras.optimizers.Adam(0.01) if kind == "adam"
+                 else keras.optimizers.SGD(0.01))
+    loss_scale = kind == "loss_scale_sgd"
     if loss_scale:
         optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
     mae = keras.metrics.MeanAbsoluteError()
@@ -67,6 +68,10 @@ def test_optimizer_and_metric_state_on_ps_whatever_the_compile_scope(
     if loss_scale:
         expected += [optimizer.inner_optimizer.iterations,
                      optimizer.dynamic_scale]
+    if kind == "adam":  # slots made in fit, beside their weights
+        expected += [*optimizer._momentums, *optimizer._velocities]
+        for slot, weight in zip(optimizer._momentums, model.trainable_weights):
+            assert slot.value.device == weight.value.device
     assert {v.path for v in expected} <= set(devices)
     off_ps = {p: d for p, d in devices.items() if "/job:ps/" not in d}
     assert off_ps == {}
@@ -82,7 +87,8 @@ def test_optimizer_built_off_the_ps_is_refused(plain_strategy):
     with plain_strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match=r"(?s)built .*outside "
-                       r"strategy.scope\(\).*Received: optimizer='adam'.*"
+                       r"strategy.scope\(\).*Received: optimizer='adam[_0-9]*' "
+                       r"with .* on /job:chief.*"
                        r"Pass compile\(\) a new optimizer"):
         model.compile(optimizer, "mse")
 
