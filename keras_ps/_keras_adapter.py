@@ -6,7 +6,8 @@ keras_ps.strategy is imported, and when a public keras_ps name is first used:
 see keras_ps/__init__.py), and each one leaves models that are not built under a keras_ps
 strategy exactly as plain Keras handles them. tests/test_keras_adapter.py pins
 every internal used here, so a Keras upgrade that moves one fails loudly there.
-Supported range: see setup.cfg.
+Supported range: see setup.cfg. The hooks that make TF-style user code work
+(compile outside the scope, lazily built models) are in keras_ps/_keras/compat.py.
 """
 
 import functools
