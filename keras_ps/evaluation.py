@@ -407,6 +407,7 @@ class SidecarEvaluator:
             status = tf.train.Checkpoint(model=_ModelWeights(self.model)).read(
                 prefix)
             status.assert_existing_objects_matched()
+            status.expect_partial()  # the training optimizer's state stays
         except (tf.errors.NotFoundError, tf.errors.DataLossError):
             if not tf.io.gfile.exists(prefix + ".index"):
                 return None

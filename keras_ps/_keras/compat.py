@@ -95,10 +95,10 @@ def _relocate(variable, strategy):
 def place_model_state(model, strategy):
     """Puts every optimizer and metric variable of `model` on a ps.
 
-    Variables made outside `strategy.scope()` are moved while the optimizer
-    is unbuilt (only `iterations`, the learning rate, loss-scale state) and
-    metrics hold their initial state; the optimizer then updates through
-    `strategy`.
+    Variables made outside `strategy.scope()` (an unbuilt optimizer's
+    `iterations`, learning rate and loss-scale state; metric variables) are
+    re-created on a ps with their current values; the optimizer then
+    updates through `strategy`.
 
     Raises:
         ValueError: the optimizer was built (has slots) off the ps.
