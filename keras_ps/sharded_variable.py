@@ -98,15 +98,17 @@ def _check_shards(variables):
     if any(v.shape.rank in (None, 0) or not v.shape.is_fully_defined()
            for v in variables):
         raise ValueError(
-            "Shards must have a known shape of rank 1 or more. Received "
-            f"shapes {[v.shape for v in variables]}.")
+            "Shards must have a known shape of rank 1 or more. Received: "
+            f"shapes {[v.shape for v in variables]}. Shard a variable with "
+            "rows (axis 0); keep scalars as plain tf.Variables.")
     rest = variables[0].shape[1:]
     for v in variables:
         if v.shape[1:] != rest or v.dtype != variables[0].dtype:
             raise ValueError(
                 "Shards must agree on dtype and on every axis but the first. "
-                f"Received shapes {[tuple(x.shape) for x in variables]}, "
-                f"dtypes {[x.dtype.name for x in variables]}.")
+                f"Received: shapes {[tuple(x.shape) for x in variables]}, "
+                f"dtypes {[x.dtype.name for x in variables]}. Split one "
+                "variable along axis 0 only.")
     return variables
 
 
@@ -411,8 +413,9 @@ def _slice(sv, spec):
         index = int(first) + rows if first < 0 else int(first)
         if not 0 <= index < rows:
             raise IndexError(
-                f"Index {int(first)} is out of bounds for axis 0 of "
-                f"ShardedVariable {sv.name!r} with {rows} rows.")
+                f"Index out of bounds for axis 0 of ShardedVariable "
+                f"{sv.name!r}, which has {rows} rows. Received: "
+                f"index={int(first)}. Use an index in [{-rows}, {rows - 1}].")
         shard = int(np.searchsorted(offsets[1:], index, side="right"))
         return sv._variables[shard][(index - offsets[shard],) + rest]
     return sv.read_value()[spec]
