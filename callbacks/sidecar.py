@@ -179,7 +179,9 @@ class SidecarEvaluatorModelExport(keras.callbacks.Callback):
         checkpoint = self._checkpoint
         try:
             path = self.export_filepath.format(
-                epoch=checkpoint.epoch + 1 if checkpoint else 0,
+                # tf.train checkpoints have no epoch (None).
+                epoch=checkpoint.epoch + 1
+                if checkpoint and checkpoint.epoch is not None else 0,
                 step=checkpoint.step if checkpoint else 0)
         except (KeyError, IndexError, ValueError) as e:
             raise ValueError(

@@ -25,6 +25,19 @@ STRATEGY_HOOKS = (
     "_experimental_distribute_values_from_function", "_num_replicas_in_sync",
 )
 
+# ShardedVariable: `tf.__internal__.tracking.Trackable` and
+# `tf.__internal__.CompositeTensor` are exported, but how an object saves
+# itself is their private methods. keras_ps/sharded_variable.py overrides
+# these (a checkpoint holds one full tensor; a SavedModel holds the shards);
+# tests/test_tf_compat_sharded_variable.py pins they exist.
+TRACKABLE_HOOKS = (
+    "_serialize_to_tensors", "_restore_from_tensors", "_trackable_children",
+    "_export_to_saved_model_graph",
+)
+# ShardedVariableSpec: the methods a `tf.TypeSpec` subclass must define.
+TYPE_SPEC_HOOKS = ("_serialize", "_component_specs", "_to_components",
+                   "_from_components")
+
 
 @functools.lru_cache(maxsize=None)
 def _internals():

@@ -137,6 +137,20 @@ def require_steps(name, value, what):
             "read their data independently, so the coordinator cannot tell "
             f"where an epoch ends. Received: {name}=None. Pass {name}=<number "
             f"of batches per {what}>.")
+    if isinstance(value, (int, np.integer)) and value == -1:
+        # TF's strategy runs until a worker's iterator raises OutOfRangeError.
+        exact = (" (e.g. the number of examples // (batch_size * "
+                 "num_workers) for data sharded by worker), or steps=None "
+                 "to evaluate finite data exactly once") if name == "steps" \
+            else (" (e.g. the number of examples // batch_size), with a "
+                  "dataset that repeats")
+        raise ValueError(
+            f"`{name}=-1` (run until the data runs out) is not supported with "
+            "parameter-server training: each worker reads its own iterator, "
+            "so the data runs out on each worker at a different step, and "
+            "where the epoch ended would depend on timing (batches still in "
+            f"flight are lost or repeated). Received: {name}=-1. Pass "
+            f"{name}=<number of batches per {what}>{exact}.")
     if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(
             f"`{name}` must be a positive integer. Received: {name}={value!r}.")

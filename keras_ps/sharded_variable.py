@@ -10,7 +10,9 @@ into a plain variable.
 import contextlib
 import logging
 import threading
+import typing
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ps import partitioners as partitioners_lib
@@ -42,24 +44,94 @@ def partitioning_allowed():
     return not getattr(_switch, "depth", 0)
 
 
-class ShardedVariable(tf.__internal__.tracking.Trackable):
+class ShardedVariableSpec(tf.TypeSpec):
+    """The `tf.TypeSpec` of a ShardedVariable: one `VariableSpec` per shard.
+
+    A ShardedVariable passed to a `tf.function` becomes its shards' handles
+    (like a `tf.Variable` argument), so calls with the same shard shapes and
+    dtypes reuse one trace.
+    """
+
+    __slots__ = ("_variable_specs",)
+
+    value_type = property(lambda self: ShardedVariable)
+
+    def __init__(self, *variable_specs):
+        self._variable_specs = tuple(variable_specs)
+
+    def _serialize(self):
+        return self._variable_specs
+
+    @property
+    def _component_specs(self):
+        return self._variable_specs
+
+    def _to_components(self, value):
+        return tuple(value.variables)
+
+    def _from_components(self, variables):
+        return ShardedVariable(list(variables))
+
+    def _cast(self, value, _):
+        return value
+
+
+def _check_shards(variables):
+    """`variables` as a list of tf.Variables, or a Keras-style error."""
+    received = variables
+    if isinstance(variables, tf.Variable) or not isinstance(
+            variables, (list, tuple)):
+        raise TypeError(
+            "ShardedVariable needs a list of tf.Variable shards (in row "
+            f"order). Received: variables={received!r}. Pass e.g. "
+            "ShardedVariable([tf.Variable(...), tf.Variable(...)]).")
+    variables = list(variables)
+    if not variables:
+        raise ValueError(
+            "ShardedVariable needs at least one shard. Received: "
+            "variables=[]. Pass a non-empty list of tf.Variables.")
+    wrong = [v for v in variables if not isinstance(v, tf.Variable)]
+    if wrong:
+        raise TypeError(
+            "Every shard of a ShardedVariable must be a tf.Variable. "
+            f"Received: an element of type {type(wrong[0]).__name__} "
+            f"({wrong[0]!r:.100}). Create each shard with tf.Variable(...).")
+    if any(v.shape.rank in (None, 0) or not v.shape.is_fully_defined()
+           for v in variables):
+        raise ValueError(
+            "Shards must have a known shape of rank 1 or more. Received: "
+            f"shapes {[v.shape for v in variables]}. Shard a variable with "
+            "rows (axis 0); keep scalars as plain tf.Variables.")
+    rest = variables[0].shape[1:]
+    for v in variables:
+        if v.shape[1:] != rest or v.dtype != variables[0].dtype:
+            raise ValueError(
+                "Shards must agree on dtype and on every axis but the first. "
+                f"Received: shapes {[tuple(x.shape) for x in variables]}, "
+                f"dtypes {[x.dtype.name for x in variables]}. Split one "
+                "variable along axis 0 only.")
+    return variables
+
+
+class ShardedVariable(tf.__internal__.CompositeTensor,
+                      tf.__internal__.tracking.Trackable):
     """A variable split on axis 0 into `variables`, each on its own ps.
 
+    Behaves as TF's own sharded variable does: converts to one tensor,
+    supports TF's operators, slicing (`v[1:3]`, `v[:, 0]`), `sparse_read`,
+    the `scatter_*` methods and `tf.nn.embedding_lookup` (and its sparse
+    variants), which read only the requested rows from each shard. A
+    `tf.Module` holding one lists its shards in `variables`; as a
+    `tf.function` argument it is traced once per shard layout.
+
     Args:
-        variables: the shards, in row order; equal shapes past axis 0.
+        variables: the shards (`tf.Variable`s), in row order; equal shapes
+            and dtype past axis 0.
         name: the logical variable's name.
     """
 
     def __init__(self, variables, name=None):
-        variables = list(variables)
-        if not variables:
-            raise ValueError("A ShardedVariable needs at least one shard. Received: [].")
-        rest = variables[0].shape[1:]
-        for v in variables:
-            if v.shape[1:] != rest or v.dtype != variables[0].dtype:
-                raise ValueError(
-                    "Shards must agree on dtype and on every axis but the first. "
-                    f"Received shapes {[tuple(x.shape) for x in variables]}.")
+        variables = _check_shards(variables)
         self._variables = variables
         self._name = name or variables[0].name.split("/part_")[0]
         self._row_offsets = [0]
@@ -88,6 +160,31 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
     def trainable(self):
         return self._variables[0].trainable
 
+    @property
+    def _type_spec(self):
+        return ShardedVariableSpec(
+            *(tf.type_spec_from_value(v) for v in self._variables))
+
+    def __iter__(self):
+        """Iterates over the shards (as TF's ShardedVariable does)."""
+        return iter(self._variables)
+
+    def __getitem__(self, slice_spec):
+        """`v[...]` as for a tensor, reading only the shards that hold the
+        selected rows. Tensor indices are not supported (use
+        `embedding_lookup` or `sparse_read`)."""
+        return _slice(self, slice_spec)
+
+    def sparse_read(self, indices, name=None):
+        """Rows `indices` (1-D) of the variable, in the order of `indices`."""
+        indices = tf.convert_to_tensor(indices)
+        if indices.shape.rank != 1:
+            raise ValueError(
+                "sparse_read takes 1-D indices. Received: indices with shape "
+                f"{indices.shape}. Use embedding_lookup for other shapes.")
+        with tf.name_scope(name or "sparse_read"):
+            return self.embedding_lookup(indices)
+
     def read_value(self):
         """The whole variable as one tensor (concatenates every shard)."""
         return tf.concat([v.read_value() for v in self._variables], axis=0)
@@ -103,17 +200,20 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
         sizes = [int(v.shape[0]) for v in self._variables]
         return tf.split(value, sizes, axis=0)
 
-    def assign(self, value):
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
         for v, part in zip(self._variables, self._split(value)):
             v.assign(part)
         return self
 
-    def assign_add(self, value):
+    def assign_add(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
         for v, part in zip(self._variables, self._split(value)):
             v.assign_add(part)
         return self
 
-    def assign_sub(self, value):
+    def assign_sub(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
         for v, part in zip(self._variables, self._split(value)):
             v.assign_sub(part)
         return self
@@ -131,24 +231,57 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
         locals_ = tf.dynamic_partition(local, shard32, n)
         return positions, locals_
 
-    def _scatter(self, method, sparse_delta):
+    def _scatter(self, method, sparse_delta, name=None):
+        if not isinstance(sparse_delta, tf.IndexedSlices):
+            raise TypeError(
+                f"{method} takes a tf.IndexedSlices. Received: "
+                f"sparse_delta of type {type(sparse_delta).__name__}. Pass "
+                "tf.IndexedSlices(values, indices).")
         flat_ids = tf.reshape(sparse_delta.indices, [-1])
         values = tf.reshape(sparse_delta.values,
                             tf.concat([[-1], tf.shape(sparse_delta.values)[
                                 tf.rank(sparse_delta.indices):]], 0))
         positions, locals_ = self._route(flat_ids)
-        for v, pos, rows in zip(self._variables, positions, locals_):
-            getattr(v, method)(tf.IndexedSlices(tf.gather(values, pos), rows))
+        for i, (v, pos, rows) in enumerate(
+                zip(self._variables, positions, locals_)):
+            part_name = None if name is None else f"{name}/part_{i}"
+            getattr(v, method)(tf.IndexedSlices(tf.gather(values, pos), rows),
+                               name=part_name)
         return self
 
-    def scatter_update(self, sparse_delta):
-        return self._scatter("scatter_update", sparse_delta)
+    def scatter_update(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_update", sparse_delta, name)
 
-    def scatter_add(self, sparse_delta):
-        return self._scatter("scatter_add", sparse_delta)
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_add", sparse_delta, name)
 
-    def scatter_sub(self, sparse_delta):
-        return self._scatter("scatter_sub", sparse_delta)
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_sub", sparse_delta, name)
+
+    def scatter_mul(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_mul", sparse_delta, name)
+
+    def scatter_div(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_div", sparse_delta, name)
+
+    def scatter_min(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_min", sparse_delta, name)
+
+    def scatter_max(self, sparse_delta, use_locking=False, name=None):
+        del use_locking
+        return self._scatter("scatter_max", sparse_delta, name)
+
+    def batch_scatter_update(self, sparse_delta, use_locking=False, name=None):
+        """Row updates, as `scatter_update` (TF's sharded variable does the
+        same: its shards split rows only)."""
+        del use_locking
+        return self._scatter("scatter_update", sparse_delta, name)
 
     def embedding_lookup(self, ids):
         """Rows `ids` of the variable, gathering only those rows from each shard."""
@@ -175,15 +308,47 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
                 f"Checkpoint value for {self._name!r} has shape "
                 f"{tuple(value.shape)}, but the variable has shape "
                 f"{tuple(self.shape)}. Restore into a model built the same way.")
-        return self.assign(value)
+        # Ops (not self): a SavedModel traces this into its restore function.
+        return tf.group(*[v.assign(part, read_value=False) for v, part in
+                          zip(self._variables, self._split(value))])
+
+    # -- SavedModel: each shard is saved as a variable of its own -------------
+    # (a checkpoint holds the whole variable as one tensor; a SavedModel holds
+    # the shards, which its functions capture, as children `part_0`, ...).
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        if save_type == "savedmodel":
+            return {f"part_{i}": v for i, v in enumerate(self._variables)}
+        return super()._trackable_children(save_type, **kwargs)
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options,
+                                     **kwargs):
+        del tensor_map, options, kwargs
+        object_map[self] = _SavedModelCopy()
+        return []
 
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
 
 
+class _SavedModelCopy(tf.__internal__.tracking.Trackable):
+    """A ShardedVariable in a SavedModel's graph: its shards (its children
+    there) hold the values, so it saves nothing itself."""
+
+    def _serialize_to_tensors(self):
+        return {}
+
+    def _restore_from_tensors(self, restored_tensors):
+        return tf.no_op()
+
+
 def _to_tensor(var, dtype=None, name=None, as_ref=False):
-    del name, as_ref
+    del name
+    if as_ref:
+        raise NotImplementedError(
+            "A ShardedVariable cannot be used as a reference (it is several "
+            "variables). Received: as_ref=True. Use its shards: "
+            "`sharded_variable.variables`.")
     value = var.read_value()
     if dtype is not None and dtype != value.dtype:
         value = tf.cast(value, dtype)
@@ -193,35 +358,263 @@ def _to_tensor(var, dtype=None, name=None, as_ref=False):
 tf.register_tensor_conversion_function(ShardedVariable, _to_tensor)
 
 
+# -- operators and slicing, as TF's ShardedVariable -----------------------------
+# `==` and `!=` keep Python identity: Keras keeps sharded weights in lists and
+# compares them with `in`; an element-wise `==` would make that a tensor.
+_IDENTITY_OPERATORS = ("__getitem__", "__eq__", "__ne__")
+
+
+def _overload(operator):
+    tensor_operator = getattr(tf.Tensor, operator)
+
+    def method(self, *args, **kwargs):
+        return tensor_operator(self.read_value(), *args, **kwargs)
+
+    method.__name__ = operator
+    setattr(ShardedVariable, operator, method)
+
+
+for _operator in sorted(tf.Tensor.OVERLOADABLE_OPERATORS):
+    if _operator not in _IDENTITY_OPERATORS and hasattr(tf.Tensor, _operator):
+        _overload(_operator)
+
+
+def _slice(sv, spec):
+    """`sv[spec]`: integer or slice on axis 0 reads only the shards holding
+    the selected rows; anything else (`...`, `tf.newaxis`, a boolean mask)
+    reads the whole variable."""
+    if isinstance(spec, (bool, np.ndarray)) or tf.is_tensor(spec):
+        if (isinstance(spec, bool) or getattr(spec, "dtype", None) in (
+                bool, np.bool_, tf.bool)):
+            return tf.boolean_mask(sv.read_value(), spec)
+        if tf.is_tensor(spec):
+            raise TypeError(
+                "A ShardedVariable cannot be indexed by a tensor. Received: "
+                f"{spec!r:.100}. Use tf.nn.embedding_lookup(sharded, ids) or "
+                "sharded.sparse_read(ids), which read only those rows.")
+    if not isinstance(spec, (tuple, list)):
+        spec = (spec,)
+    spec = tuple(spec)
+    first, rest = spec[0], spec[1:]
+    rows = int(sv.shape[0])
+    offsets = sv._row_offsets
+    if isinstance(first, slice):
+        start, stop, step = first.indices(rows)
+        parts = []
+        for i, v in enumerate(sv._variables):
+            local = _local_slice(start, stop, step, offsets[i], offsets[i + 1])
+            if local is not None:
+                parts.append(v[(local,) + rest])
+        if step < 0:
+            parts.reverse()
+        if not parts:
+            return sv._variables[0][(slice(0, 0),) + rest]
+        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
+    if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+        index = int(first) + rows if first < 0 else int(first)
+        if not 0 <= index < rows:
+            raise IndexError(
+                f"Index out of bounds for axis 0 of ShardedVariable "
+                f"{sv.name!r}, which has {rows} rows. Received: "
+                f"index={int(first)}. Use an index in [{-rows}, {rows - 1}].")
+        shard = int(np.searchsorted(offsets[1:], index, side="right"))
+        return sv._variables[shard][(index - offsets[shard],) + rest]
+    return sv.read_value()[spec]
+
+
+def _local_slice(start, stop, step, lo, hi):
+    """The part of the global slice `start:stop:step` that falls in rows
+    [lo, hi), as a slice of that shard, or None."""
+    if step > 0:
+        begin = max(start, lo)
+        begin = start + -(-(begin - start) // step) * step
+        end = min(stop, hi)
+        return slice(begin - lo, end - lo, step) if begin < end else None
+    top = min(start, hi - 1)
+    if top < start:
+        top = start - -(-(start - top) // -step) * -step
+    bottom = max(stop, lo - 1)
+    if top <= bottom:
+        return None
+    local_stop = bottom - lo
+    return slice(top - lo, None if local_stop < 0 else local_stop, step)
+
+
+# -- tf.nn.embedding_lookup and its sparse variants ------------------------------
+def _lookup(sv, ids, max_norm=None, name=None):
+    with tf.name_scope(name or "embedding_lookup"):
+        if isinstance(ids, tf.RaggedTensor):
+            return tf.ragged.map_flat_values(
+                lambda flat: _lookup(sv, flat, max_norm), ids)
+        ids = tf.convert_to_tensor(ids)
+        result = sv.embedding_lookup(ids)
+        if max_norm is not None:
+            axes = list(range(ids.shape.rank, result.shape.rank))
+            result = tf.clip_by_norm(result, max_norm, axes=axes)
+        return result
+
+
+def _single(params, api):
+    if isinstance(params, (list, tuple)):
+        if len(params) != 1:
+            raise ValueError(
+                f"{api} takes one ShardedVariable (its shards are already the "
+                f"partitions). Received: a list of {len(params)} "
+                "ShardedVariables. Pass the ShardedVariable itself.")
+        params = params[0]
+    return params
+
+
+def _div_shards(sv, api):
+    """The shards of `sv`, which TF's embedding ops read with the "div"
+    strategy; a clear error if `sv` is split otherwise."""
+    sizes = [int(v.shape[0]) for v in sv._variables]
+    expected = [end - begin for begin, end in
+                partitioners_lib.shard_row_ranges(sum(sizes), len(sizes))]
+    if sizes != expected:
+        raise ValueError(
+            f"{api} reads a ShardedVariable's shards with TF's \"div\" "
+            f"strategy, which needs shards of {expected} rows. Received: "
+            f"{sv.name!r} with shards of {sizes} rows. Create it with a "
+            "keras_ps partitioner (they always split that way).")
+    return list(sv._variables)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup)
+def _embedding_lookup_v2(params: ShardedVariable, ids, max_norm=None,
+                         name=None):
+    return _lookup(params, ids, max_norm, name)
+
+
+@tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup)
+def _embedding_lookup_v1(
+        params: typing.Union[ShardedVariable, typing.List[ShardedVariable]],
+        ids, partition_strategy="mod", name=None, validate_indices=True,
+        max_norm=None):
+    # One logical table: the rows are partitioned already.
+    del partition_strategy, validate_indices
+    return _lookup(_single(params, "embedding_lookup"), ids, max_norm, name)
+
+
+# TF's sparse lookups call `embedding_lookup([params], ...)` for a composite
+# tensor, which the dispatch above serves shard by shard.
+@tf.experimental.dispatch_for_api(tf.nn.embedding_lookup_sparse)
+def _embedding_lookup_sparse_v2(params: ShardedVariable, sp_ids, sp_weights,
+                                combiner=None, max_norm=None, name=None,
+                                allow_fast_lookup=False):
+    return tf.nn.embedding_lookup_sparse(
+        [params], sp_ids, sp_weights, combiner=combiner, max_norm=max_norm,
+        name=name, allow_fast_lookup=allow_fast_lookup)
+
+
+@tf.experimental.dispatch_for_api(tf.compat.v1.nn.embedding_lookup_sparse)
+def _embedding_lookup_sparse_v1(params: ShardedVariable, sp_ids, sp_weights,
+                                partition_strategy="mod", name=None,
+                                combiner=None, max_norm=None,
+                                allow_fast_lookup=False):
+    return tf.compat.v1.nn.embedding_lookup_sparse(
+        [params], sp_ids, sp_weights, partition_strategy=partition_strategy,
+        name=name, combiner=combiner, max_norm=max_norm,
+        allow_fast_lookup=allow_fast_lookup)
+
+
+@tf.experimental.dispatch_for_api(tf.nn.safe_embedding_lookup_sparse)
+def _safe_embedding_lookup_sparse_v2(
+        embedding_weights: ShardedVariable, sparse_ids, sparse_weights=None,
+        combiner="mean", default_id=None, max_norm=None, name=None,
+        allow_fast_lookup=False):
+    return tf.nn.safe_embedding_lookup_sparse(
+        _div_shards(embedding_weights, "safe_embedding_lookup_sparse"),
+        sparse_ids, sparse_weights=sparse_weights, combiner=combiner,
+        default_id=default_id, max_norm=max_norm, name=name,
+        allow_fast_lookup=allow_fast_lookup)
+
+
+@tf.experimental.dispatch_for_api(tf.compat.v1.nn.safe_embedding_lookup_sparse)
+def _safe_embedding_lookup_sparse_v1(
+        embedding_weights: ShardedVariable, sparse_ids, sparse_weights=None,
+        combiner="mean", default_id=None, name=None, partition_strategy="div",
+        max_norm=None, allow_fast_lookup=False):
+    del partition_strategy  # the shards are split "div"
+    return tf.compat.v1.nn.safe_embedding_lookup_sparse(
+        _div_shards(embedding_weights, "safe_embedding_lookup_sparse"),
+        sparse_ids, sparse_weights=sparse_weights, combiner=combiner,
+        default_id=default_id, name=name, partition_strategy="div",
+        max_norm=max_norm, allow_fast_lookup=allow_fast_lookup)
+
+
 def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
     """Creates a ShardedVariable if `partitioner` asks for 2+ shards, else None.
 
-    Always None inside `no_partitioning()`.
+    As TF's strategy: a callable `initial_value` with a known `shape` and
+    `dtype` is called once per shard with `partition_shape` and
+    `partition_offset` when it accepts them (a partition-aware initializer),
+    else once for the whole value, which is sliced; without a known shape or
+    dtype it is called first and the value's shape decides. Always None
+    inside `no_partitioning()`. When it returns None, `kwargs` holds the
+    value already computed (so an initializer runs once).
     """
     if not partitioning_allowed():
         return None
     initial_value = kwargs.get("initial_value")
-    shape = kwargs.get("shape")
+    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+    init_fn = None
     if callable(initial_value):
-        if shape is None or not tf.TensorShape(shape).is_fully_defined():
-            return None
-        initial_value = initial_value()
-    initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
-    shape = initial_value.shape
+        if (shape is not None and dtype is not None
+                and tf.TensorShape(shape).is_fully_defined()):
+            init_fn = initial_value
+            shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+        else:
+            initial_value = initial_value()
+    if init_fn is None:
+        initial_value = tf.convert_to_tensor(initial_value, dtype=dtype)
+        kwargs["initial_value"] = initial_value
+        shape, dtype = initial_value.shape, initial_value.dtype
     if shape.rank is None or shape.rank == 0 or not shape.is_fully_defined():
         return None
     name = kwargs.get("name") or "Variable"
-    spec = partitioner(shape, initial_value.dtype)
+    spec = partitioner(shape, dtype)
     num_shards = partitioners_lib.validate_partition_spec(spec, shape, name)
     if num_shards <= 1:
         return None
+    if init_fn is None:
+        part_value = lambda start, stop: initial_value[start:stop]  # noqa: E731
+    else:
+        part_value = _PartValues(init_fn, shape, dtype)
     shards = []
     for i, (start, stop) in enumerate(
             partitioners_lib.shard_row_ranges(int(shape[0]), num_shards)):
         shard_kwargs = dict(kwargs)
-        shard_kwargs["initial_value"] = initial_value[start:stop]
+        shard_kwargs["initial_value"] = part_value(start, stop)
         shard_kwargs["shape"] = None
         shard_kwargs["name"] = f"{name}/part_{i}"
         shards.append(extended._create_shard(next_creator, shard_kwargs))
     logger.info("[chief] %s %s split into %d shards", name, tuple(shape), num_shards)
     return ShardedVariable(shards, name=name)
+
+
+class _PartValues:
+    """Rows [start, stop) of a callable initial value: asked for that
+    partition (`partition_shape`, `partition_offset`, as TF's strategy asks),
+    or sliced from the whole value, computed once, when the callable does
+    not take them."""
+
+    def __init__(self, init_fn, shape, dtype):
+        self._init_fn, self._shape, self._dtype = init_fn, shape, dtype
+        self._full = None
+
+    def __call__(self, start, stop):
+        if self._full is None:
+            part_shape = tf.TensorShape([stop - start]).concatenate(
+                self._shape[1:])
+            offset = [start] + [0] * (self._shape.rank - 1)
+            try:
+                value = self._init_fn(partition_shape=part_shape.as_list(),
+                                      partition_offset=offset)
+            except (TypeError, ValueError):  # not partition-aware
+                value = self._init_fn()
+            value = tf.convert_to_tensor(value, dtype=self._dtype)
+            if value.shape == part_shape and part_shape != self._shape:
+                return value
+            self._full = value
+        return self._full[start:stop]

@@ -21,9 +21,11 @@ import threading
 import tensorflow as tf
 
 from keras_ps import _connection
+from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
+from keras_ps._keras import compat as keras_compat
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import sharding as keras_sharding
 from keras_ps._per_worker import PerWorkerValues
@@ -92,6 +94,7 @@ class ParameterServerStrategy(tf.distribute.Strategy):
                 f"fused_adam must be True or False. Received: "
                 f"fused_adam={fused_adam!r}.")
         spec = cluster_lib.training_cluster(cluster_resolver.cluster_spec())
+        _check_resolver(cluster_resolver, spec)
         for job in ("ps", "worker"):
             if not spec.get(job):
                 raise ClusterConfigError(
@@ -166,6 +169,69 @@ class ParameterServerStrategy(tf.distribute.Strategy):
             num_replicas_in_sync=1)
 
 
+def _check_resolver(resolver, spec):
+    """Refuses what TF's strategy refuses: several chiefs, a task type that
+    is not a cluster role."""
+    chiefs = spec.get(COORDINATOR_JOB) or []
+    if len(chiefs) > 1:
+        raise ClusterConfigError(
+            "A cluster has at most one chief: the coordinator, the one "
+            "process that creates the strategy and schedules the steps. "
+            f"Received: chief={list(chiefs)}. List one chief address (or none: "
+            "the process creating the strategy is then the coordinator); "
+            "put the other tasks in the worker job.")
+    task_type = getattr(resolver, "task_type", None)
+    if task_type is not None and task_type not in cluster_lib.TASK_TYPES:
+        raise ClusterConfigError(
+            "The cluster resolver's task type is not a cluster role. "
+            f"Received: task_type={task_type!r}. Use one of "
+            f"{', '.join(cluster_lib.TASK_TYPES)} (the strategy runs on the "
+            "chief), or leave it unset.")
+
+
+class _DistributedDatasetsFromFunction:
+    """What `strategy.distribute_datasets_from_function(dataset_fn)` returns
+    on the coordinator: datasets that exist only on the workers. Pass it to
+    `coordinator.create_per_worker_dataset`, which calls it (as a dataset_fn)
+    on each worker; iterating it on the coordinator is refused, as TF's
+    strategy refuses it."""
+
+    def __init__(self, dataset_fn, strategy):
+        self._dataset_fn = dataset_fn
+        self._strategy = strategy
+        self.__name__ = getattr(dataset_fn, "__name__", "dataset_fn")
+
+    def __call__(self, input_context):
+        return self._dataset_fn(input_context)
+
+    def __iter__(self):
+        raise TypeError(
+            "A dataset from strategy.distribute_datasets_from_function lives "
+            "on the workers; it cannot be iterated on the coordinator. "
+            f"Received: iteration of distribute_datasets_from_function("
+            f"{self.__name__}) outside a scheduled function. Pass it to "
+            "coordinator.create_per_worker_dataset(...) and call next() on "
+            "that iterator inside a function given to coordinator.schedule "
+            "(or use model.fit with a keras_ps.DatasetCreator).")
+
+    def __repr__(self):
+        return f"<distribute_datasets_from_function({self.__name__})>"
+
+
+_NOT_SCHEDULED_WARNING = (
+    "keras_ps.ParameterServerStrategy.%s was called outside "
+    "ClusterCoordinator.schedule: it runs here, on the coordinator, which can "
+    "be slow. To run on the workers, call strategy.run and strategy.reduce "
+    "inside a tf.function passed to coordinator.schedule.")
+
+
+def _warn_if_not_scheduled(method):
+    """Logs TF's warning when `method` runs eagerly on the coordinator,
+    outside a function being dispatched to a worker."""
+    if current_worker() is None and not _tf_adapter.inside_function():
+        logger.warning(_NOT_SCHEDULED_WARNING, method)
+
+
 class _Extended(tf.compat.v1.distribute.StrategyExtended):
     # The V1 extended class: Strategy.run calls its call_for_each_replica.
     """The strategy's hooks that TF's and Keras' code call."""
@@ -216,6 +282,7 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
 
     # -- replica plumbing: one replica per worker, updates are local ---------
     def _call_for_each_replica(self, fn, args, kwargs):
+        _warn_if_not_scheduled("run")
         with tf.distribute.ReplicaContext(self._container_strategy(),
                                           replica_id_in_sync_group=0):
             return fn(*args, **kwargs)
@@ -230,6 +297,7 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         return False
 
     def _reduce_to(self, reduce_op, value, destinations, options):
+        _warn_if_not_scheduled("reduce")
         return value
 
     def _gather_to_implementation(self, value, destinations, axis, options):
@@ -292,6 +360,9 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         return dataset
 
     def _distribute_datasets_from_function(self, dataset_fn, options):
+        if current_worker() is None and not _tf_adapter.inside_function():
+            return _DistributedDatasetsFromFunction(
+                dataset_fn, self._container_strategy())
         return dataset_fn(self._container_strategy().input_context())
 
     def _experimental_distribute_values_from_function(self, value_fn):
@@ -312,3 +383,4 @@ def _current_partitioner():
 keras_sharding.install(_current_partitioner)
 keras_atomic_updates.install()
 keras_optimizers.install()
+keras_compat.install(lambda s: isinstance(s, ParameterServerStrategy))

@@ -12,6 +12,7 @@ import functools
 
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
+from keras_ps._keras import compat
 from keras_ps._keras import hooks
 
 TRAINER_CLASS = tf_trainer.TensorFlowTrainer
@@ -56,6 +57,8 @@ def symbolic_build(model, strategy, element_spec):
     step (`Trainer._symbolic_build`), which would create variables inside a
     function running on a worker.
     """
+    compat.place_model_state(model, strategy)
+    compat.build_eagerly(model, strategy, element_spec)
     with strategy.scope():
         model._symbolic_build(data_batch=element_spec)
 

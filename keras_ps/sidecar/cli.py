@@ -2,7 +2,7 @@
 
 The evaluator needs the user's model and data, so it imports them:
 `--model_fn module:function` (or `path/to/file.py:function`) names a function
-that takes no arguments and returns `(model, data)`: a compiled, built, plain
+that takes no arguments and returns `(model, data)`: a compiled, plain
 Keras model (no strategy) and what `model.evaluate` takes.
 
     TF_CONFIG='{"task": {"type": "evaluator", "index": 0}}' \\
@@ -65,7 +65,8 @@ def _parser():
                         help="module:function or file.py:function returning "
                         "(model, data)")
     parser.add_argument("--checkpoint_dir", required=True,
-                        help="the directory SidecarCheckpoint writes")
+                        help="the directory SidecarCheckpoint (or a "
+                        "tf.train.CheckpointManager) writes")
     parser.add_argument("--log_dir", help="TensorBoard log directory "
                         "(event files go to LOG_DIR/validation)")
     parser.add_argument("--steps", type=_positive(int),

@@ -115,12 +115,18 @@ class SidecarEvaluator:
     own TensorBoard callback logs at the right step too.
 
     Args:
-        model: a compiled, built Keras model (the evaluation's loss and
-            metrics come from `compile`).
+        model: a compiled Keras model (the evaluation's loss and metrics
+            come from `compile`). An unbuilt one is built by calling it on
+            the first batch of `data`.
         data: what `model.evaluate` takes: a `tf.data.Dataset`, a
             `keras.utils.PyDataset`, or a tuple `(x, y)` / `(x, y,
             sample_weight)` of arrays.
-        checkpoint_dir: the directory `SidecarCheckpoint` writes.
+        checkpoint_dir: the directory `SidecarCheckpoint` writes, or where
+            training saves `tf.train.Checkpoint(model=model,
+            optimizer=model.optimizer)` with a `tf.train.CheckpointManager`
+            (TF's format: the model's weights are restored, the step is the
+            saved `optimizer.iterations`; such a checkpoint has no epoch and
+            is never final, so set `max_evaluations` or `timeout`).
         steps: batches per evaluation (`None`: all of `data`).
         max_evaluations: stop after this many evaluations (`None`: stop after
             the final checkpoint).
@@ -165,12 +171,6 @@ class SidecarEvaluator:
         if poll_interval is None:
             raise ValueError("poll_interval must be a positive number of "
                              "seconds. Received: poll_interval=None.")
-        if not model.built:
-            raise ValueError(
-                "SidecarEvaluator's model is not built, so its weights cannot "
-                "be matched with a checkpoint. Received: an unbuilt "
-                f"{type(model).__name__}. Fix: start it with keras.Input "
-                "or call model.build(input_shape).")
         if not model.compiled:
             raise ValueError(
                 "SidecarEvaluator's model is not compiled. Received: model="
@@ -189,6 +189,9 @@ class SidecarEvaluator:
         self.skipped = []       # (checkpoint name, reason)
         self._expected_shapes = None
         self._writer = None
+        self._tf_steps = {}  # tf.train checkpoint prefix -> its training step
+        if not model.built:
+            _build_from_data(model, data)
 
     # -- the loop ---------------------------------------------------------------------
     def start(self):
@@ -209,9 +212,9 @@ class SidecarEvaluator:
         logger.info("[evaluator] watching %s for checkpoints",
                     self.checkpoint_dir)
         while True:
-            names = fmt.list_checkpoints(self.checkpoint_dir)
+            names = self._list_checkpoints()
             new = [n for n in names
-                   if last is None or fmt.step_of(n) > fmt.step_of(last)]
+                   if last is None or self._step_of(n) > self._step_of(last)]
             if new:
                 evaluation, newest_seen = self._evaluate_newest(new)
                 last = newest_seen
@@ -255,6 +258,8 @@ class SidecarEvaluator:
         return False
 
     def _marked_final_since(self, name):
+        if _is_tf_checkpoint(name):
+            return False  # tf.train checkpoints carry no "final" mark
         try:
             return fmt.read_checkpoint(self.checkpoint_dir, name).final
         except (FileNotFoundError, ValueError):
@@ -299,6 +304,8 @@ class SidecarEvaluator:
         Raises:
             CheckpointMismatchError: its weights do not fit the model.
         """
+        if _is_tf_checkpoint(name):
+            return self._restore_tf(name)
         try:
             checkpoint = fmt.read_checkpoint(self.checkpoint_dir, name)
         except FileNotFoundError:
@@ -333,7 +340,7 @@ class SidecarEvaluator:
         return checkpoint
 
     def _evaluate(self, checkpoint):
-        logger.info("[evaluator] evaluating checkpoint %s (epoch %d, step %d)",
+        logger.info("[evaluator] evaluating checkpoint %s (epoch %s, step %d)",
                     checkpoint.name, checkpoint.epoch, checkpoint.step)
         for callback in self.callbacks:
             hook = getattr(callback, "on_checkpoint_restored", None)
@@ -352,7 +359,7 @@ class SidecarEvaluator:
         self._write_summaries(checkpoint, metrics)
         evaluation = Evaluation(checkpoint, metrics)
         self.evaluations.append(evaluation)
-        logger.info("[evaluator] evaluated checkpoint %s (epoch %d, step %d): "
+        logger.info("[evaluator] evaluated checkpoint %s (epoch %s, step %d): "
                     "%s", checkpoint.name, checkpoint.epoch, checkpoint.step,
                     " ".join(f"{k}={v:.6g}" for k, v in metrics.items()))
         return evaluation
@@ -367,5 +374,154 @@ class SidecarEvaluator:
             for key, value in metrics.items():
                 tf.summary.scalar(f"evaluation_{key}_vs_iterations", value,
                                   step=checkpoint.step)
-                tf.summary.scalar(f"epoch_{key}", value, step=checkpoint.epoch)
+                if checkpoint.epoch is not None:
+                    tf.summary.scalar(f"epoch_{key}", value,
+                                      step=checkpoint.epoch)
         self._writer.flush()
+
+    # -- tf.train.Checkpoint files (tf.train.CheckpointManager, TF's format) ----------
+    def _list_checkpoints(self):
+        """Names of every checkpoint in the directory, by training step:
+        keras_ps' manifests and the prefixes tf.train's `checkpoint` file lists."""
+        names = fmt.list_checkpoints(self.checkpoint_dir)
+        for prefix in _tf_checkpoint_prefixes(self.checkpoint_dir):
+            if prefix not in self._tf_steps:
+                try:
+                    self._tf_steps[prefix] = _tf_checkpoint_step(prefix)
+                except (tf.errors.NotFoundError, tf.errors.DataLossError):
+                    continue  # deleted (max_to_keep) while being listed
+            names.append(prefix)
+        return sorted(names, key=self._step_of)
+
+    def _step_of(self, name):
+        if _is_tf_checkpoint(name):
+            return self._tf_steps[name]
+        return fmt.step_of(name)
+
+    def _restore_tf(self, prefix):
+        """Restores the model's weights (the `model` of a
+        `tf.train.Checkpoint(model=..., optimizer=...)`) from `prefix`."""
+        if not tf.io.gfile.exists(prefix + ".index"):
+            return None
+        try:
+            status = tf.train.Checkpoint(model=_ModelWeights(self.model)).read(
+                prefix)
+            status.assert_existing_objects_matched()
+            status.expect_partial()  # the training optimizer's state stays
+        except (tf.errors.NotFoundError, tf.errors.DataLossError):
+            if not tf.io.gfile.exists(prefix + ".index"):
+                return None
+            raise
+        except (AssertionError, ValueError) as e:
+            raise CheckpointMismatchError(
+                f"Checkpoint {prefix} does not fit the evaluator's model: "
+                f"{str(e)[:500]} Received: checkpoint={prefix!r}, model="
+                f"{self.model.name!r}. Fix: save tf.train.Checkpoint("
+                "model=model, optimizer=model.optimizer) in training and "
+                "build the evaluator's model exactly like the trained one."
+            ) from None
+        step = self._tf_steps[prefix]
+        optimizer = getattr(self.model, "optimizer", None)
+        if optimizer is not None:
+            optimizer.iterations.assign(step)
+        return Checkpoint(name=os.path.basename(prefix), path=prefix,
+                          epoch=None, step=step, final=False)
+
+
+def _is_tf_checkpoint(name):
+    # keras_ps' checkpoints are bare names; tf.train's are path prefixes.
+    return os.sep in name
+
+
+def _tf_checkpoint_prefixes(directory):
+    """The checkpoints tf.train's `checkpoint` state file in `directory` lists."""
+    try:
+        state = tf.train.get_checkpoint_state(directory)
+    except (tf.errors.NotFoundError, tf.errors.DataLossError, ValueError):
+        return []  # missing, or rewritten while being read
+    if state is None:
+        return []
+    prefixes = list(state.all_model_checkpoint_paths) or [
+        state.model_checkpoint_path]
+    return [os.path.abspath(p) for p in prefixes
+            if p and tf.io.gfile.exists(p + ".index")]
+
+
+# The optimizer step counter in a checkpoint: Keras 3's, then tf_keras'.
+_ITERATIONS_KEYS = ("/_iterations/.ATTRIBUTES/VARIABLE_VALUE",
+                    "/iter/.ATTRIBUTES/VARIABLE_VALUE")
+
+
+def _tf_checkpoint_step(prefix):
+    """The optimizer's `iterations` saved in the tf.train checkpoint `prefix`.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint holds no optimizer iterations
+            (TF's own evaluator refuses such checkpoints too).
+    """
+    reader = tf.train.load_checkpoint(prefix)
+    keys = sorted((k for k in reader.get_variable_to_shape_map()
+                   if k.endswith(_ITERATIONS_KEYS)), key=len)
+    if not keys:
+        raise CheckpointMismatchError(
+            f"Checkpoint {prefix} holds no optimizer iterations, so the "
+            "evaluator cannot tell which training step it is (TF's "
+            "SidecarEvaluator refuses it too). Received: checkpoint="
+            f"{prefix!r}. Fix: save tf.train.Checkpoint(model=model, "
+            "optimizer=model.optimizer) in training, or use "
+            "keras_ps.callbacks.SidecarCheckpoint.")
+    return int(reader.get_tensor(keys[0]))
+
+
+class _ModelWeights(tf.__internal__.tracking.Trackable):
+    """A model as a checkpoint sees it, without its optimizer: the
+    evaluator's optimizer is not the trained one (no slots), so only the
+    weights are matched and restored."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = self._model._trackable_children(save_type, **kwargs)
+        return {k: v for k, v in children.items() if k != "optimizer"}
+
+
+def _first_inputs(data):
+    """One batch of model inputs from evaluation `data`, or None."""
+    if isinstance(data, tf.data.Dataset):
+        for element in data.take(1):
+            x, _, _ = keras.utils.unpack_x_y_sample_weight(
+                element if isinstance(element, tuple) else (element,))
+            return x
+        return None
+    if isinstance(data, keras.utils.PyDataset):
+        batch = data[0]
+    elif isinstance(data, (tuple, list)) and data:
+        batch = tuple(data)
+    else:
+        return None
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(
+        batch if isinstance(batch, tuple) else (batch,))
+    try:
+        return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a)[:1], x)
+    except (TypeError, ValueError):
+        return None
+
+
+def _build_from_data(model, data):
+    """Builds `model` by calling it on one batch of `data` (TF's evaluator
+    restores into an unbuilt model too).
+
+    Raises:
+        ValueError: no batch can be taken from `data`.
+    """
+    x = _first_inputs(data)
+    if x is None:
+        raise ValueError(
+            "SidecarEvaluator's model is not built, and no batch could be "
+            "taken from `data` to build it, so its weights cannot be matched "
+            "with a checkpoint. Received: an unbuilt "
+            f"{type(model).__name__} and data of type {type(data).__name__}. "
+            "Fix: pass non-empty data, start the model with keras.Input, or "
+            "call model.build(input_shape).")
+    model(x, training=False)

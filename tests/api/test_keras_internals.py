@@ -226,3 +226,44 @@ def test_atomic_update_keras_internals():
     assert not keras_atomic_updates.on_parameter_server(var)
     var.assign_add(2.0)  # Keras' own path off the ps
     assert float(var.numpy()) == 3.0
+
+
+
+# -- Section: compat (keras_ps/_keras/compat.py) -------------------------------------
+@pytest.mark.timeout(60)
+def test_compat_keras_internals():
+    from keras.src.trainers import trainer as trainer_lib
+
+    from keras_ps._keras import compat
+
+    for owner, name in compat.COMPAT_TARGETS:
+        hooked = getattr(owner, name)
+        assert hooks.original(owner, name) is not hooked, name
+    compile_fn = hooks.original(trainer_lib.Trainer, "compile")
+    assert list(inspect.signature(compile_fn).parameters)[:4] == [
+        "self", "optimizer", "loss", "loss_weights"]
+    # What place_model_state reads and moves.
+    optimizer = keras.optimizers.SGD(0.1)
+    assert optimizer._iterations is optimizer.iterations
+    assert isinstance(optimizer._learning_rate, keras.Variable)
+    assert {id(v) for v in optimizer._variables} >= {
+        id(optimizer._iterations), id(optimizer._learning_rate)}
+    assert optimizer._distribution_strategy is tf.distribute.get_strategy()
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())
+    assert isinstance(scaled.inner_optimizer, keras.optimizers.SGD)
+    mae = keras.metrics.MeanAbsoluteError()
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer, "mse", metrics=[mae])
+    assert model._distribute_strategy is None  # no strategy at construction
+    assert model._loss_tracker.variables
+    assert model._compile_metrics._user_metrics == [mae]
+    assert hasattr(model._compile_metrics, "_user_weighted_metrics")
+    # A keras.Variable's tf.Variable is `_value`; `_initialize` takes one.
+    variable = keras.Variable(1.0)
+    inner = tf.Variable(2.0)
+    compat_initialize = hooks.original(
+        keras.Variable, "_initialize")
+    compat_initialize(variable, inner)
+    assert variable._value is inner
+    # build_eagerly: the layers Keras' _symbolic_build checks.
+    assert all(layer.built for layer in model._flatten_layers())

@@ -240,7 +240,9 @@ def test_evaluator_arguments_are_checked(tmp_path):
     unbuilt = keras.Sequential([keras.layers.Dense(1)])
     unbuilt.compile(loss="mse")
     with pytest.raises(ValueError, match="not built"):
-        keras_ps.SidecarEvaluator(unbuilt, _data(), str(tmp_path))
+        keras_ps.SidecarEvaluator(unbuilt, [], str(tmp_path))
+    keras_ps.SidecarEvaluator(unbuilt, _data(), str(tmp_path))
+    assert unbuilt.built  # built from the first batch of data, as TF's does
     uncompiled = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     with pytest.raises(ValueError, match="not compiled"):
         keras_ps.SidecarEvaluator(uncompiled, _data(), str(tmp_path))

@@ -1,0 +1,188 @@
+"""Keras hooks that make TF-style user code behave as under TF's own strategy.
+
+Every use of a Keras internal here is pinned in
+tests/api/test_keras_internals.py (section "compat"). The strategy calls
+`install()` with the test that tells its own strategies apart (this module
+sits below the strategy and does not import it). Models not built under a
+keras_ps strategy go through Keras unchanged.
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from keras.src.trainers import trainer as trainer_lib
+
+from keras_ps import sharded_variable
+from keras_ps._keras import hooks
+
+# (owner, attribute) of every Keras internal this module wraps.
+COMPAT_TARGETS = ((trainer_lib.Trainer, "compile"),)
+
+
+def _never(strategy):
+    del strategy
+    return False
+
+
+_is_keras_ps_strategy = _never
+
+
+def _keras_ps_strategy(model):
+    """The keras_ps strategy `model` was created under, or None."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy if _is_keras_ps_strategy(strategy) else None
+
+
+# -- Section: model state on the ps whatever the scope at compile time ---------
+# Missing public API: Keras 3's `compile()` creates the loss tracker (and, for
+# a string optimizer, the optimizer with its `iterations`) under whatever
+# scope is current, and an optimizer object remembers the strategy current at
+# its construction; tf_keras' compile entered the model's strategy scope
+# itself. Compiled outside `strategy.scope()`, these variables stayed on the
+# coordinator, where workers updated them with non-atomic read-then-write
+# (fit(epochs=10, steps_per_epoch=10) on 3 workers ended with
+# `iterations == 66`). We wrap `Trainer.compile`: for a model created under a
+# keras_ps strategy it runs inside that strategy's scope, then moves every
+# not-yet-used optimizer or metric variable made outside it to a ps.
+def _scoped_compile(keras_compile):
+    @functools.wraps(keras_compile)
+    def compile(self, *args, **kwargs):
+        strategy = _keras_ps_strategy(self)
+        if strategy is None:
+            return keras_compile(self, *args, **kwargs)
+        with strategy.scope():
+            result = keras_compile(self, *args, **kwargs)
+        place_model_state(self, strategy)
+        return result
+
+    return compile
+
+
+def _on_ps(inner):
+    return "/job:ps/" in (getattr(inner, "device", "") or "")
+
+
+def _optimizers(model):
+    optimizer = getattr(model, "optimizer", None)
+    out = []
+    while optimizer is not None and optimizer not in out:
+        out.append(optimizer)
+        optimizer = getattr(optimizer, "inner_optimizer", None)  # loss scaling
+    return out
+
+
+def _metric_objects(model):
+    found = []
+    loss_tracker = getattr(model, "_loss_tracker", None)
+    if loss_tracker is not None:
+        found.append(loss_tracker)
+    compile_metrics = getattr(model, "_compile_metrics", None)
+    if compile_metrics is not None:
+        for name in ("_user_metrics", "_user_weighted_metrics"):
+            for item in tf.nest.flatten(getattr(compile_metrics, name, None)):
+                if isinstance(item, keras.metrics.Metric):
+                    found.append(item)
+        found.extend(getattr(compile_metrics, "metrics", []) or [])
+    return found
+
+
+def _relocate(variable, strategy):
+    """Re-creates the tf.Variable inside keras.Variable `variable` on a ps,
+    with its current value."""
+    inner = variable._value
+    with tf.init_scope(), strategy.scope(), sharded_variable.no_partitioning():
+        moved = tf.Variable(
+            inner.read_value(), trainable=inner.trainable,
+            name=inner.name.split(":")[0], aggregation=inner.aggregation,
+            synchronization=inner.synchronization)
+    variable._initialize(moved)
+
+
+def place_model_state(model, strategy):
+    """Puts every optimizer and metric variable of `model` on a ps.
+
+    Variables made outside `strategy.scope()` (an unbuilt optimizer's
+    `iterations`, learning rate and loss-scale state; metric variables) are
+    re-created on a ps with their current values; the optimizer then
+    updates through `strategy`.
+
+    Raises:
+        ValueError: the optimizer was built (has slots) off the ps.
+    """
+    for optimizer in _optimizers(model):
+        off_ps = [v for v in optimizer.variables
+                  if v._value is not None and not _on_ps(v._value)]
+        # Made at construction, before any slot: iterations, the learning
+        # rate, a loss-scale wrapper's own state.
+        own = {id(getattr(optimizer, "_iterations", None)),
+               id(getattr(optimizer, "_learning_rate", None))}
+        if hasattr(optimizer, "inner_optimizer"):
+            own.update(id(v) for v in optimizer._variables)
+        slots = [v for v in off_ps if id(v) not in own]
+        if optimizer.built and slots:
+            raise ValueError(
+                "The optimizer of a model created under a keras_ps "
+                "ParameterServerStrategy was built (its slot variables "
+                "created) outside strategy.scope(), so its state lives on the "
+                "coordinator instead of the parameter servers. Received: "
+                f"optimizer={optimizer.name!r} with "
+                f"{slots[0].path!r} on {slots[0]._value.device}. Pass compile() "
+                "a new optimizer (or a string such as 'adam'), or build it "
+                "under `with strategy.scope():`.")
+        for variable in off_ps:
+            _relocate(variable, strategy)
+        if hasattr(optimizer, "_distribution_strategy"):
+            optimizer._distribution_strategy = strategy
+    for metric in _metric_objects(model):
+        if not isinstance(metric, keras.metrics.Metric):
+            continue
+        for variable in metric.variables:
+            if variable._value is not None and not _on_ps(variable._value):
+                _relocate(variable, strategy)
+
+
+def install(is_keras_ps_strategy):
+    """Installs the compat hooks, once.
+
+    Args:
+        is_keras_ps_strategy: `strategy -> bool`.
+    """
+    global _is_keras_ps_strategy
+    _is_keras_ps_strategy = is_keras_ps_strategy
+    for (owner, name), wrap in zip(COMPAT_TARGETS, (_scoped_compile,)):
+        hooks.wrap(owner, name, wrap)
+
+
+# -- Section: lazily built models under a variable_partitioner -----------------
+# Missing public API: Keras builds an unbuilt model inside
+# `backend.compute_output_spec` (`Trainer._symbolic_build`), where weights are
+# created in a stateless, symbolic scope without their tf.Variable, so a
+# partitioner cannot split them (tf_keras built with eager variables). Before
+# that symbolic build, keras_ps builds such a model by one eager call on a
+# batch of zeros shaped like the input (batch size 1) on the coordinator,
+# under the strategy's scope: every weight is created (and split) eagerly.
+def _zeros_like_spec(spec):
+    if not isinstance(spec, tf.TensorSpec) or spec.shape.rank is None:
+        return None
+    shape = [1 if d is None else d for d in spec.shape.as_list()]
+    return tf.zeros(shape, dtype=spec.dtype)
+
+
+def build_eagerly(model, strategy, element_spec):
+    """Builds an unbuilt `model` with eager variables when `strategy` splits
+    variables. A no-op for a built model, without a partitioner, or when the
+    input is not plain tensors (ragged, sparse, unknown rank)."""
+    if strategy.variable_partitioner is None:
+        return
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    x, _, _ = keras.utils.unpack_x_y_sample_weight(
+        tuple(element_spec) if isinstance(element_spec, (tuple, list))
+        else element_spec)
+    inputs = tf.nest.map_structure(_zeros_like_spec, x)
+    if any(leaf is None for leaf in tf.nest.flatten(inputs)) or not \
+            tf.nest.flatten(inputs):
+        return
+    with tf.init_scope(), strategy.scope():
+        model(inputs, training=False)
