@@ -65,3 +65,11 @@ class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
 
     def __init__(self, message):
         super().__init__(None, None, message)
+
+
+class SidecarTimeoutError(KerasPSError, TimeoutError):
+    """No new checkpoint appeared within the evaluator's `timeout`."""
+
+
+class CheckpointMismatchError(KerasPSError, ValueError):
+    """A checkpoint's weights do not fit the evaluator's model."""

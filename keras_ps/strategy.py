@@ -21,9 +21,9 @@ import threading
 import tensorflow as tf
 
 from keras_ps import _connection
+from keras_ps import _sharded_variable_ops
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
-from keras_ps import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import compat as keras_compat
 from keras_ps._keras import optimizers as keras_optimizers
@@ -263,7 +263,7 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
             with tf.device(colocate_with.device):
                 return next_creator(**kwargs)
         if self._partitioner is not None:
-            created = sharded_variable.maybe_create_sharded(
+            created = _sharded_variable_ops.maybe_create_sharded(
                 self, next_creator, self._partitioner, kwargs)
             if created is not None:
                 return created

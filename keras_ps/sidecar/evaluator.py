@@ -17,8 +17,10 @@ import warnings
 import keras
 import tensorflow as tf
 
-from keras_ps.errors import KerasPSError
+from keras_ps.errors import CheckpointMismatchError
+from keras_ps.errors import SidecarTimeoutError
 from keras_ps.sidecar import format as fmt
+from keras_ps.sidecar import tf_checkpoints
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +30,6 @@ Checkpoint = fmt.Checkpoint
 _WAIT_LOG_INTERVAL = 30.0
 # The optimizer group of a weights file: the evaluator does not need it.
 _OPTIMIZER_GROUP = "optimizer"
-
-
-class SidecarTimeoutError(KerasPSError, TimeoutError):
-    """No new checkpoint appeared within the evaluator's `timeout`."""
-
-
-class CheckpointMismatchError(KerasPSError, ValueError):
-    """A checkpoint's weights do not fit the evaluator's model."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +185,7 @@ class SidecarEvaluator:
         self._writer = None
         self._tf_steps = {}  # tf.train checkpoint prefix -> its training step
         if not model.built:
-            _build_from_data(model, data)
+            tf_checkpoints.build_from_data(model, data)
 
     # -- the loop ---------------------------------------------------------------------
     def start(self):
@@ -258,7 +252,7 @@ class SidecarEvaluator:
         return False
 
     def _marked_final_since(self, name):
-        if _is_tf_checkpoint(name):
+        if tf_checkpoints.is_tf_checkpoint(name):
             return False  # tf.train checkpoints carry no "final" mark
         try:
             return fmt.read_checkpoint(self.checkpoint_dir, name).final
@@ -304,7 +298,7 @@ class SidecarEvaluator:
         Raises:
             CheckpointMismatchError: its weights do not fit the model.
         """
-        if _is_tf_checkpoint(name):
+        if tf_checkpoints.is_tf_checkpoint(name):
             return self._restore_tf(name)
         try:
             checkpoint = fmt.read_checkpoint(self.checkpoint_dir, name)
@@ -384,17 +378,17 @@ class SidecarEvaluator:
         """Names of every checkpoint in the directory, by training step:
         keras_ps' manifests and the prefixes tf.train's `checkpoint` file lists."""
         names = fmt.list_checkpoints(self.checkpoint_dir)
-        for prefix in _tf_checkpoint_prefixes(self.checkpoint_dir):
+        for prefix in tf_checkpoints.tf_checkpoint_prefixes(self.checkpoint_dir):
             if prefix not in self._tf_steps:
                 try:
-                    self._tf_steps[prefix] = _tf_checkpoint_step(prefix)
+                    self._tf_steps[prefix] = tf_checkpoints.tf_checkpoint_step(prefix)
                 except (tf.errors.NotFoundError, tf.errors.DataLossError):
                     continue  # deleted (max_to_keep) while being listed
             names.append(prefix)
         return sorted(names, key=self._step_of)
 
     def _step_of(self, name):
-        if _is_tf_checkpoint(name):
+        if tf_checkpoints.is_tf_checkpoint(name):
             return self._tf_steps[name]
         return fmt.step_of(name)
 
@@ -404,7 +398,7 @@ class SidecarEvaluator:
         if not tf.io.gfile.exists(prefix + ".index"):
             return None
         try:
-            status = tf.train.Checkpoint(model=_ModelWeights(self.model)).read(
+            status = tf.train.Checkpoint(model=tf_checkpoints.ModelWeights(self.model)).read(
                 prefix)
             status.assert_existing_objects_matched()
             status.expect_partial()  # the training optimizer's state stays
@@ -426,102 +420,3 @@ class SidecarEvaluator:
             optimizer.iterations.assign(step)
         return Checkpoint(name=os.path.basename(prefix), path=prefix,
                           epoch=None, step=step, final=False)
-
-
-def _is_tf_checkpoint(name):
-    # keras_ps' checkpoints are bare names; tf.train's are path prefixes.
-    return os.sep in name
-
-
-def _tf_checkpoint_prefixes(directory):
-    """The checkpoints tf.train's `checkpoint` state file in `directory` lists."""
-    try:
-        state = tf.train.get_checkpoint_state(directory)
-    except (tf.errors.NotFoundError, tf.errors.DataLossError, ValueError):
-        return []  # missing, or rewritten while being read
-    if state is None:
-        return []
-    prefixes = list(state.all_model_checkpoint_paths) or [
-        state.model_checkpoint_path]
-    return [os.path.abspath(p) for p in prefixes
-            if p and tf.io.gfile.exists(p + ".index")]
-
-
-# The optimizer step counter in a checkpoint: Keras 3's, then tf_keras'.
-_ITERATIONS_KEYS = ("/_iterations/.ATTRIBUTES/VARIABLE_VALUE",
-                    "/iter/.ATTRIBUTES/VARIABLE_VALUE")
-
-
-def _tf_checkpoint_step(prefix):
-    """The optimizer's `iterations` saved in the tf.train checkpoint `prefix`.
-
-    Raises:
-        CheckpointMismatchError: the checkpoint holds no optimizer iterations
-            (TF's own evaluator refuses such checkpoints too).
-    """
-    reader = tf.train.load_checkpoint(prefix)
-    keys = sorted((k for k in reader.get_variable_to_shape_map()
-                   if k.endswith(_ITERATIONS_KEYS)), key=len)
-    if not keys:
-        raise CheckpointMismatchError(
-            f"Checkpoint {prefix} holds no optimizer iterations, so the "
-            "evaluator cannot tell which training step it is (TF's "
-            "SidecarEvaluator refuses it too). Received: checkpoint="
-            f"{prefix!r}. Fix: save tf.train.Checkpoint(model=model, "
-            "optimizer=model.optimizer) in training, or use "
-            "keras_ps.callbacks.SidecarCheckpoint.")
-    return int(reader.get_tensor(keys[0]))
-
-
-class _ModelWeights(tf.__internal__.tracking.Trackable):
-    """A model as a checkpoint sees it, without its optimizer: the
-    evaluator's optimizer is not the trained one (no slots), so only the
-    weights are matched and restored."""
-
-    def __init__(self, model):
-        self._model = model
-
-    def _trackable_children(self, save_type="checkpoint", **kwargs):
-        children = self._model._trackable_children(save_type, **kwargs)
-        return {k: v for k, v in children.items() if k != "optimizer"}
-
-
-def _first_inputs(data):
-    """One batch of model inputs from evaluation `data`, or None."""
-    if isinstance(data, tf.data.Dataset):
-        for element in data.take(1):
-            x, _, _ = keras.utils.unpack_x_y_sample_weight(
-                element if isinstance(element, tuple) else (element,))
-            return x
-        return None
-    if isinstance(data, keras.utils.PyDataset):
-        batch = data[0]
-    elif isinstance(data, (tuple, list)) and data:
-        batch = tuple(data)
-    else:
-        return None
-    x, _, _ = keras.utils.unpack_x_y_sample_weight(
-        batch if isinstance(batch, tuple) else (batch,))
-    try:
-        return tf.nest.map_structure(lambda a: tf.convert_to_tensor(a)[:1], x)
-    except (TypeError, ValueError):
-        return None
-
-
-def _build_from_data(model, data):
-    """Builds `model` by calling it on one batch of `data` (TF's evaluator
-    restores into an unbuilt model too).
-
-    Raises:
-        ValueError: no batch can be taken from `data`.
-    """
-    x = _first_inputs(data)
-    if x is None:
-        raise ValueError(
-            "SidecarEvaluator's model is not built, and no batch could be "
-            "taken from `data` to build it, so its weights cannot be matched "
-            "with a checkpoint. Received: an unbuilt "
-            f"{type(model).__name__} and data of type {type(data).__name__}. "
-            "Fix: pass non-empty data, start the model with keras.Input, or "
-            "call model.build(input_shape).")
-    model(x, training=False)

@@ -24,7 +24,7 @@ LAYERS = {
     "keras_ps._config_errors": 0, "keras_ps._constants": 0,
     "keras_ps._files": 0, "keras_ps.errors": 0, "keras_ps.partitioners": 0,
     "keras_ps._tf_adapter": 0, "keras_ps._network": 0, "keras_ps.cluster": 1,
-    "keras_ps._connection": 1, "keras_ps.server": 2,
+    "keras_ps._connection": 1, "keras_ps._sharded_variable_ops": 1, "keras_ps.server": 2,
     "keras_ps.elastic": 2, "keras_ps._per_worker": 1,
     "keras_ps.sharded_variable": 1, "keras_ps._sharded_weights": 1,
     "keras_ps._keras": 1, "keras_ps.strategy": 2, "keras_ps.coordinator": 3,
