@@ -236,6 +236,48 @@ def _stderr_to(path):
     return saved
 
 
+def _wait_for_evaluator(evaluator, evaluator_output):
+    print("Waiting for the evaluator to evaluate the final checkpoint...",
+          flush=True)
+    try:
+        evaluator.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        evaluator.kill()
+        evaluator.wait()
+    evaluator_output.join(10)
+    _show(evaluator_output.drain())
+
+
+def _summary(args, steps, elapsed, coordinator, demo, history, evaluator,
+             evaluator_output, paths):
+    print("\nSummary")
+    print(f"  steps: {steps} in {elapsed:.1f}s ({steps / elapsed:.1f} "
+          f"steps/s, {args.batch} examples per step)")
+    for w in coordinator.workers:
+        note = ""
+        if demo.killed_at is not None and w.index == 1:
+            note = (f" (killed at step {demo.killed_at}"
+                    + (", restarted" if demo.restart_thread else "") + ")")
+        print(f"  worker {w.index}: "
+              f"{w.closures_run * args.steps_per_execution} steps, "
+              f"{w.state.value}{note}")
+    train_accuracy = history.history["accuracy"][-1]
+    print(f"  training accuracy (last epoch): {train_accuracy:.3f}")
+    if evaluator_output.accuracy is not None:
+        print("  final accuracy (evaluator, held-out data): "
+              f"{evaluator_output.accuracy:.3f} "
+              f"(always 0 would score {BASELINE_ACCURACY:.2f})")
+    else:
+        print("  final accuracy (evaluator, held-out data): none "
+              f"(evaluator exit code {evaluator.returncode})")
+    print(f"  checkpoints: {paths['checkpoints']}")
+    print(f"  best model (exported by the evaluator): {paths['export']}")
+    print(f"  TensorBoard logs: {paths['tensorboard']}  "
+          f"(tensorboard --logdir {paths['tensorboard']})")
+    print(f"  task logs: {paths['task_logs']}")
+    sys.stdout.flush()
+
+
 def _run(args, checkpoint_dir, log_dir, export_path, task_logs):
     # The evaluator imports TF while the cluster starts; it waits for the
     # first checkpoint.
@@ -296,41 +338,11 @@ def _run(args, checkpoint_dir, log_dir, export_path, task_logs):
         if demo.restart_thread is not None:
             demo.restarted.wait(60)
 
-        print("Waiting for the evaluator to evaluate the final checkpoint...",
-              flush=True)
-        try:
-            evaluator.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            evaluator.kill()
-            evaluator.wait()
-        evaluator_output.join(10)
-        _show(evaluator_output.drain())
-
-        print("\nSummary")
-        print(f"  steps: {steps} in {elapsed:.1f}s ({steps / elapsed:.1f} "
-              f"steps/s, {args.batch} examples per step)")
-        for w in coordinator.workers:
-            note = ""
-            if demo.killed_at is not None and w.index == 1:
-                note = (f" (killed at step {demo.killed_at}"
-                        + (", restarted" if demo.restart_thread else "") + ")")
-            print(f"  worker {w.index}: "
-                  f"{w.closures_run * args.steps_per_execution} steps, "
-                  f"{w.state.value}{note}")
-        train_accuracy = history.history["accuracy"][-1]
-        print(f"  training accuracy (last epoch): {train_accuracy:.3f}")
-        if evaluator_output.accuracy is not None:
-            print("  final accuracy (evaluator, held-out data): "
-                  f"{evaluator_output.accuracy:.3f} "
-                  f"(always 0 would score {BASELINE_ACCURACY:.2f})")
-        else:
-            print("  final accuracy (evaluator, held-out data): none "
-                  f"(evaluator exit code {evaluator.returncode})")
-        print(f"  checkpoints: {checkpoint_dir}")
-        print(f"  best model (exported by the evaluator): {export_path}")
-        print(f"  TensorBoard logs: {log_dir}  (tensorboard --logdir {log_dir})")
-        print(f"  task logs: {task_logs}")
-        sys.stdout.flush()
+        _wait_for_evaluator(evaluator, evaluator_output)
+        _summary(args, steps, elapsed, coordinator, demo, history,
+                 evaluator, evaluator_output,
+                 dict(checkpoints=checkpoint_dir, export=export_path,
+                      tensorboard=log_dir, task_logs=task_logs))
         coordinator.shutdown()
         return 0 if evaluator_output.accuracy is not None else 1
     finally:

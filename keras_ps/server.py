@@ -24,7 +24,7 @@ def _fail(message):
     return 2
 
 
-def main(argv=None):
+def _parser():
     parser = argparse.ArgumentParser(
         prog="keras_ps.server", description="Run a keras_ps ps or worker task."
     )
@@ -33,69 +33,50 @@ def main(argv=None):
     parser.add_argument("--task_index", type=int, default=0)
     parser.add_argument("--inter_op_threads", type=int, default=0,
                         help="inter-op threads (0: max(4, cores))")
-    args = parser.parse_args(argv)
+    return parser
 
-    # Must be set before TF starts gRPC: calls to a dead task fail at once
-    # instead of waiting for it to come back.
-    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
 
-    def check_job(job):
-        if job not in ("ps", "worker"):
-            raise ClusterConfigError(
-                f"keras_ps.server runs ps and worker tasks. Received: task "
-                f"type {job!r}. Run the chief as your training script and the "
-                "evaluator with `python -m keras_ps.evaluator`."
-            )
-
-    try:
-        if args.cluster_spec is not None:
-            if args.job_name is None:
-                raise ClusterConfigError(
-                    "--job_name is required with --cluster_spec. Received: no "
-                    "--job_name. Pass --job_name ps or --job_name worker.")
-            if args.job_name in cluster_lib.TASK_TYPES:
-                check_job(args.job_name)
-            try:
-                spec = json.loads(args.cluster_spec)
-            except json.JSONDecodeError as e:
-                raise ClusterConfigError(
-                    f"--cluster_spec is not valid JSON ({e.msg}). Received: "
-                    f"{args.cluster_spec[:200]!r}. Expected JSON like "
-                    '{"ps": ["host:port"], "worker": ["host:port"]}.'
-                ) from None
-            config = {"cluster": spec,
-                      "task": {"type": args.job_name, "index": args.task_index}}
-            cluster, job, index = cluster_lib.parse_tf_config(config)
-        else:
-            cluster, job, index = cluster_lib.parse_tf_config()
-        check_job(job)
-    except ClusterConfigError as e:
-        return _fail(str(e))
-
-    address = cluster[job][index]
-    if not _network.port_is_free(_network.split_address(address)[1]):
-        return _fail(
-            f"port of {job}:{index} ({address}) is already in use. Stop the "
-            "process holding it or give this task another port."
+def _check_job(job):
+    if job not in ("ps", "worker"):
+        raise ClusterConfigError(
+            f"keras_ps.server runs ps and worker tasks. Received: task "
+            f"type {job!r}. Run the chief as your training script and the "
+            "evaluator with `python -m keras_ps.evaluator`."
         )
 
-    # TF's server alone, without the rest of its Python API: serving starts
-    # 2.5 s sooner (a worker joining a running job waits on this).
-    server_lib, config_pb2 = _tf_adapter.server_modules()
 
-    training = cluster_lib.training_cluster(cluster)
-    config = config_pb2.ConfigProto()
-    config.inter_op_parallelism_threads = (
-        args.inter_op_threads or max(4, os.cpu_count() or 1))
+def _task(args):
+    """(cluster, job, index) from the flags, or from TF_CONFIG without them.
+
+    Raises:
+        ClusterConfigError: the configuration cannot be used.
+    """
+    if args.cluster_spec is None:
+        cluster, job, index = cluster_lib.parse_tf_config()
+        _check_job(job)
+        return cluster, job, index
+    if args.job_name is None:
+        raise ClusterConfigError(
+            "--job_name is required with --cluster_spec. Received: no "
+            "--job_name. Pass --job_name ps or --job_name worker.")
+    if args.job_name in cluster_lib.TASK_TYPES:
+        _check_job(args.job_name)
     try:
-        server = server_lib.Server(
-            server_lib.ClusterSpec(training), job_name=job, task_index=index,
-            protocol="grpc", config=config, start=True,
-        )
-    except Exception as e:  # TF raises UnknownError for bind failures.
-        return _fail(f"could not start {job}:{index} at {address}: "
-                     f"{str(e).splitlines()[0]}")
+        spec = json.loads(args.cluster_spec)
+    except json.JSONDecodeError as e:
+        raise ClusterConfigError(
+            f"--cluster_spec is not valid JSON ({e.msg}). Received: "
+            f"{args.cluster_spec[:200]!r}. Expected JSON like "
+            '{"ps": ["host:port"], "worker": ["host:port"]}.'
+        ) from None
+    config = {"cluster": spec,
+              "task": {"type": args.job_name, "index": args.task_index}}
+    cluster, job, index = cluster_lib.parse_tf_config(config)
+    _check_job(job)
+    return cluster, job, index
 
+
+def _serve_until_signal(server, job, index, address):
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -112,6 +93,41 @@ def main(argv=None):
     # TF's server has no clean shutdown in 2.x; leave without running its
     # destructors (which can block on in-flight RPCs).
     os._exit(0)
+
+
+def main(argv=None):
+    args = _parser().parse_args(argv)
+    # Must be set before TF starts gRPC: calls to a dead task fail at once
+    # instead of waiting for it to come back.
+    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    try:
+        cluster, job, index = _task(args)
+    except ClusterConfigError as e:
+        return _fail(str(e))
+
+    address = cluster[job][index]
+    if not _network.port_is_free(_network.split_address(address)[1]):
+        return _fail(
+            f"port of {job}:{index} ({address}) is already in use. Stop the "
+            "process holding it or give this task another port."
+        )
+
+    # TF's server alone, without the rest of its Python API: serving starts
+    # 2.5 s sooner (a worker joining a running job waits on this).
+    server_lib, config_pb2 = _tf_adapter.server_modules()
+    config = config_pb2.ConfigProto()
+    config.inter_op_parallelism_threads = (
+        args.inter_op_threads or max(4, os.cpu_count() or 1))
+    try:
+        server = server_lib.Server(
+            server_lib.ClusterSpec(cluster_lib.training_cluster(cluster)),
+            job_name=job, task_index=index, protocol="grpc", config=config,
+            start=True,
+        )
+    except Exception as e:  # TF raises UnknownError for bind failures.
+        return _fail(f"could not start {job}:{index} at {address}: "
+                     f"{str(e).splitlines()[0]}")
+    _serve_until_signal(server, job, index, address)
 
 
 if __name__ == "__main__":
