@@ -285,10 +285,32 @@ def collapse_children(children):
 
 # -- the forward lookup -----------------------------------------------------------
 def take_rows(table, indices):
-    """`ops.take(table, indices, axis=0)` reading only the requested rows."""
+    """`ops.take(table, indices, axis=0)` reading only the requested rows,
+    each distinct one once.
+
+    Args:
+        table: a ShardedVariable, or a `tf.Variable` (one table on one ps).
+        indices: integer ids of any shape.
+    """
     indices = tf.convert_to_tensor(indices)
     if not indices.dtype.is_integer:
         indices = tf.cast(indices, tf.int64)
     rows = tf.cast(table.shape[0], indices.dtype)
     indices = tf.where(indices < 0, indices + rows, indices)  # Keras' "fill" mode
-    return table.embedding_lookup(indices)
+    if isinstance(table, ShardedVariable):
+        return table.embedding_lookup(indices)
+    flat = tf.reshape(indices, [-1])
+    unique, position = tf.unique(flat)
+    with tf.device(table.device):
+        gathered = tf.gather(table, unique)
+    gathered = tf.gather(gathered, position)
+    return tf.reshape(gathered, tf.concat(
+        [tf.shape(indices), tf.shape(gathered)[1:]], 0))
+
+
+def ps_table(x):
+    """The `tf.Variable` of keras Variable `x` if it lives on a ps, else None."""
+    inner = getattr(x, "_value", None) if isinstance(x, keras.Variable) else None
+    if isinstance(inner, tf.Variable) and "/job:ps/" in (inner.device or ""):
+        return inner
+    return None

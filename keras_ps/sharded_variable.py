@@ -150,15 +150,20 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
         return self._scatter("scatter_sub", sparse_delta)
 
     def embedding_lookup(self, ids):
-        """Rows `ids` of the variable, gathering only those rows from each shard."""
+        """Rows `ids` of the variable, gathering only those rows from each shard.
+
+        Each distinct id is read once (the ids are deduplicated first), so a
+        shard sends each requested row once and receives its gradient once,
+        the repeats' gradients summed where the lookup runs."""
         ids = tf.convert_to_tensor(ids)
         flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
-        positions, locals_ = self._route(flat)
+        unique, position = tf.unique(flat)
+        positions, locals_ = self._route(unique)
         parts = []
         for v, rows in zip(self._variables, locals_):
             with tf.device(v.device):
                 parts.append(tf.gather(v, rows))
-        gathered = tf.dynamic_stitch(positions, parts)
+        gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
         return tf.reshape(gathered, tf.concat(
             [tf.shape(ids), tf.shape(gathered)[1:]], 0))
 

@@ -1,5 +1,5 @@
 """Adam updates of ps variables use TF's fused ResourceApplyAdam kernel
-(keras_ps._keras_adapter, "one fused kernel"; `fused_adam` on the strategy).
+(keras_ps._keras.optimizers, "one fused kernel"; `fused_adam` on the strategy).
 These tests pin that the fused path is taken and that it computes what Keras'
 own Adam computes, step by step, for dense and sparse (embedding) gradients;
 a Keras upgrade that changes Adam's formula fails here."""
@@ -126,7 +126,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
     # Thread "a" stops inside its apply; thread "b" runs an apply of its own
     # and stops right after making its scalars; "a" then goes on: reusing b's
     # scalars (another graph's tensors) would fail with "out of scope".
-    from keras_ps import _keras_adapter
+    from keras_ps._keras import optimizers as _keras_optimizers
 
     with strategy.scope():
         table = keras.Variable(np.ones((ROWS, DIM), "float32"))
@@ -135,7 +135,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
         optimizer.build([table, kernel])
     a_waiting, b_made_scalars = threading.Event(), threading.Event()
     a_done = threading.Event()
-    make_scalars = _keras_adapter._adam_scalars
+    make_scalars = _keras_optimizers._adam_scalars
 
     def paced(opt, dtype, learning_rate):
         name = threading.current_thread().name
@@ -148,7 +148,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
             assert a_done.wait(30)
         return scalars
 
-    monkeypatch.setattr(_keras_adapter, "_adam_scalars", paced)
+    monkeypatch.setattr(_keras_optimizers, "_adam_scalars", paced)
     errors = []
 
     def trace():

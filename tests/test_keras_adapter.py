@@ -13,6 +13,7 @@ import tensorflow as tf
 import keras
 import keras_ps  # noqa: F401
 from keras_ps import _keras_adapter
+from keras_ps._keras import optimizers as _keras_optimizers
 from keras_ps import _sharded_weights
 from keras_ps import sharded_variable
 from keras_ps.partitioners import FixedShardsPartitioner
@@ -176,7 +177,7 @@ def test_fused_adam_keras_internals():
         fn = getattr(fn, "__keras_ps_original__", fn)
         return list(inspect.signature(fn).parameters)
 
-    adam = _keras_adapter.ADAM_CLASS
+    adam = _keras_optimizers.ADAM_CLASS
     assert adam is keras.optimizers.Adam
     assert params(adam.update_step) == [
         "self", "gradient", "variable", "learning_rate"]
@@ -190,4 +191,4 @@ def test_fused_adam_keras_internals():
     assert optimizer._velocities[index].shape == var.shape
     assert optimizer._distribution_strategy is tf.distribute.get_strategy()
     # A variable that is not on a ps takes Keras' own update.
-    assert not _keras_adapter._can_fuse_adam(optimizer, var.value)
+    assert not _keras_optimizers._can_fuse_adam(optimizer, var.value)

@@ -1,0 +1,1 @@
+"""Keras internals that keras_ps hooks, one module per concern."""
