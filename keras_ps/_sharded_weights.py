@@ -119,9 +119,11 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
                        **kwargs):
     """`layer.add_weight(...)` under a partitioner: a ShardedWeight or a Variable.
 
-    The full initializer runs once, on `init_device` (a ps), and each shard
-    starts from its slice, so seeded initialization gives the same numbers as
-    an unpartitioned layer and the coordinator never holds the full table.
+    Up to SLICED_INIT_MAX_BYTES the full initializer runs once, on
+    `init_device` (a ps), and each shard starts from its slice, so seeded
+    initialization gives the same numbers as an unpartitioned layer. Larger
+    weights are initialised shard by shard on each shard's own ps. The
+    coordinator never holds the full table.
 
     Args:
         layer: the layer adding the weight.
@@ -144,16 +146,21 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
     if initializer is None:
         initializer = "glorot_uniform" if "float" in dtype else "zeros"
     initializer = keras.initializers.get(initializer)
-    with tf.init_scope(), tf.device(init_device):
-        full = tf.convert_to_tensor(initializer(shape, dtype=dtype), dtype=dtype)
+    ranges = partitioners_lib.shard_row_ranges(shape[0], count)
+    nbytes = tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size
+    if nbytes <= SLICED_INIT_MAX_BYTES:
+        with tf.init_scope(), tf.device(init_device):
+            full = tf.convert_to_tensor(initializer(shape, dtype=dtype), dtype=dtype)
+        initializers = [_SliceInitializer(full, start, stop, init_device)
+                        for start, stop in ranges]
+    else:
+        initializers = [per_shard_initializer(initializer, i) for i in range(count)]
     shards, inner = [], []
-    for i, (start, stop) in enumerate(
-            partitioners_lib.shard_row_ranges(shape[0], count)):
+    for i, ((start, stop), shard_init) in enumerate(zip(ranges, initializers)):
         capture = _CaptureVariable()
         with tf.variable_creator_scope(capture):
             shards.append(keras_add_weight(
-                shape=(stop - start,) + shape[1:],
-                initializer=_SliceInitializer(full, start, stop, init_device),
+                shape=(stop - start,) + shape[1:], initializer=shard_init,
                 dtype=dtype, name=f"{name}_part_{i}", **kwargs))
         if len(capture.created) != 1:
             raise ValueError(
@@ -165,6 +172,23 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
     path = shards[0].path[: -len("_part_0")]
     logger.info("[chief] weight %s %s split into %d shards", path, shape, count)
     return ShardedWeight(shards, inner, path)
+
+
+# Up to this size a sharded weight is initialised whole on one ps and sliced,
+# so a seeded initializer gives the numbers of an unsharded weight. Above it,
+# each shard is initialised on its own ps from its own shape: no full copy
+# anywhere, no initial value on the wire (a 10M x 64 float32 table is 2.4 GB).
+SLICED_INIT_MAX_BYTES = 256 * 2**20
+
+
+def per_shard_initializer(initializer, index):
+    """`initializer` for shard `index`; a seeded one gets seed `seed + index`,
+    so shards of equal shape do not start equal."""
+    config = initializer.get_config() if hasattr(initializer, "get_config") else {}
+    if isinstance(config.get("seed"), int):
+        config = dict(config, seed=config["seed"] + index)
+        return type(initializer).from_config(config)
+    return initializer
 
 
 class _SliceInitializer:
