@@ -291,7 +291,9 @@ def _rowwise_ftrl(keras_update_step):
             return keras_update_step(self, gradient, variable, learning_rate)
 
         def dense():
-            keras_update_step(self, gradient, variable, learning_rate)
+            # The dense gradient: Keras squares a sparse one's repeats apart.
+            keras_update_step(self, tf.convert_to_tensor(gradient), variable,
+                              learning_rate)
             return tf.constant(True)
 
         def rowwise():
