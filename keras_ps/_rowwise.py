@@ -87,19 +87,25 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     """Adam on the gradient's rows only; see keras_ps.optimizers.LazyAdam.
 
     For each row `r` named by the gradient, at step `t` (1-based), with `k =
-    t - last_step[r]` (the steps since the row was last updated; `t` for a
-    row never updated, whose moments are 0):
+    t - last_step[r]` (steps since the row was last updated; `t` for a row
+    never updated, whose moments are 0), `alpha = lr * sqrt(1 - beta_2^t) /
+    (1 - beta_1^t)` and `rho = beta_1 / sqrt(beta_2)`:
 
+        drift = alpha * m[r] / (sqrt(v[r]) + epsilon)
+                * (rho + rho^2 + ... + rho^(k-1))
         m[r] = beta_1^k * m[r] + (1 - beta_1) * g[r]
         v[r] = beta_2^k * v[r] + (1 - beta_2) * g[r]^2
-        variable[r] -= lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)
-                       * m[r] / (sqrt(v[r]) + epsilon)
+        variable[r] -= drift + alpha * m[r] / (sqrt(v[r]) + epsilon)
         last_step[r] = t
 
-    so a row's moments are exactly dense Adam's whenever the row is updated
-    (dense Adam decays them by beta each step the row's gradient is 0), and
-    bias correction uses the global step, as dense Adam does. Three gathers,
-    three scatter-updates and one scatter-sub.
+    The moments are exactly dense Adam's (its zero-gradient steps only decay
+    them). `drift` is what dense Adam's k - 1 skipped steps would have moved
+    the row by, `alpha_j * beta_1^i m / sqrt(beta_2^i v)`, summed with the
+    current `alpha` and epsilon kept once (exact when the learning rate and
+    bias correction no longer change and epsilon is small against sqrt(v)):
+    the skipped-steps correction of tensorflow/tensorflow#23668, applied when
+    the row is next touched. Three gathers, three scatter-updates, one
+    scatter-sub.
 
     Args:
         variable, m, v: `tf.Variable`s of one shape; `last_step`: an int64
@@ -114,16 +120,20 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     step = tf.cast(step, tf.int64)
     t = tf.cast(step, dtype)
     b1, b2 = tf.cast(beta_1, dtype), tf.cast(beta_2, dtype)
+    eps = tf.cast(epsilon, dtype)
     last = tf.raw_ops.ResourceGather(resource=last_step.handle, indices=indices,
                                      dtype=tf.int64)
     k = tf.cast(step - last, dtype)
     k = tf.reshape(k, [-1] + [1] * (variable.shape.rank - 1))
     m_rows = tf.raw_ops.ResourceGather(resource=m.handle, indices=indices, dtype=dtype)
     v_rows = tf.raw_ops.ResourceGather(resource=v.handle, indices=indices, dtype=dtype)
-    m_rows = tf.pow(b1, k) * m_rows + (1 - b1) * g
-    v_rows = tf.pow(b2, k) * v_rows + (1 - b2) * tf.square(g)
     alpha = (tf.cast(learning_rate, dtype) * tf.sqrt(1 - tf.pow(b2, t))
              / (1 - tf.pow(b1, t)))
+    rho = b1 / tf.sqrt(b2)
+    skipped = rho * (1 - tf.pow(rho, k - 1)) / (1 - rho)  # rho + ... + rho^(k-1)
+    drift = alpha * skipped * m_rows / (tf.sqrt(v_rows) + eps)
+    m_rows = tf.pow(b1, k) * m_rows + (1 - b1) * g
+    v_rows = tf.pow(b2, k) * v_rows + (1 - b2) * tf.square(g)
     tf.raw_ops.ResourceScatterUpdate(resource=m.handle, indices=indices,
                                      updates=m_rows)
     tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=indices,
@@ -133,4 +143,4 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
         updates=tf.fill(tf.shape(indices), step))
     tf.raw_ops.ResourceScatterSub(
         resource=variable.handle, indices=indices,
-        updates=alpha * m_rows / (tf.sqrt(v_rows) + tf.cast(epsilon, dtype)))
+        updates=drift + alpha * m_rows / (tf.sqrt(v_rows) + eps))

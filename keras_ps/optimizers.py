@@ -28,13 +28,19 @@ class LazyAdam(keras.optimizers.Adam):
       `v = beta_2^k * v + (1 - beta_2) * g^2`: exactly dense Adam's moments
       for that row, whose zero gradients over the `k - 1` skipped steps only
       decayed them. (The classic LazyAdam leaves them undecayed, so a rare
-      row's stale momentum and variance keep their full weight; that is the
-      convergence loss reported in tensorflow/tensorflow#23668.)
+      row's stale momentum and variance keep their full weight.)
     - bias correction: the global step `t`, as dense Adam
-      (`lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`).
-    - the row itself does not move while untouched. Dense Adam would keep
-      moving it by its decaying momentum `m / (sqrt(v) + epsilon)`; that drift
-      is the only difference from Adam.
+      (`alpha = lr * sqrt(1 - beta_2^t) / (1 - beta_1^t)`).
+    - the row itself does not move while untouched; when it is next touched
+      it first moves by what dense Adam's `k - 1` skipped steps would have
+      moved it (its decaying momentum, `alpha * m / (sqrt(v) + epsilon) *
+      (rho + ... + rho^(k-1))` with `rho = beta_1 / sqrt(beta_2)`), then takes
+      this step's update. The catch-up uses this step's `alpha` for the
+      skipped steps and keeps epsilon once; it is the skipped-steps
+      correction proposed in tensorflow/tensorflow#23668, where the classic
+      LazyAdam fell short of Adam's accuracy. A row never touched again keeps
+      its value (dense Adam would move it by at most ~9 more updates of its
+      last momentum with the default betas).
 
     Memory: one more slot, an int64 per row (8 bytes) recording `s`, next to
     the two float moments per element.

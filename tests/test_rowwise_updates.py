@@ -187,8 +187,11 @@ def lazy_adam_reference(table, kernel, steps, lr=0.05, b1=0.9, b2=0.999, eps=1e-
         alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
         grad = np.zeros_like(table)
         np.add.at(grad, np.asarray(ids, np.int64).ravel(), c)
+        rho = b1 / np.sqrt(b2)
         for r in np.unique(np.asarray(ids, np.int64)):
             k = t - last[r]
+            skipped = sum(rho ** i for i in range(1, k))
+            table[r] -= alpha * skipped * m[r] / (np.sqrt(v[r]) + eps)
             m[r] = b1 ** k * m[r] + (1 - b1) * grad[r]
             v[r] = b2 ** k * v[r] + (1 - b2) * grad[r] ** 2
             table[r] -= alpha * m[r] / (np.sqrt(v[r]) + eps)
