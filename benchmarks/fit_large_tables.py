@@ -177,8 +177,11 @@ def run_one(system, rows, epochs, steps_per_epoch):
     }
 
 
-def run_child(system, rows, timeout=1800):
-    epochs, steps = SCHEDULE.get(system, DEFAULT_SCHEDULE)
+QUICK_SCHEDULE = (2, 10)
+
+
+def run_child(system, rows, timeout=1800, quick=False):
+    epochs, steps = QUICK_SCHEDULE if quick else SCHEDULE.get(system, DEFAULT_SCHEDULE)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
     out = subprocess.run(
@@ -192,8 +195,9 @@ def run_child(system, rows, timeout=1800):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print):
-    """Every (system, rows) `repeats` times, systems side by side per repeat."""
+def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print, quick=False):
+    """Every (system, rows) `repeats` times, systems side by side per repeat
+    (quick: 2 epochs of 10 steps, a smoke run)."""
     runs = []
     for r in range(repeats):
         for rows in rows_list:
@@ -202,7 +206,7 @@ def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print):
                     continue
                 if system == "keras_ps_adam" and rows != min(rows_list):
                     continue
-                result = run_child(system, rows)
+                result = run_child(system, rows, quick=quick)
                 result["repeat"] = r
                 runs.append(result)
                 if "error" in result:
@@ -219,6 +223,55 @@ def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print):
 def by(runs, system, rows, key="steps_per_s"):
     return [x[key] for x in runs
             if x["system"] == system and x["rows"] == rows and "error" not in x]
+
+
+def spread(values, digits=2):
+    if not values:
+        return "-"
+    return (f"{min(values):.{digits}f} / **{statistics.median(values):.{digits}f}** / "
+            f"{max(values):.{digits}f}")
+
+
+def markdown(summary):
+    """The "Large embedding tables" section of RESULTS.md (lines)."""
+    runs = summary["runs"]
+    lines = [
+        "## Large embedding tables: steps/s and memory vs table rows",
+        "",
+        "`benchmarks/fit_large_tables.py`: Model.fit, Embedding(R, 64) on 2 ps "
+        "(FixedShardsPartitioner(2)), 2 workers, in-process cluster, batch 256 x 16 "
+        "Zipf-like ids over the whole table, MLP 128-64-1, steps_per_execution=10. "
+        "Each system in its own process. Figures are min / **median** / max over "
+        "the repeats. Peak RSS is the whole process (coordinator, ps and workers "
+        "share it in an in-process cluster); table + slots is R x 64 x 4 bytes x "
+        "(1 + slots) (+ 8 bytes per row for LazyAdam's row steps).",
+        "",
+        "![steps/s vs table rows](large_tables.png)",
+        "",
+        "| R | system | steps/s | held-out accuracy | peak RSS GB | table + slots GB "
+        "| build s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rows in sorted({x["rows"] for x in runs}):
+        for system in SYSTEMS:
+            ok = [x for x in runs if x["system"] == system and x["rows"] == rows
+                  and "error" not in x]
+            failed = [x for x in runs if x["system"] == system and x["rows"] == rows
+                      and "error" in x]
+            skipped = summary["skipped"].get(f"{system}@{rows}")
+            if not ok and not failed and not skipped:
+                continue
+            if not ok:
+                why = skipped or f"failed: {failed[0]['error'][:80]}"
+                lines.append(f"| {rows / 1e6:g}M | {system} | {why} | | | | |")
+                continue
+            lines.append(
+                f"| {rows / 1e6:g}M | {system} | {spread([x['steps_per_s'] for x in ok])} "
+                f"| {spread([x['test_accuracy'] for x in ok], 3)} "
+                f"| {spread([x['peak_rss_gb'] for x in ok], 1)} "
+                f"| {ok[0]['table_and_slots_gb']:.2f} "
+                f"| {spread([x['build_s'] for x in ok], 1)} |")
+    return lines
 
 
 def write_plot(summary, path):
@@ -259,6 +312,9 @@ def main():
     parser.add_argument("--rows", default=",".join(str(r) for r in ROWS))
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--from-json", help="format a saved --json summary "
+                        "(markdown section; --plot PNG) instead of measuring")
+    parser.add_argument("--plot", help="write the plot to this PNG")
     parser.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -266,12 +322,23 @@ def main():
         print("RESULT " + json.dumps(run_one(system, int(rows), int(epochs), int(steps))),
               flush=True)
         os._exit(0)  # in-process servers do not shut down cleanly
+    if args.from_json:
+        with open(args.from_json) as f:
+            summary = json.loads(f.read().strip().splitlines()[-1])
+        print("\n".join(markdown(summary)))
+        if args.plot:
+            write_plot(summary, args.plot)
+        return
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
     summary = measure([int(r) for r in args.rows.split(",")],
                       args.systems.split(","), args.repeats, log)
     if args.json:
         print(json.dumps(summary))
+    else:
+        print("\n".join(markdown(summary)))
+    if args.plot:
+        write_plot(summary, args.plot)
 
 
 if __name__ == "__main__":
