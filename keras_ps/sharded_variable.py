@@ -19,6 +19,12 @@ logger = logging.getLogger(__name__)
 
 _switch = threading.local()
 
+# Variables larger than this are checkpointed as one slice per shard, each
+# written by its own ps (the checkpoint directory must then be writable by
+# every ps at the same path, as with TF's ParameterServerStrategy); smaller
+# ones as one tensor written by the coordinator.
+SLICED_SAVE_MIN_BYTES = 256 * 2**20
+
 
 @contextlib.contextmanager
 def no_partitioning():
@@ -64,6 +70,8 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
         self._row_offsets = [0]
         for v in variables:
             self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
+        if self.nbytes > SLICED_SAVE_MIN_BYTES:
+            self.__class__ = _sliced_class(type(self))
 
     @property
     def variables(self):
@@ -167,7 +175,19 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
         return tf.reshape(gathered, tf.concat(
             [tf.shape(ids), tf.shape(gathered)[1:]], 0))
 
-    # -- checkpointing: the whole variable as one tensor ------------------------
+    # -- checkpointing: the whole variable under one key ------------------------
+    @property
+    def nbytes(self):
+        return self.shape.num_elements() * self.dtype.size
+
+    def _slice_spec(self, index):
+        offset = [0] * self.shape.rank
+        offset[0] = self._row_offsets[index]
+        return tf.Variable.SaveSliceInfo(
+            full_name=self._name, full_shape=self.shape.as_list(),
+            var_offset=offset,
+            var_shape=self._variables[index].shape.as_list()).spec
+
     def _serialize_to_tensors(self):
         return {"VARIABLE_VALUE": self.read_value()}
 
@@ -184,6 +204,36 @@ class ShardedVariable(tf.__internal__.tracking.Trackable):
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
+
+
+def _gather_sliced_saveables(self):
+    """Checkpoint entry of a large sharded variable: its key holds one slice
+    per shard (as TF's own ShardedVariable saves), each read and written by
+    the shard's ps and restored straight into the shard, so no process holds
+    the whole variable. It restores into any number of shards or into a
+    plain variable, and a plain variable's entry restores into it."""
+    from tensorflow.python.training.saving import saveable_object_util
+
+    def factory(name=self._name):
+        return [saveable_object_util.ResourceVariableSaveable(
+            v, self._slice_spec(i), name) for i, v in enumerate(self._variables)]
+    return {"VARIABLE_VALUE": factory}
+
+
+_sliced_classes = {}
+
+
+def _sliced_class(cls):
+    """`cls` checkpointed as slices: TF takes a class's
+    `_gather_saveables_for_checkpoint` when the class defines it before any
+    `_serialize_to_tensors` in its MRO."""
+    if cls.__name__.startswith("_Sliced"):
+        return cls
+    if cls not in _sliced_classes:
+        _sliced_classes[cls] = type(f"_Sliced{cls.__name__}", (cls,), {
+            "_gather_saveables_for_checkpoint": _gather_sliced_saveables,
+            "__module__": cls.__module__})
+    return _sliced_classes[cls]
 
 
 def _to_tensor(var, dtype=None, name=None, as_ref=False):
