@@ -12,7 +12,9 @@ ClusterCoordinator. Two variants on the same cluster and table, in one run:
 
 Prints steps/s and their ratio, loopback bytes per step (/proc/net/dev `lo`,
 transmitted bytes; every byte between local processes crosses `lo` once)
-against the rows actually read (ids x 64 x 4 bytes each way), and the
+against the rows actually read (ids x 64 x 4 bytes each way), and the same
+step on a fixed batch of Zipf-like ids (log-uniform, many repeats) against
+its distinct rows (each distinct row crosses once each way), and the
 coordinator's peak RSS during training against the table size.
 
     .venv/bin/python benchmarks/embedding_lookup.py
@@ -24,6 +26,8 @@ import argparse
 import json
 import os
 import time
+
+import numpy as np
 
 ROWS, DIM, BATCH = 1_000_000, 64, 4096
 
@@ -111,6 +115,14 @@ def main():
             return step
 
         sharded = measure(coordinator, make_step(layer), iterator, args.steps)
+        # Zipf-like ids (log-uniform): most of the batch repeats a few rows.
+        rng = np.random.default_rng(0)
+        zipf_ids = np.minimum(np.floor(np.exp(rng.uniform(
+            0, np.log(ROWS + 1), BATCH))).astype(np.int32) - 1, ROWS - 1)
+        unique_rows = len(np.unique(zipf_ids))
+        zipf_iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(zipf_ids).repeat()))
+        zipf = measure(coordinator, make_step(layer), zipf_iterator, args.steps)
         concat = measure(
             coordinator,
             make_step(lambda ids: tf.gather(tf.convert_to_tensor(layer.embeddings), ids)),
@@ -122,6 +134,8 @@ def main():
     if args.json:
         print(json.dumps({
             "sharded": sharded, "concat": concat, "table_mb": table_mb,
+            "zipf": dict(zipf, unique_rows=unique_rows, bytes_ratio_unique=(
+                zipf["bytes_per_step"] / (2 * unique_rows * DIM * 4))),
             "rows_bytes_each_way": rows_bytes,
             "speed_ratio": sharded["steps_per_s"] / concat["steps_per_s"],
             "bytes_ratio": sharded["bytes_per_step"] / (2 * rows_bytes),
@@ -140,6 +154,10 @@ def main():
           f"{rows_bytes / 2**20:.2f} MB each way = {2 * rows_bytes / 2**20:.2f} MB"
           f" -> sharded/rows ratio {sharded['bytes_per_step'] / (2 * rows_bytes):.2f}"
           " (target <= 2)")
+    print(f"zipf ids: {BATCH} ids, {unique_rows} distinct; "
+          f"{zipf['bytes_per_step'] / 2**20:.2f} MB/step = "
+          f"{zipf['bytes_per_step'] / (2 * unique_rows * DIM * 4):.2f}x the "
+          "distinct rows both ways (target <= 1.1x)")
     print(f"coordinator RSS: {rss_before_build:.0f} MB before build, "
           f"{rss_after_build:.0f} MB after build; peak during sharded training "
           f"{sharded['peak_rss_mb']:.0f} MB, during concat training "

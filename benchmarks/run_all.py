@@ -1,6 +1,6 @@
 """Every side-by-side benchmark in one go; writes RESULTS.md and scaling.png.
 
-    .venv/bin/python benchmarks/run_all.py                # 3 repeats, ~15 min on 2 cores
+    .venv/bin/python benchmarks/run_all.py                # 3 repeats, ~50 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --repeats 5
     .venv/bin/python benchmarks/run_all.py --quick --out /tmp/bench   # smoke run
 
@@ -16,6 +16,13 @@ run back to back, so each ratio compares neighbours in time):
            it with; target >= 20x, loopback bytes <= 2x the rows read)
   scaling  the sleep-bound step on 1, 2, 4, 8 and 16 workers, both systems
            (the plot; 16 comes from `sleep`)
+  large    fit_large_tables.py, Model.fit with Embedding(R, 64), R = 1M, 4M,
+           10M: TF native Adam vs keras_ps LazyAdam, TF native Adagrad vs
+           keras_ps row-wise Adagrad (targets: LazyAdam >= 50x Adam at 4M;
+           Adagrad >= TF native at 10M; keras_ps step time at 10M <= 1.3x
+           at 1M; LazyAdam accuracy within 0.5 points of dense Adam at 1M;
+           peak RSS <= 1.25x table + slots). Plot: large_tables.png.
+           About 35 minutes for 3 repeats.
 
 Ratios are min / median / max over the repeats; a target counts as met when
 the median meets it. `--only tiny,fit` runs a subset.
@@ -36,8 +43,9 @@ sys.path.insert(0, HERE)
 
 import ctl_dispatch  # noqa: E402
 import fit_embedding  # noqa: E402
+import fit_large_tables  # noqa: E402
 
-ALL = ("tiny", "sleep", "fit", "lookup", "scaling")
+ALL = ("tiny", "sleep", "fit", "lookup", "scaling", "large")
 SCALING_WORKERS = (1, 2, 4, 8, 16)
 QUICK_SCALING_WORKERS = (1, 4)  # plus 16 when `sleep` ran
 SLEEP_IDEAL_PER_WORKER = 50.0  # 20 ms per step
@@ -99,6 +107,10 @@ def run_all(names, repeats, quick):
             results[name] = fit_embedding.measure(repeats, quick, log=log)
         elif name == "lookup":
             results[name] = run_lookup(repeats, quick)
+        elif name == "large":
+            rows = fit_large_tables.ROWS[:1] if quick else fit_large_tables.ROWS
+            results[name] = fit_large_tables.measure(rows, repeats=repeats, log=log,
+                                                     quick=quick)
         elif name == "scaling":
             workers = QUICK_SCALING_WORKERS if quick else SCALING_WORKERS
             if quick and "sleep" in results:
@@ -185,7 +197,56 @@ def table_rows(results):
             "", f"{statistics.median(growth):.0f} MB (table {table:.0f} MB)",
             fmt_spread(growth, 0, " MB"), "no full copy of the table",
             statistics.median(growth) < table / 2))
+    if "large" in results:
+        rows.extend(large_table_rows(results["large"]))
     return rows
+
+
+def large_table_rows(large):
+    """Rows with a target for fit_large_tables.py (every figure is in the
+    "Large embedding tables" section below the table)."""
+    from fit_large_tables import by
+    runs = large["runs"]
+    sizes = sorted({x["rows"] for x in runs})
+    out = []
+    for r, native, ours, target, threshold in (
+            (4_000_000, "tf_native_adam", "keras_ps_lazyadam", "keras_ps >= 50x", 50.0),
+            (10_000_000, "tf_native_adagrad", "keras_ps_adagrad", "keras_ps >= 1x", 1.0)):
+        n, k = by(runs, native, r), by(runs, ours, r)
+        if n and k:
+            q = [b / a for a, b in zip(n, k)]
+            out.append((
+                f"Model.fit, Embedding({r / 1e6:g}M, 64) on 2 ps + 128-64-1 MLP, "
+                f"batch 256 x 16 Zipf ids, 2 workers: {native.split('_')[-1]} vs "
+                f"keras_ps {ours.split('_')[-1]}",
+                f"{statistics.median(n):.2f} steps/s", f"{statistics.median(k):.2f} steps/s",
+                fmt_spread(q), target, statistics.median(q) >= threshold))
+    if len(sizes) > 1:
+        for system in ("keras_ps_lazyadam", "keras_ps_adagrad"):
+            lo, hi = by(runs, system, sizes[0]), by(runs, system, sizes[-1])
+            if lo and hi:
+                growth = [a / b for a, b in zip(lo, hi)]  # step time ratio
+                out.append((f"  same run: {system} step time at {sizes[-1] / 1e6:g}M "
+                            f"/ at {sizes[0] / 1e6:g}M", "", "", fmt_spread(growth),
+                            "<= 1.3x", statistics.median(growth) <= 1.3))
+    lazy = by(runs, "keras_ps_lazyadam", sizes[0], "test_accuracy")
+    dense = by(runs, "keras_ps_adam", sizes[0], "test_accuracy")
+    if lazy and dense:
+        diffs = [100 * (a - b) for a, b in zip(lazy, dense)]
+        out.append((f"  same run: held-out accuracy at {sizes[0] / 1e6:g}M, equal "
+                    "steps, keras_ps LazyAdam minus keras_ps dense Adam",
+                    f"dense Adam {statistics.median(dense):.3f}",
+                    f"LazyAdam {statistics.median(lazy):.3f}",
+                    fmt_spread(diffs, 1, " pt"), "within 0.5 points",
+                    abs(statistics.median(diffs)) <= 0.5))
+    for system in ("keras_ps_lazyadam", "keras_ps_adagrad"):
+        ratio = [x["peak_rss_gb"] / x["table_and_slots_gb"] for x in runs
+                 if x["system"] == system and x["rows"] == sizes[-1] and "error" not in x]
+        if ratio:
+            out.append((f"  same run: {system} at {sizes[-1] / 1e6:g}M, peak RSS of "
+                        "the whole in-process cluster / (table + slots)", "", "",
+                        fmt_spread(ratio), "<= 1.25x", statistics.median(ratio) <= 1.25))
+    return out
 
 
 def versions():
@@ -252,6 +313,8 @@ def write_markdown(results, args, path, elapsed):
     for name, native, ours, ratio, target, met in table_rows(results):
         lines.append(f"| {name} | {native} | {ours} | {ratio} | {target} | "
                      f"{'yes' if met else '**no**'} |")
+    if "large" in results:
+        lines += [""] + fit_large_tables.markdown(results["large"])
     if "scaling" in results:
         scaling = results["scaling"]
         workers = sorted(int(w) for w in scaling)
@@ -303,6 +366,10 @@ def main():
     md = os.path.join(args.out, "RESULTS.md")
     write_markdown(results, args, md, elapsed)
     print(f"wrote {md}")
+    if "large" in results:
+        png = os.path.join(args.out, "large_tables.png")
+        fit_large_tables.write_plot(results["large"], png)
+        print(f"wrote {png}")
     if "scaling" in results:
         png = os.path.join(args.out, "scaling.png")
         write_plot(results["scaling"], png)

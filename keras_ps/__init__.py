@@ -38,6 +38,7 @@ _EXPORTS = {
     "cluster": ("keras_ps.cluster", None),
     "create_in_process_cluster": ("keras_ps.cluster", "create_in_process_cluster"),
     "elastic": ("keras_ps.elastic", None),
+    "optimizers": ("keras_ps.optimizers", None),
     "partitioners": ("keras_ps.partitioners", None),
     "training": ("keras_ps.training", None),
 }

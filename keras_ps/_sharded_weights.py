@@ -119,9 +119,11 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
                        **kwargs):
     """`layer.add_weight(...)` under a partitioner: a ShardedWeight or a Variable.
 
-    The full initializer runs once, on `init_device` (a ps), and each shard
-    starts from its slice, so seeded initialization gives the same numbers as
-    an unpartitioned layer and the coordinator never holds the full table.
+    Up to SLICED_INIT_MAX_BYTES the full initializer runs once, on
+    `init_device` (a ps), and each shard starts from its slice, so seeded
+    initialization gives the same numbers as an unpartitioned layer. Larger
+    weights are initialised shard by shard on each shard's own ps. The
+    coordinator never holds the full table.
 
     Args:
         layer: the layer adding the weight.
@@ -144,16 +146,21 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
     if initializer is None:
         initializer = "glorot_uniform" if "float" in dtype else "zeros"
     initializer = keras.initializers.get(initializer)
-    with tf.init_scope(), tf.device(init_device):
-        full = tf.convert_to_tensor(initializer(shape, dtype=dtype), dtype=dtype)
+    ranges = partitioners_lib.shard_row_ranges(shape[0], count)
+    nbytes = tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size
+    if nbytes <= SLICED_INIT_MAX_BYTES:
+        with tf.init_scope(), tf.device(init_device):
+            full = tf.convert_to_tensor(initializer(shape, dtype=dtype), dtype=dtype)
+        initializers = [_SliceInitializer(full, start, stop, init_device)
+                        for start, stop in ranges]
+    else:
+        initializers = [per_shard_initializer(initializer, i) for i in range(count)]
     shards, inner = [], []
-    for i, (start, stop) in enumerate(
-            partitioners_lib.shard_row_ranges(shape[0], count)):
+    for i, ((start, stop), shard_init) in enumerate(zip(ranges, initializers)):
         capture = _CaptureVariable()
         with tf.variable_creator_scope(capture):
             shards.append(keras_add_weight(
-                shape=(stop - start,) + shape[1:],
-                initializer=_SliceInitializer(full, start, stop, init_device),
+                shape=(stop - start,) + shape[1:], initializer=shard_init,
                 dtype=dtype, name=f"{name}_part_{i}", **kwargs))
         if len(capture.created) != 1:
             raise ValueError(
@@ -167,6 +174,23 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
     return ShardedWeight(shards, inner, path)
 
 
+# Up to this size a sharded weight is initialised whole on one ps and sliced,
+# so a seeded initializer gives the numbers of an unsharded weight. Above it,
+# each shard is initialised on its own ps from its own shape: no full copy
+# anywhere, no initial value on the wire (a 10M x 64 float32 table is 2.4 GB).
+SLICED_INIT_MAX_BYTES = 256 * 2**20
+
+
+def per_shard_initializer(initializer, index):
+    """`initializer` for shard `index`; a seeded one gets seed `seed + index`,
+    so shards of equal shape do not start equal."""
+    config = initializer.get_config() if hasattr(initializer, "get_config") else {}
+    if isinstance(config.get("seed"), int):
+        config = dict(config, seed=config["seed"] + index)
+        return type(initializer).from_config(config)
+    return initializer
+
+
 class _SliceInitializer:
     """Rows [start, stop) of a tensor computed once for the whole weight."""
 
@@ -178,6 +202,25 @@ class _SliceInitializer:
         with tf.device(self._device):
             part = self._full[self._start:self._stop]
         return part if dtype is None else tf.cast(part, dtype)
+
+
+class _Fill:
+    """`keras.initializers.Constant(value)` as one `tf.fill` (Keras computes
+    `value * ones(shape)`: two full-size tensors at once)."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def __call__(self, shape, dtype=None):
+        return tf.fill(shape, tf.cast(self._value, dtype or "float32"))
+
+
+def filled(initializer):
+    """`initializer`, or a one-fill equivalent for a scalar Constant."""
+    if (type(initializer) is keras.initializers.Constant
+            and isinstance(initializer.value, (int, float))):
+        return _Fill(initializer.value)
+    return initializer
 
 
 def group_slot(slot, reference, name):
@@ -285,10 +328,32 @@ def collapse_children(children):
 
 # -- the forward lookup -----------------------------------------------------------
 def take_rows(table, indices):
-    """`ops.take(table, indices, axis=0)` reading only the requested rows."""
+    """`ops.take(table, indices, axis=0)` reading only the requested rows,
+    each distinct one once.
+
+    Args:
+        table: a ShardedVariable, or a `tf.Variable` (one table on one ps).
+        indices: integer ids of any shape.
+    """
     indices = tf.convert_to_tensor(indices)
     if not indices.dtype.is_integer:
         indices = tf.cast(indices, tf.int64)
     rows = tf.cast(table.shape[0], indices.dtype)
     indices = tf.where(indices < 0, indices + rows, indices)  # Keras' "fill" mode
-    return table.embedding_lookup(indices)
+    if isinstance(table, ShardedVariable):
+        return table.embedding_lookup(indices)
+    flat = tf.reshape(indices, [-1])
+    unique, position = tf.unique(flat)
+    with tf.device(table.device):
+        gathered = tf.gather(table, unique)
+    gathered = tf.gather(gathered, position)
+    return tf.reshape(gathered, tf.concat(
+        [tf.shape(indices), tf.shape(gathered)[1:]], 0))
+
+
+def ps_table(x):
+    """The `tf.Variable` of keras Variable `x` if it lives on a ps, else None."""
+    inner = getattr(x, "_value", None) if isinstance(x, keras.Variable) else None
+    if isinstance(inner, tf.Variable) and "/job:ps/" in (inner.device or ""):
+        return inner
+    return None

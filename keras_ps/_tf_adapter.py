@@ -29,7 +29,7 @@ STRATEGY_HOOKS = (
 # `tf.__internal__.CompositeTensor` are exported, but how an object saves
 # itself is their private methods. keras_ps/sharded_variable.py overrides
 # these (a checkpoint holds one full tensor; a SavedModel holds the shards);
-# tests/test_tf_compat_sharded_variable.py pins they exist.
+# tests/sharding/test_tf_compat_sharded_variable.py pins they exist.
 TRACKABLE_HOOKS = (
     "_serialize_to_tensors", "_restore_from_tensors", "_trackable_children",
     "_export_to_saved_model_graph",
@@ -134,3 +134,13 @@ def new_cancellation_manager():
     public API; TF's own coordinator cancels in-flight functions this way
     after an error)."""
     return _internals().cancellation.CancellationManager()
+
+
+def resource_variable_saveable(variable, slice_spec, name):
+    """A checkpoint saveable writing `variable` as the slice `slice_spec` of
+    the entry `name` (no public API: `tf.train.Checkpoint` saves slices only
+    through TF's saveable objects)."""
+    from tensorflow.python.training.saving import saveable_object_util
+
+    return saveable_object_util.ResourceVariableSaveable(
+        variable, slice_spec, name)

@@ -14,10 +14,18 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from keras_ps import _sliced_checkpoint
+
 
 logger = logging.getLogger(__name__)
 
 _switch = threading.local()
+
+# Variables larger than this are checkpointed as one slice per shard, each
+# written by its own ps (the checkpoint directory must then be writable by
+# every ps at the same path, as with TF's ParameterServerStrategy); smaller
+# ones as one tensor written by the coordinator.
+SLICED_SAVE_MIN_BYTES = 256 * 2**20
 
 
 @contextlib.contextmanager
@@ -135,6 +143,8 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         self._row_offsets = [0]
         for v in variables:
             self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
+        if self.nbytes > SLICED_SAVE_MIN_BYTES:
+            self.__class__ = _sliced_checkpoint.sliced_class(type(self))
 
     @property
     def variables(self):
@@ -282,19 +292,36 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         return self._scatter("scatter_update", sparse_delta, name)
 
     def embedding_lookup(self, ids):
-        """Rows `ids` of the variable, gathering only those rows from each shard."""
+        """Rows `ids` of the variable, gathering only those rows from each shard.
+
+        Each distinct id is read once (the ids are deduplicated first), so a
+        shard sends each requested row once and receives its gradient once,
+        the repeats' gradients summed where the lookup runs."""
         ids = tf.convert_to_tensor(ids)
         flat = tf.reshape(tf.cast(ids, tf.int64), [-1])
-        positions, locals_ = self._route(flat)
+        unique, position = tf.unique(flat)
+        positions, locals_ = self._route(unique)
         parts = []
         for v, rows in zip(self._variables, locals_):
             with tf.device(v.device):
                 parts.append(tf.gather(v, rows))
-        gathered = tf.dynamic_stitch(positions, parts)
+        gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
         return tf.reshape(gathered, tf.concat(
             [tf.shape(ids), tf.shape(gathered)[1:]], 0))
 
-    # -- checkpointing: the whole variable as one tensor ------------------------
+    # -- checkpointing: the whole variable under one key ------------------------
+    @property
+    def nbytes(self):
+        return self.shape.num_elements() * self.dtype.size
+
+    def _slice_spec(self, index):
+        offset = [0] * self.shape.rank
+        offset[0] = self._row_offsets[index]
+        return tf.Variable.SaveSliceInfo(
+            full_name=self._name, full_shape=self.shape.as_list(),
+            var_offset=offset,
+            var_shape=self._variables[index].shape.as_list()).spec
+
     def _serialize_to_tensors(self):
         return {"VARIABLE_VALUE": self.read_value()}
 

@@ -65,6 +65,10 @@ class ParameterServerStrategy(tf.distribute.Strategy):
             seen twice in a batch) is summed per row before it is squared, as
             Adam's formula says; Keras squares each repeat and adds the
             squares into the second moment. False: Keras' own update_step.
+            (An `Embedding` lookup of a table on a ps sends each distinct row
+            once, so its gradient has no repeated rows either way.) Adam
+            still updates every row of a table at each step; see
+            `keras_ps.optimizers.LazyAdam` for an update of the looked-up rows.
 
     Example:
     ```python

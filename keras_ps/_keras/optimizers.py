@@ -1,31 +1,59 @@
-"""How Keras optimizers update variables that live on a parameter server.
+"""Keras optimizer internals that keras_ps hooks (`keras.src...`).
 
-Missing public API: Keras 3 has no way for a distribution strategy to choose
-how an optimizer applies its update. Keras' Adam.update_step is a dozen
-separate ops (densify the gradient, sub, mul, assign_add for m; square, sub,
-mul, assign_add for v; sqrt, add, mul, div, assign_sub for the variable),
-each a full pass over the variable. On a ps holding a large embedding that
-is where the training step's CPU goes (measured on
-benchmarks/fit_embedding.py: Adam cost 4.5x the CPU per step of SGD; fused,
-1.7x more steps/s). TF's `ResourceApplyAdam` kernel computes the same
-formula in one pass, in place, under the variables' locks. We use it for
-variables on a ps when the keras_ps strategy says `fused_adam=True`; any
-other variable, a stateless scope, amsgrad and dtypes the kernel lacks go to
-Keras' own update_step. The one difference (documented on the strategy):
-repeated rows of a sparse gradient are summed before squaring, where Keras
-squares each. tests/fit/test_fused_adam.py checks both paths against Keras.
+Keras 3.15 has no public way for a distribution strategy to choose how an
+optimizer applies its update; each hook below says which API is missing.
+`install()` (called when keras_ps.strategy is imported) puts them in place
+once; models not built under a keras_ps strategy, variables that are not on a
+ps, and stateless scopes keep Keras' own update. tests/api/test_keras_internals.py
+pins every internal used here.
+
+Sections: one fused kernel for Adam; row-wise updates for sparse gradients
+(SGD, Adagrad, Ftrl automatically; LazyAdam by choice).
 """
 
 import functools
+import logging
 import threading
 
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
+from keras.src.optimizers import adagrad as adagrad_lib
 from keras.src.optimizers import adam as adam_lib
+from keras.src.optimizers import ftrl as ftrl_lib
+from keras.src.optimizers import sgd as sgd_lib
+from keras.src.optimizers.schedules import learning_rate_schedule
 
+from keras_ps import _rowwise
+from keras_ps import _sharded_weights
 from keras_ps._keras import hooks
 
+logger = logging.getLogger(__name__)
+
+VARIABLE_CLASS = tf_core.Variable
+
+
+def install():
+    """Installs the optimizer hooks (the caller makes it once per process)."""
+    _install_fused_adam()
+    _install_rowwise()
+
+
+# -- Section: one fused kernel for Adam updates on the parameter servers ------
+# Missing public API: Keras 3 has no way for a distribution strategy to choose
+# how an optimizer applies its update. Keras' Adam.update_step is a dozen
+# separate ops (densify the gradient, sub, mul, assign_add for m; square, sub,
+# mul, assign_add for v; sqrt, add, mul, div, assign_sub for the variable),
+# each a full pass over the variable. On a ps holding a large embedding that
+# is where the training step's CPU goes (measured on
+# benchmarks/fit_embedding.py: Adam cost 4.5x the CPU per step of SGD; fused,
+# 1.7x more steps/s). TF's `ResourceApplyAdam` kernel computes the same
+# formula in one pass, in place, under the variables' locks. We use it for
+# variables on a ps when the keras_ps strategy says `fused_adam=True`; any
+# other variable, a stateless scope, amsgrad and dtypes the kernel lacks go to
+# Keras' own update_step. The one difference (documented on the strategy):
+# repeated rows of a sparse gradient are summed before squaring, where Keras
+# squares each. tests/fit/test_fused_adam.py checks both paths against Keras.
 ADAM_CLASS = adam_lib.Adam
 FUSED_ADAM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 
@@ -33,7 +61,7 @@ FUSED_ADAM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
 def _tf_variable(variable):
     # Keras' TF optimizer hands update_step the inner tf.Variable of each
     # trainable weight; its slots are keras Variables.
-    return variable.value if isinstance(variable, tf_core.Variable) else variable
+    return variable.value if isinstance(variable, VARIABLE_CLASS) else variable
 
 
 def _can_fuse_adam(optimizer, variable):
@@ -93,6 +121,10 @@ def _fused_adam_update_step(keras_update_step):
         inner = _tf_variable(variable)
         index = self._get_variable_index(variable)
         dtype = inner.dtype
+        if isinstance(gradient, tf.IndexedSlices):
+            warn_dense_update(self, inner, "Adam moves every row by its "
+                              "momentum, even with a zero gradient",
+                              "keras_ps.optimizers.LazyAdam")
         # Same formula as Keras' Adam (and the kernel's doc):
         # alpha = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
         # v += (g^2 - v)(1 - b2); var -= m * alpha / (sqrt(v) + epsilon).
@@ -113,6 +145,220 @@ def _fused_adam_update_step(keras_update_step):
     return update_step
 
 
-def install():
+def _install_fused_adam():
     hooks.wrap(ADAM_CLASS, "_backend_update_step", _per_apply_scalars)
     hooks.wrap(ADAM_CLASS, "update_step", _fused_adam_update_step)
+
+
+# -- Section: row-wise updates for sparse gradients -----------------------------
+# Missing public API: Keras 3 optimizers have no sparse update. Their
+# update_step hands a `tf.IndexedSlices` gradient (an embedding lookup's) to
+# `ops.*`, which turn it dense: every row of the weight and of each slot is
+# read and written at every step, whatever the batch touched (measured on a
+# 10M x 64 table: 1.2 s per Adam step against 2.7 ms for the 4,096 rows
+# touched). We wrap `update_step` of the optimizers whose dense update leaves
+# a row with a zero gradient unchanged (SGD without momentum, Adagrad, Ftrl
+# without L2 shrinkage): for a sparse gradient of a variable on a ps, the
+# update runs on the gradient's rows only (keras_ps._rowwise), which gives
+# Keras' dense result. Anything else (momentum, shrinkage, a variable off the
+# ps, a stateless scope) takes Keras' own update_step; a sparse gradient made
+# dense that way is reported once per weight (`warn_dense_update`).
+SGD_CLASS = sgd_lib.SGD
+ADAGRAD_CLASS = adagrad_lib.Adagrad
+FTRL_CLASS = ftrl_lib.Ftrl
+ROWWISE_CLASSES = (SGD_CLASS, ADAGRAD_CLASS, FTRL_CLASS)
+
+_warned = set()
+_warned_lock = threading.Lock()
+
+
+class DenseUpdateWarning(UserWarning):
+    """A sparse gradient of a ps variable was made dense by its optimizer."""
+
+
+def warn_dense_update(optimizer, variable, why, instead):
+    """Warns once per (optimizer, variable, why) that `variable`'s sparse
+    gradient is made dense: every row is read and written per step."""
+    key = (id(optimizer), variable.name, why)
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    import warnings
+
+    warnings.warn(
+        f"{type(optimizer).__name__} updates all {variable.shape[0]:,} rows of "
+        f"{variable.name!r} at each step: {why}, so its sparse gradient is "
+        f"made dense (a full pass over the weight and its slots per step). "
+        f"For an update of the looked-up rows only, use {instead}.",
+        DenseUpdateWarning, stacklevel=3)
+
+
+def rowwise_applies(variable, gradient):
+    """Whether `variable`'s update can run row-wise: a sparse gradient, a
+    variable on a ps, outside a stateless scope."""
+    inner = _tf_variable(variable)
+    return (isinstance(gradient, tf.IndexedSlices) and not in_stateless_scope()
+            and isinstance(inner, tf.Variable)
+            and "/job:ps/" in (inner.device or ""))
+
+
+def uses_weight_decay(optimizer, variable):
+    """Whether the optimizer's `weight_decay` applies to `variable`."""
+    return (optimizer.weight_decay is not None
+            and optimizer._use_weight_decay(variable))
+
+
+def has_constant_learning_rate(optimizer):
+    rate = optimizer._learning_rate
+    return not (isinstance(rate, learning_rate_schedule.LearningRateSchedule)
+                or callable(rate))
+
+
+def slot(optimizer, name, variable):
+    """The tf.Variable of slot list `name` (e.g. "_accumulators") for `variable`."""
+    return _tf_variable(getattr(optimizer, name)[optimizer._get_variable_index(variable)])
+
+
+def _check_weight_decay(optimizer, inner):
+    if uses_weight_decay(optimizer, inner):
+        warn_dense_update(
+            optimizer, inner,
+            f"weight_decay={optimizer.weight_decay} shrinks every row (Keras "
+            "applies it before the update)",
+            "optimizer.exclude_from_weight_decay(var_names=[...]) for the table")
+
+
+def _rowwise_sgd(keras_update_step):
+    @functools.wraps(keras_update_step)
+    def update_step(self, gradient, variable, learning_rate):
+        if not rowwise_applies(variable, gradient):
+            return keras_update_step(self, gradient, variable, learning_rate)
+        inner = _tf_variable(variable)
+        if self.momentum != 0:
+            warn_dense_update(self, inner, f"momentum={self.momentum} moves "
+                              "every row", "SGD with momentum=0 or Adagrad")
+            return keras_update_step(self, gradient, variable, learning_rate)
+        _check_weight_decay(self, inner)
+        _rowwise.sgd(inner, gradient, learning_rate)
+
+    return update_step
+
+
+def _rowwise_adagrad(keras_update_step):
+    @functools.wraps(keras_update_step)
+    def update_step(self, gradient, variable, learning_rate):
+        if not rowwise_applies(variable, gradient):
+            return keras_update_step(self, gradient, variable, learning_rate)
+        inner = _tf_variable(variable)
+        _check_weight_decay(self, inner)
+        _rowwise.adagrad(inner, slot(self, "_accumulators", variable), gradient,
+                         learning_rate, self.epsilon)
+
+    return update_step
+
+
+def _ftrl_dense_reason(optimizer, inner):
+    if optimizer.l2_shrinkage_regularization_strength != 0:
+        return (f"l2_shrinkage_regularization_strength="
+                f"{optimizer.l2_shrinkage_regularization_strength} moves every row")
+    if uses_weight_decay(optimizer, inner):
+        return (f"weight_decay={optimizer.weight_decay} shrinks every row and "
+                "Ftrl then recomputes every row")
+    if not has_constant_learning_rate(optimizer):
+        return ("a learning-rate schedule changes every row's closed form "
+                "when the rate changes")
+    return None
+
+
+def _rowwise_ftrl(keras_update_step):
+    # Keras' dense Ftrl sets every row to its closed form
+    # `(clip(linear, -l1, l1) - linear) / quadratic` at each step; a row's
+    # zero gradient keeps it there once it is there, but a weight starts from
+    # its initializer. So the first step (iterations == 0) is Keras' own dense
+    # update, and the later ones are row-wise: the same result at every step.
+    @functools.wraps(keras_update_step)
+    def update_step(self, gradient, variable, learning_rate):
+        if not rowwise_applies(variable, gradient):
+            return keras_update_step(self, gradient, variable, learning_rate)
+        inner = _tf_variable(variable)
+        reason = _ftrl_dense_reason(self, inner)
+        if reason is not None:
+            warn_dense_update(self, inner, reason, "Ftrl without it")
+            return keras_update_step(self, gradient, variable, learning_rate)
+
+        def dense():
+            # The dense gradient: Keras squares a sparse one's repeats apart.
+            keras_update_step(self, tf.convert_to_tensor(gradient), variable,
+                              learning_rate)
+            return tf.constant(True)
+
+        def rowwise():
+            _rowwise.ftrl(inner, slot(self, "_accumulators", variable),
+                          slot(self, "_linears", variable), gradient,
+                          learning_rate, self.l1_regularization_strength,
+                          self.l2_regularization_strength, self.beta,
+                          self.learning_rate_power)
+            return tf.constant(True)
+
+        tf.cond(tf.equal(tf.convert_to_tensor(self.iterations), 0), dense, rowwise)
+
+    return update_step
+
+
+_ROWWISE_WRAPPERS = (_rowwise_sgd, _rowwise_adagrad, _rowwise_ftrl)
+
+
+def _install_rowwise():
+    for cls, wrap in zip(ROWWISE_CLASSES, _ROWWISE_WRAPPERS):
+        hooks.wrap(cls, "update_step", wrap)
+
+
+# -- LazyAdam (keras_ps.optimizers) ------------------------------------------------
+# What keras_ps.optimizers.LazyAdam needs from Keras' Adam: its moment slots
+# (`_momentums`, `_velocities`), the variable index, `iterations`, and slot
+# creation colocated with the variable (`_distribution_strategy`).
+def add_row_step_slots(optimizer, var_list):
+    """One int64 slot of shape `[rows]` per variable (none for scalars): the
+    step at which each row was last updated (0: never). Made on the
+    variable's ps; a sharded weight's are grouped like its other slots."""
+    slots = []
+    for variable in var_list:
+        inner = _tf_variable(variable)
+        if not inner.shape.rank:
+            slots.append(None)
+            continue
+        with optimizer._distribution_strategy.extended.colocate_vars_with(inner):
+            row_step = optimizer.add_variable(
+                shape=(inner.shape[0],), initializer="zeros", dtype="int64",
+                name=f"{variable.name}_row_step")
+        _sharded_weights.group_slot(row_step, variable, "row_step")
+        slots.append(row_step)
+    return slots
+
+
+def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
+    """LazyAdam's update of one variable; see keras_ps.optimizers.LazyAdam."""
+    index = optimizer._get_variable_index(variable)
+    row_step = row_steps[index]
+    step = tf.convert_to_tensor(optimizer.iterations) + 1
+    inner = _tf_variable(variable)
+    if not isinstance(gradient, tf.IndexedSlices) or row_step is None:
+        ADAM_CLASS.update_step(optimizer, gradient, variable, learning_rate)
+        if row_step is not None:
+            # Every row was updated at this step.
+            _tf_variable(row_step).assign(
+                tf.fill(tf.shape(_tf_variable(row_step)), tf.cast(step, tf.int64)))
+        return
+    if uses_weight_decay(optimizer, inner):
+        raise ValueError(
+            f"LazyAdam cannot apply weight_decay to {inner.name!r} row by row: "
+            "Keras decays every row of the weight at every step. Received: "
+            f"weight_decay={optimizer.weight_decay}. Exclude the table before "
+            "the optimizer is built, e.g. optimizer.exclude_from_weight_decay("
+            "var_names=['embeddings']), or use keras.optimizers.AdamW (dense).")
+    _rowwise.lazy_adam(
+        inner, slot(optimizer, "_momentums", variable),
+        slot(optimizer, "_velocities", variable), _tf_variable(row_step),
+        gradient, step, learning_rate, optimizer.beta_1, optimizer.beta_2,
+        optimizer.epsilon)

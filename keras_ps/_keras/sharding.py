@@ -77,14 +77,18 @@ def _unpartitioned_initialize(keras_initialize):
 # Missing public API: `ops.take` has no dispatch for variable types other than
 # Keras'; the TF backend's `take` converts `x` to one tensor first (for a
 # sharded table: a full concatenation). We wrap the backend function (looked
-# up on the module at each call) so a sharded table gathers rows per shard.
+# up on the module at each call) so a sharded table gathers rows per shard,
+# and any table on a ps (sharded or not) sends each distinct row once.
 def _sharded_take(keras_take):
     @functools.wraps(keras_take)
     def take(x, indices, axis=None):
-        if (isinstance(x, sharded_variable.ShardedVariable) and axis is not None
-                and axis in (0, -x.shape.rank)
+        # A table on a ps (sharded or not) reads each distinct row once.
+        table = x if isinstance(x, sharded_variable.ShardedVariable) \
+            else _sharded_weights.ps_table(x)
+        if (table is not None and axis is not None
+                and axis in (0, -len(x.shape))
                 and not isinstance(indices, (tf.SparseTensor, tf.RaggedTensor))):
-            return _sharded_weights.take_rows(x, indices)
+            return _sharded_weights.take_rows(table, indices)
         return keras_take(x, indices, axis=axis)
 
     return take
@@ -115,13 +119,15 @@ def _collapsed_state(keras_walk):
 # Missing public API: Keras optimizers do not report which slot belongs to
 # which variable. We wrap the TF optimizer's `add_variable_from_reference`
 # (every built-in optimizer makes its slots there) to group a shard's slots,
-# so saving writes one full slot per sharded weight.
+# so saving writes one full slot per sharded weight, and to make a constant
+# slot (Adagrad's accumulator) with one fill instead of Keras' `value * ones`
+# (two slot-sized tensors at once on the ps).
 def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
         slot = keras_add_slot(self, reference_variable, name=name,
-                              initializer=initializer)
+                              initializer=_sharded_weights.filled(initializer))
         _sharded_weights.group_slot(slot, reference_variable, name or "var")
         return slot
 

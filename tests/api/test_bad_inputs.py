@@ -551,6 +551,36 @@ def fixed_shards_zero(env):
     keras_ps.partitioners.FixedShardsPartitioner(0)
 
 
+# Row-wise updates of large tables -----------------------------------------------------
+@case("lazy_adam_amsgrad", ValueError,
+      "Received: amsgrad=True", "keras.optimizers.Adam(amsgrad=True)")
+def lazy_adam_amsgrad(env):
+    keras_ps.optimizers.LazyAdam(amsgrad=True)
+
+
+@case("lazy_adam_global_clipnorm", ValueError,
+      "Received: global_clipnorm=1.0", "Use clipnorm=")
+def lazy_adam_global_clipnorm(env):
+    keras_ps.optimizers.LazyAdam(global_clipnorm=1.0)
+
+
+@case("lazy_adam_weight_decay_on_table", ValueError,
+      "Received: weight_decay=0.01", "exclude_from_weight_decay(")
+def lazy_adam_weight_decay_on_table(env):
+    with env.strategy.scope():
+        table = keras.Variable(np.zeros((8, 2), "float32"), name="embeddings")
+        optimizer = keras_ps.optimizers.LazyAdam(weight_decay=0.01)
+        optimizer.build([table])
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table.value, [1, 2]))
+        optimizer.apply(tape.gradient(loss, [table.value]), [table])
+
+    step()
+
+
 # Restoring checkpoints ---------------------------------------------------------------
 def _other_model():
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])

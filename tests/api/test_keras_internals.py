@@ -267,3 +267,70 @@ def test_compat_keras_internals():
     assert variable._value is inner
     # build_eagerly: the layers Keras' _symbolic_build checks.
     assert all(layer.built for layer in model._flatten_layers())
+
+
+# -- Section: row-wise updates (keras_ps._keras.optimizers) -------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cls", keras_optimizers.ROWWISE_CLASSES,
+                         ids=[c.__name__ for c in keras_optimizers.ROWWISE_CLASSES])
+def test_rowwise_hook_targets(cls):
+    hooked = cls.update_step
+    original = getattr(hooked, "__keras_ps_original__", None)
+    assert original is not None, f"{cls.__name__}.update_step is not hooked"
+    assert list(inspect.signature(original).parameters) == [
+        "self", "gradient", "variable", "learning_rate"]
+
+
+@pytest.mark.timeout(60)
+def test_rowwise_keras_internals_used_by_the_hooks():
+    var = keras.Variable(np.ones((4, 2), "float32"))
+    sgd = keras.optimizers.SGD(0.1)
+    assert sgd.momentum == 0
+    adagrad = keras.optimizers.Adagrad(0.1, epsilon=1e-3)
+    adagrad.build([var])
+    assert adagrad.epsilon == 1e-3
+    assert keras_optimizers.slot(adagrad, "_accumulators", var.value).shape == (4, 2)
+    ftrl = keras.optimizers.Ftrl(0.1)
+    ftrl.build([var])
+    for name in ("_accumulators", "_linears"):
+        assert keras_optimizers.slot(ftrl, name, var.value).shape == (4, 2)
+    for attr in ("l1_regularization_strength", "l2_regularization_strength",
+                 "l2_shrinkage_regularization_strength", "beta",
+                 "learning_rate_power"):
+        assert isinstance(getattr(ftrl, attr), float), attr
+    # Learning rate as given (a float becomes a variable; a schedule stays).
+    assert keras_optimizers.has_constant_learning_rate(ftrl)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    assert not keras_optimizers.has_constant_learning_rate(
+        keras.optimizers.Ftrl(schedule))
+    # Weight decay per variable, and its exclusion by name.
+    decayed = keras.optimizers.SGD(0.1, weight_decay=0.1)
+    decayed.exclude_from_weight_decay(var_names=["bias"])
+    decayed.build([var])
+    assert keras_optimizers.uses_weight_decay(decayed, var)
+    assert not keras_optimizers.uses_weight_decay(sgd, var)
+    # Slots for LazyAdam: add_variable, colocated through the strategy.
+    params = list(inspect.signature(keras.optimizers.Adam.add_variable).parameters)
+    assert params[:5] == ["self", "shape", "initializer", "dtype", "aggregation"]
+    assert "name" in params
+    assert hasattr(adagrad._distribution_strategy.extended, "colocate_vars_with")
+
+
+@pytest.mark.timeout(60)
+def test_rowwise_keras_zero_gradient_facts():
+    """What the row-wise hooks rely on: Keras' dense Adagrad and Ftrl (after
+    its first step) leave a row with a zero gradient unchanged; Adam does not."""
+    def run(optimizer, steps):
+        var = keras.Variable(np.full((2, 2), 0.5, "float32"))
+        optimizer.build([var])
+        grad = np.array([[1.0, -1.0], [0.0, 0.0]], "float32")
+        for i in range(steps):  # step 1: row 0 only; step 2: nothing
+            optimizer.apply([tf.constant(grad if i == 0 else 0 * grad)], [var])
+        return var.numpy()
+
+    for make in (lambda: keras.optimizers.Adagrad(0.1),
+                 lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01)):
+        np.testing.assert_array_equal(run(make(), 1), run(make(), 2))
+    # Adam's momentum moves row 0 at step 2.
+    adam = [run(keras.optimizers.Adam(0.1), n) for n in (1, 2)]
+    assert not np.array_equal(adam[0][0], adam[1][0])

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.timeout(120)
 def test_public_names_import_in_fresh_process():
     code = (
         "import keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic\n"
+        "assert keras_ps.optimizers.LazyAdam is not None\n"
         "for mod in (keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic):\n"
         "    for name in mod.__all__:\n"
         "        assert getattr(mod, name) is not None, (mod, name)\n"

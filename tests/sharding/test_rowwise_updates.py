@@ -1,0 +1,345 @@
+"""Row-wise updates of sparse gradients on the ps (keras_ps._rowwise, the
+row-wise section of keras_ps._keras.optimizers) and keras_ps.optimizers.LazyAdam,
+on the shared real multi-process cluster.
+
+- SGD, Adagrad and Ftrl take the row-wise path by themselves and end with the
+  weights Keras' own optimizer gives on the dense gradient.
+- LazyAdam matches a numpy reference, touched and untouched rows alike.
+- Lookups send each distinct row once; the optimizer sees each row once.
+"""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras
+import keras_ps
+from keras_ps import _rowwise
+from keras_ps._keras import optimizers as hooks
+from keras_ps.partitioners import FixedShardsPartitioner
+
+pytestmark = pytest.mark.timeout(240)
+
+ROWS, DIM = 10, 3  # two shards: rows 0-4 and 5-9
+# Per step, ids for the two inputs that share the table: repeats (3, 3, 3),
+# ids on both sides of the shard boundary (4 | 5), rows never touched (0, 8).
+BATCHES = [
+    ([[3, 3], [4, 5]], [[5, 3], [9, 1]]),
+    ([[1, 4], [4, 4]], [[6, 6], [2, 5]]),
+    ([[7, 3], [5, 5]], [[4, 9], [3, 3]]),
+    ([[2, 2], [6, 1]], [[5, 4], [7, 7]]),
+]
+TARGETS = np.linspace(-1.0, 1.0, 2).reshape(2, 1).astype("float32")
+UNTOUCHED = [0, 8]
+
+
+@pytest.fixture(scope="module")
+def two_shards(cluster, strategy):
+    # Same cluster as the shared strategy: the connection is reused.
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
+
+
+def make_model(make_optimizer):
+    """Two int inputs sharing one Embedding, concatenated into a Dense."""
+    a = keras.Input((2,), dtype="int32", name="a")
+    b = keras.Input((2,), dtype="int32", name="b")
+    table = keras.layers.Embedding(
+        ROWS, DIM, embeddings_initializer=keras.initializers.RandomUniform(
+            -1, 1, seed=3), name="table")
+    x = keras.layers.Concatenate()([keras.layers.Flatten()(table(a)),
+                                    keras.layers.Flatten()(table(b))])
+    out = keras.layers.Dense(
+        1, kernel_initializer=keras.initializers.GlorotUniform(seed=4))(x)
+    model = keras.Model([a, b], out)
+    model.optimizer_ = make_optimizer()
+    model.optimizer_.build(model.trainable_variables)
+    return model
+
+
+def table_values(model):
+    return np.asarray(model.get_layer("table").embeddings.numpy())
+
+
+def step_fn(model, id_dtype, densify):
+    @tf.function
+    def step(a, b):
+        a, b = tf.cast(a, id_dtype), tf.cast(b, id_dtype)
+        weights = model.trainable_variables
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model([a, b]) - TARGETS))
+        grads = tape.gradient(loss, weights)
+        if densify:
+            grads = [tf.convert_to_tensor(g) for g in grads]
+        model.optimizer_.apply(grads, weights)
+        return loss
+    return step
+
+
+def train_on_cluster(model, coordinator, id_dtype):
+    step = step_fn(model, id_dtype, densify=False)
+    for a, b in BATCHES:
+        coordinator.schedule(step, args=(tf.constant(a), tf.constant(b))).fetch()
+
+
+def train_plain(model, id_dtype):
+    """Keras' own optimizer on the dense gradient, no strategy."""
+    step = step_fn(model, id_dtype, densify=True)
+    for a, b in BATCHES:
+        step(tf.constant(a), tf.constant(b))
+
+
+class Spy:
+    """Counts calls of a keras_ps._rowwise function (made while tracing)."""
+
+    def __init__(self, monkeypatch, name):
+        self.calls = 0
+        original = getattr(_rowwise, name)
+
+        def spy(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(_rowwise, name, spy)
+
+
+OPTIMIZERS = {
+    "sgd": ("sgd", lambda: keras.optimizers.SGD(0.1)),
+    # epsilon large enough that its place (inside the square root) matters.
+    "adagrad": ("adagrad", lambda: keras.optimizers.Adagrad(
+        0.3, initial_accumulator_value=0.05, epsilon=0.1)),
+    "ftrl": ("ftrl", lambda: keras.optimizers.Ftrl(
+        0.3, l1_regularization_strength=0.01, l2_regularization_strength=0.02,
+        beta=0.1)),
+}
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
+@pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_rowwise_equals_keras_dense_result(kind, id_dtype, sharded, strategy,
+                                           two_shards, coordinator, monkeypatch):
+    function, make_optimizer = OPTIMIZERS[kind]
+    spy = Spy(monkeypatch, function)
+    keras.utils.set_random_seed(0)
+    plain = make_model(make_optimizer)
+    initial = table_values(plain)
+    train_plain(plain, id_dtype)
+    with (two_shards if sharded else strategy).scope():
+        keras.utils.set_random_seed(0)
+        model = make_model(make_optimizer)
+    if sharded:
+        assert len(model.get_layer("table").weights) == 2
+    np.testing.assert_array_equal(table_values(model), initial)
+    with _no_dense_warning():
+        train_on_cluster(model, coordinator, id_dtype)
+    assert spy.calls == (2 if sharded else 1)  # one trace, one call per shard
+    np.testing.assert_allclose(table_values(model), table_values(plain),
+                               rtol=1e-5, atol=1e-6)
+    for attr in ("kernel", "bias"):  # the Dense (its kernel is sharded too)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(getattr(model.layers[-1], attr)).numpy(),
+            getattr(plain.layers[-1], attr).numpy(), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(table_values(model), initial)
+
+
+class _no_dense_warning:
+    def __enter__(self):
+        import warnings
+        self._catch = warnings.catch_warnings(record=True)
+        self.records = self._catch.__enter__()
+        warnings.simplefilter("always")
+        return self
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+        dense = [r for r in self.records
+                 if issubclass(r.category, hooks.DenseUpdateWarning)]
+        assert not dense, dense[0].message
+
+
+def test_options_that_move_every_row_keep_keras_update_and_warn(
+        strategy, coordinator, monkeypatch):
+    spy = Spy(monkeypatch, "sgd")
+    keras.utils.set_random_seed(0)
+    plain = make_model(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    train_plain(plain, tf.int32)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = make_model(lambda: keras.optimizers.SGD(0.1, momentum=0.9))
+    with pytest.warns(hooks.DenseUpdateWarning, match="momentum=0.9"):
+        train_on_cluster(model, coordinator, tf.int32)
+    assert spy.calls == 0
+    np.testing.assert_allclose(table_values(model), table_values(plain),
+                               rtol=1e-5, atol=1e-6)
+
+
+# -- LazyAdam against numpy --------------------------------------------------------------
+def lazy_adam_reference(table, kernel, steps, lr=0.05, b1=0.9, b2=0.999, eps=1e-7):
+    """numpy LazyAdam for the table (documented formula), Adam for the kernel.
+
+    steps: list of (ids, c, d): the table's gradient is c per use of a row
+    (repeats add), the kernel's is d."""
+    table, kernel = table.astype(np.float64), kernel.astype(np.float64)
+    m, v = np.zeros_like(table), np.zeros_like(table)
+    km, kv = np.zeros_like(kernel), np.zeros_like(kernel)
+    last = np.zeros(len(table), np.int64)
+    for t, (ids, c, d) in enumerate(steps, start=1):
+        alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+        grad = np.zeros_like(table)
+        np.add.at(grad, np.asarray(ids, np.int64).ravel(), c)
+        rho = b1 / np.sqrt(b2)
+        for r in np.unique(np.asarray(ids, np.int64)):
+            k = t - last[r]
+            skipped = sum(rho ** i for i in range(1, k))
+            table[r] -= alpha * skipped * m[r] / (np.sqrt(v[r]) + eps)
+            m[r] = b1 ** k * m[r] + (1 - b1) * grad[r]
+            v[r] = b2 ** k * v[r] + (1 - b2) * grad[r] ** 2
+            table[r] -= alpha * m[r] / (np.sqrt(v[r]) + eps)
+            last[r] = t
+        km = b1 * km + (1 - b1) * d
+        kv = b2 * kv + (1 - b2) * d ** 2
+        kernel -= alpha * km / (np.sqrt(kv) + eps)
+    return table, kernel, m, v, last
+
+
+LAZY_STEPS = [([1, 4, 4, 5], 1.0, 0.5), ([5, 6], -2.0, 0.25), ([], 3.0, -1.0),
+              ([1, 9, 9, 9], 0.5, 1.0), ([4], 1.5, 0.5)]
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
+@pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
+def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shards,
+                                           coordinator):
+    rng = np.random.default_rng(0)
+    init_table = rng.normal(size=(ROWS, DIM)).astype("float32")
+    init_kernel = rng.normal(size=(DIM, 2)).astype("float32")
+    with (two_shards if sharded else strategy).scope():
+        layer = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=(
+            keras.initializers.Constant(init_table)))
+        layer.build()
+        kernel = keras.Variable(init_kernel, name="kernel")
+        optimizer = keras_ps.optimizers.LazyAdam(0.05)
+        weights = layer.trainable_variables + [kernel]
+        optimizer.build(weights)
+    assert len(layer.trainable_variables) == (2 if sharded else 1)
+
+    @tf.function
+    def step(ids, c, d):
+        with tf.GradientTape() as tape:
+            rows = layer(tf.cast(ids, id_dtype))
+            loss = tf.reduce_sum(rows) * c + tf.reduce_sum(kernel.value) * d
+        grads = tape.gradient(loss, [w.value for w in weights])
+        optimizer.apply(grads, weights)
+
+    for ids, c, d in LAZY_STEPS:
+        coordinator.schedule(step, args=(
+            tf.constant(ids, tf.int64), tf.constant(c), tf.constant(d))).fetch()
+    want_table, want_kernel, want_m, want_v, want_last = lazy_adam_reference(
+        init_table, init_kernel, LAZY_STEPS)
+    got_table = np.asarray(layer.embeddings.numpy())
+    np.testing.assert_allclose(got_table, want_table, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(kernel.numpy(), want_kernel, rtol=1e-5, atol=1e-6)
+    # Untouched rows never move; touched rows did.
+    np.testing.assert_array_equal(got_table[UNTOUCHED], init_table[UNTOUCHED])
+    assert not np.allclose(got_table[[1, 4, 5, 6, 9]], init_table[[1, 4, 5, 6, 9]])
+    shards = layer.trainable_variables
+    got_m = np.concatenate([optimizer._momentums[optimizer._get_variable_index(s)]
+                            .numpy() for s in shards])
+    got_v = np.concatenate([optimizer._velocities[optimizer._get_variable_index(s)]
+                            .numpy() for s in shards])
+    got_last = np.concatenate([optimizer._row_steps[optimizer._get_variable_index(s)]
+                               .numpy() for s in shards])
+    np.testing.assert_allclose(got_m, want_m, rtol=1e-5, atol=1e-7)
+    # (1 - beta_2) = 0.001 in float32: about 1e-5 relative rounding.
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-4, atol=1e-9)
+    np.testing.assert_array_equal(got_last, want_last)
+    assert int(optimizer.iterations.numpy()) == len(LAZY_STEPS)
+
+
+def test_lazy_adam_under_model_fit_with_shared_table(two_shards):
+    """LazyAdam as a compiled model's optimizer: Model.fit on the cluster,
+    two inputs sharing a sharded table; rows no batch uses keep their value."""
+    with two_shards.scope():
+        keras.utils.set_random_seed(0)
+        model = make_model(lambda: keras.optimizers.SGD())  # optimizer_ unused
+        model.compile(keras_ps.optimizers.LazyAdam(0.05), "mse",
+                      steps_per_execution=2)
+    initial = table_values(model)
+    ids = np.array([a for a, _ in BATCHES], np.int32).reshape(-1, 2)
+    other = np.array([b for _, b in BATCHES], np.int32).reshape(-1, 2)
+    y = np.tile(TARGETS, (len(ids) // 2, 1))
+
+    def dataset_fn(context):
+        del context
+        return tf.data.Dataset.from_tensor_slices(
+            ((ids, other), y)).batch(2).repeat()
+
+    model.fit(keras_ps.DatasetCreator(dataset_fn), epochs=2, steps_per_epoch=4,
+              verbose=0)
+    after = table_values(model)
+    np.testing.assert_array_equal(after[UNTOUCHED], initial[UNTOUCHED])
+    used = sorted(set(ids.ravel()) | set(other.ravel()))
+    assert np.all(np.any(after[used] != initial[used], axis=1))
+    assert int(model.optimizer.iterations.numpy()) == 8
+    predictions = model.predict((ids[:2], other[:2]), verbose=0)
+    assert predictions.shape == (2, 1) and np.all(np.isfinite(predictions))
+
+
+# -- lookups: each distinct row once -------------------------------------------------------
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
+def test_lookup_gradient_has_each_row_once(sharded, strategy, two_shards):
+    with (two_shards if sharded else strategy).scope():
+        layer = keras.layers.Embedding(ROWS, DIM)
+        layer.build()
+    ids = tf.constant([[4, 5, 4], [5, 5, 0]], tf.int32)
+    weights = [w.value for w in layer.trainable_variables]
+    with tf.GradientTape() as tape:
+        out = layer(ids)
+        loss = tf.reduce_sum(out * tf.reshape(tf.range(18, dtype=tf.float32), (2, 3, 3)))
+    grads = tape.gradient(loss, weights)
+    full = np.asarray(layer.embeddings.numpy())
+    np.testing.assert_array_equal(out.numpy(), full[ids.numpy()])
+    dense_want = np.zeros((ROWS, DIM), np.float32)
+    np.add.at(dense_want, ids.numpy().ravel(), np.arange(18).reshape(6, 3))
+    offset = 0
+    for grad, weight in zip(grads, weights):
+        assert isinstance(grad, tf.IndexedSlices)
+        indices = grad.indices.numpy()
+        assert len(set(indices.tolist())) == len(indices)  # each row once
+        dense = tf.convert_to_tensor(grad).numpy()
+        rows = weight.shape[0]
+        np.testing.assert_allclose(dense, dense_want[offset:offset + rows])
+        offset += rows
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adagrad", "ftrl", "lazy_adam"])
+def test_empty_batch_changes_nothing(kind, strategy, coordinator):
+    make = {"sgd": lambda: keras.optimizers.SGD(0.1),
+            "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+            "ftrl": lambda: keras.optimizers.Ftrl(0.1),
+            "lazy_adam": lambda: keras_ps.optimizers.LazyAdam(0.1)}[kind]
+    with strategy.scope():
+        layer = keras.layers.Embedding(ROWS, DIM)
+        layer.build()
+        optimizer = make()
+        optimizer.build(layer.trainable_variables)
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids))
+        weights = layer.trainable_variables
+        optimizer.apply(tape.gradient(loss, [w.value for w in weights]), weights)
+
+    # Ftrl's first step is Keras' dense one (see the hook); the second is
+    # row-wise, as every later step is.
+    coordinator.schedule(step, args=(tf.constant([1, 2], tf.int64),)).fetch()
+    before = np.asarray(layer.embeddings.numpy())
+    slots = [v for v in optimizer.variables if "iteration" not in v.name]
+    assert len(slots) >= (2 if kind != "sgd" else 1)
+    old = [v.numpy() for v in slots]
+    coordinator.schedule(step, args=(tf.zeros([0], tf.int64),)).fetch()
+    np.testing.assert_array_equal(layer.embeddings.numpy(), before)
+    for slot, value in zip(slots, old):
+        np.testing.assert_array_equal(slot.numpy(), value)
+    assert int(optimizer.iterations.numpy()) == 2
