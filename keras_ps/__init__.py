@@ -31,6 +31,7 @@ _EXPORTS = {
     "ParameterServerStrategy": ("keras_ps.strategy", "ParameterServerStrategy"),
     "PerWorkerValues": ("keras_ps.coordinator", "PerWorkerValues"),
     "RemoteValue": ("keras_ps.coordinator", "RemoteValue"),
+    "ShardedInput": ("keras_ps.shards", "ShardedInput"),
     "ShardedVariable": ("keras_ps.sharded_variable", "ShardedVariable"),
     "SidecarEvaluator": ("keras_ps.evaluation", "SidecarEvaluator"),
     "callbacks": ("keras_ps.callbacks", None),
@@ -38,6 +39,7 @@ _EXPORTS = {
     "create_in_process_cluster": ("keras_ps.cluster", "create_in_process_cluster"),
     "elastic": ("keras_ps.elastic", None),
     "partitioners": ("keras_ps.partitioners", None),
+    "shards": ("keras_ps.shards", None),
     "training": ("keras_ps.training", None),
 }
 

@@ -16,15 +16,19 @@ class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
     __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
-                 "generation")
+                 "generation", "listener")
 
-    def __init__(self, fn, args, kwargs, per_worker):
+    def __init__(self, fn, args, kwargs, per_worker, listener=None):
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
         self.per_worker = per_worker  # args hold PerWorkerValues to substitute
         self.remote_value = RemoteValue(getattr(fn, "__name__", None))
         self.generation = 0  # error generation when a worker took it
+        # Hook for dynamic data shards (keras_ps/shards/epoch.py): an object
+        # told when the closure starts on a worker, finishes, is requeued or
+        # fails; None for ordinary closures.
+        self.listener = listener
 
     def cancel(self):
         self.remote_value._set_error(ClosureCancelledError(
@@ -70,6 +74,10 @@ class ClosureQueue:
             # Powers of two only: each pack size is a separate trace.
             limit = 1 << (limit.bit_length() - 1)
             first = self._pending[0]
+            if first.listener is not None:
+                # A shard closure runs alone: one shard per call keeps the
+                # hand-out dynamic (a slow worker holds one shard at a time).
+                limit = 1
             run = 0  # closures of the same function at the head of the queue
             while (run < limit and run < len(self._pending)
                    and self._pending[run].fn is first.fn):
@@ -92,6 +100,10 @@ class ClosureQueue:
                 for c in closures:
                     c.cancel()
             else:
+                # Dynamic data shards: the shard's ledger marks it lost.
+                for c in closures:
+                    if c.listener is not None:
+                        c.listener.requeued()
                 self._pending.extendleft(reversed(closures))
             self._cv.notify_all()
 

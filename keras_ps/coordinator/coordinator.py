@@ -138,7 +138,16 @@ class ClusterCoordinator:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         per_worker = False
+        listener = None
         for value in tf.nest.flatten((args, kwargs)):
+            if hasattr(value, "_keras_ps_shard_listener"):
+                # A shard of a keras_ps.ShardedInput epoch: replaced by its
+                # arguments; its ledger follows the closure (keras_ps/shards).
+                listener = value._keras_ps_shard_listener()
+                args, kwargs = tf.nest.map_structure(
+                    lambda v: v._keras_ps_shard_arguments() if hasattr(
+                        v, "_keras_ps_shard_arguments") else v, (args, kwargs))
+                continue
             if isinstance(value, RemoteValue):
                 raise TypeError(
                     "A RemoteValue was passed as an argument to schedule. "
@@ -146,7 +155,7 @@ class ClusterCoordinator:
                     "return the value from the scheduled function that needs it.")
             if isinstance(value, PerWorkerValues):
                 per_worker = True
-        closure = Closure(fn, args, kwargs, per_worker)
+        closure = Closure(fn, args, kwargs, per_worker, listener)
         self._queue.put(closure)
         return closure.remote_value
 

@@ -1,0 +1,275 @@
+"""Shards on the cluster: the ps-side progress of each shard, the function
+that trains one shard on a worker, and the epoch whose ledger its closures
+report to.
+
+One scheduled closure trains one shard: a tf.function on the worker that
+builds the shard's dataset and runs the step on each batch in a loop. Two
+int64 variables on a ps, one entry per shard, make a retry exact:
+
+- `progress[shard]`: records trained by completed steps. Written before each
+  step (covering the steps before it, all finished) and at the end. A retry
+  skips that many records of the (deterministically shuffled) shard.
+- `lease[shard]`: the call that owns the shard. A call claims it when it
+  starts and checks it before each step, so a worker that was given up as
+  hung and continues later stops after the step it was running.
+
+So a record is trained twice only when its step was in flight on a worker
+that failed: at most one step per lost attempt, which the ledger counts.
+"""
+
+import itertools
+import logging
+import weakref
+
+import tensorflow as tf
+
+from keras_ps import _tf_adapter
+from keras_ps.shards.ledger import ShardLedger, ShardState
+
+logger = logging.getLogger(__name__)
+
+_PS_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
+_tokens = itertools.count(1)
+_states = weakref.WeakKeyDictionary()  # ShardedInput -> {coordinator id: state}
+
+
+class ShardReadError(RuntimeError):
+    """A shard failed on every attempt (a missing file, a corrupt record, or
+    an error in the step)."""
+
+
+def state_for(sharded_input, coordinator):
+    """The ps state of `sharded_input` on `coordinator`'s cluster (made once)."""
+    per_input = _states.setdefault(sharded_input, {})
+    state = per_input.get(id(coordinator))
+    if state is None:
+        state = _ShardsOnCluster(sharded_input, coordinator)
+        per_input[id(coordinator)] = state
+    return state
+
+
+def _call_token():
+    """Inside the shard function: a number unique to each remote call (fed
+    at call time, so one trace serves every call)."""
+    return _tf_adapter.capture_call_time_value(
+        lambda: tf.constant(next(_tokens), tf.int64),
+        tf.TensorSpec([], tf.int64), "keras_ps_shard_call")
+
+
+class _ShardsOnCluster:
+    """The progress and lease variables of one ShardedInput on a ps."""
+
+    def __init__(self, sharded_input, coordinator):
+        self.input = sharded_input
+        self.coordinator = coordinator
+        n = sharded_input.num_shards
+        with tf.device(_PS_DEVICE):
+            self.progress = tf.Variable(tf.zeros([n], tf.int64),
+                                        name="keras_ps_shard_progress",
+                                        trainable=False)
+            self.lease = tf.Variable(tf.zeros([n], tf.int64),
+                                     name="keras_ps_shard_lease",
+                                     trainable=False)
+        self._functions = {}
+        self.current = None
+
+    def new_epoch(self, epoch, ledger=None):
+        """Resets progress and leases (no shard of this input may be in
+        flight) and returns the epoch."""
+        if self.current is not None and not self.current.settled():
+            raise RuntimeError(
+                "A new epoch of this ShardedInput started while shards of "
+                f"epoch {self.current.epoch} are still running. Call "
+                "coordinator.join() first.")
+        n = self.input.num_shards
+        self.progress.assign(tf.zeros([n], tf.int64))
+        self.lease.assign(tf.zeros([n], tf.int64))
+        if ledger is None:
+            ledger = ShardLedger(self.input.descriptions,
+                                 list(self.input.shard_records), epoch,
+                                 self.input.order(epoch))
+        self.current = ShardedEpoch(self, ledger)
+        logger.info("[chief] epoch %d: %d shards (%d already done), %s", epoch,
+                    n, ledger.count(ShardState.DONE), self.input)
+        return self.current
+
+    def shard_function(self, step_fn):
+        fn = self._functions.get(step_fn)
+        if fn is None:
+            fn = tf.function(self._build(step_fn), autograph=False)
+            self._functions[step_fn] = fn
+        return fn
+
+    def _build(self, step_fn):
+        data, progress, lease = self.input, self.progress, self.lease
+        batch_size = data.batch_size
+
+        def train_shard(shard):
+            index, seed = shard
+            token = _call_token()
+            one = tf.reshape(index, [1])
+            claim = tf.raw_ops.ResourceScatterUpdate(
+                resource=lease.handle, indices=one,
+                updates=tf.reshape(token, [1]))
+            with tf.control_dependencies([claim]):
+                start = tf.reshape(progress.sparse_read(one), [])
+            batches = data.records(index, seed).skip(start).batch(batch_size)
+            iterator = iter(batches)
+
+            def owned():
+                return tf.equal(tf.reshape(lease.sparse_read(one), []), token)
+
+            def write_progress(done):
+                return tf.raw_ops.ResourceScatterUpdate(
+                    resource=progress.handle, indices=one,
+                    updates=tf.reshape(start + done, [1]))
+
+            def body(done, _):
+                optional = iterator.get_next_as_optional()
+                go = tf.logical_and(optional.has_value(), owned())
+
+                def step():
+                    # `done` counts only finished steps: the loop variables
+                    # of an iteration wait for all of its stateful ops.
+                    with tf.control_dependencies([write_progress(done)]):
+                        batch = optional.get_value()
+                        size = tf.shape(tf.nest.flatten(batch)[0],
+                                        out_type=tf.int64)[0]
+                    with tf.control_dependencies([size]):
+                        step_fn(batch)
+                    return done + size, tf.constant(True)
+
+                return tf.cond(go, step,
+                               lambda: (tf.identity(done), tf.constant(False)))
+
+            done, _ = tf.while_loop(
+                lambda done, running: running, body,
+                (tf.constant(0, tf.int64), tf.constant(True)),
+                parallel_iterations=1)
+            # Only the owner reports its progress (a call given up as hung
+            # that continues later has lost the lease).
+            def report():
+                with tf.control_dependencies([write_progress(done)]):
+                    return tf.constant(True)
+
+            final = tf.cond(owned(), report, lambda: tf.constant(False))
+            with tf.control_dependencies([final]):
+                return tf.identity(start), tf.identity(done)
+
+        train_shard.__name__ = f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
+        return train_shard
+
+
+class ShardedEpoch:
+    """One epoch of a ShardedInput: its ledger and the shards to schedule.
+
+    Iterating gives a shard object per shard still to train, in this epoch's
+    order; pass each to `coordinator.schedule` with the input's
+    `shard_function`. `summary()` gives the epoch's figures.
+    """
+
+    def __init__(self, state, ledger):
+        self._state = state
+        self.ledger = ledger
+        self.epoch = ledger.epoch
+        self._scheduled = 0
+
+    def __iter__(self):
+        for index in self.ledger.todo():
+            yield _ShardTicket(self, index)
+
+    def __len__(self):
+        return len(self.ledger)
+
+    def settled(self):
+        """No shard of the epoch is handed out or queued again."""
+        return self.ledger.count(ShardState.HANDED_OUT) == 0 and \
+            self.ledger.count(ShardState.LOST) == 0
+
+    def summary(self):
+        return self.ledger.summary()
+
+    def snapshot(self):
+        return dict(self.ledger.snapshot(), seed=self._state.input.seed)
+
+
+class _ShardTicket:
+    """A shard to schedule. `coordinator.schedule` replaces it by its
+    arguments and reports the closure's fate to its listener."""
+
+    def __init__(self, epoch, index):
+        self._epoch = epoch
+        self.index = index
+        data = epoch._state.input
+        self._args = (tf.constant(index, tf.int64),
+                      tf.constant(data.shard_seed(epoch.epoch, index), tf.int64))
+
+    # The protocol coordinator.schedule looks for (duck-typed: the
+    # coordinator does not import this module).
+    def _keras_ps_shard_arguments(self):
+        return self._args
+
+    def _keras_ps_shard_listener(self):
+        return _ShardListener(self._epoch, self.index)
+
+    def __repr__(self):
+        return (f"<shard {self.index} of epoch {self._epoch.epoch}: "
+                f"{self._epoch.ledger.description(self.index)}>")
+
+
+class _ShardListener:
+    """Told by the coordinator's worker threads what happens to one shard's
+    closure; moves the shard in the ledger."""
+
+    def __init__(self, epoch, index):
+        self._epoch = epoch
+        self._ledger = epoch.ledger
+        self.index = index
+        self._batch_size = epoch._state.input.batch_size
+        self._max_attempts = epoch._state.input.max_attempts
+
+    def started(self, worker):
+        self._ledger.hand_out(self.index, worker)
+
+    def finished(self, worker, output):
+        start, done = (int(t.numpy()) for t in output)
+        self._ledger.finish(self.index, worker, start, done)
+
+    def requeued(self, reason="its worker failed"):
+        """The closure goes back to the queue (its worker failed, hung or
+        left). At most the step in flight may have been applied."""
+        if self._ledger.state(self.index) is not ShardState.HANDED_OUT:
+            return  # put back before it ran: nothing was in flight
+        in_flight = self._batch_size
+        records = self._ledger.records(self.index)
+        if records is not None:
+            in_flight = min(in_flight, records)
+        self._ledger.lose(self.index, reason, in_flight)
+
+    def retry_after_error(self, error):
+        """An error in the shard's function: True to run it again (on
+        whichever worker takes it), False when its attempts are used up."""
+        if self._ledger.attempts(self.index) < self._max_attempts:
+            self.requeued(f"{type(error).__name__}; retrying")
+            return True
+        self._ledger.fail(self.index, type(error).__name__)
+        return False
+
+    def error(self, error):
+        """The error the user sees: names the shard, its file or records,
+        and the workers that tried."""
+        data = self._epoch._state.input
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        fix = ("Fix: check that the file exists and is readable on every "
+               "worker, and that read_fn parses its records (a corrupt file "
+               "can be removed from the list)." if data.kind == "files" else
+               "Fix: the records or the step raise this error; check the "
+               "data in this range.")
+        wrapped = ShardReadError(
+            f"Shard {self.index} of {len(self._ledger)} "
+            f"({self._ledger.description(self.index)}) failed on "
+            f"{self._ledger.attempts(self.index)} attempts (workers "
+            f"{self._ledger.workers_tried(self.index)}): "
+            f"{type(error).__name__}: {first} {fix}")
+        wrapped.__cause__ = error
+        return wrapped
