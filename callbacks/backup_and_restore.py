@@ -26,7 +26,9 @@ class BackupAndRestore(keras.callbacks.Callback):
     """Backs up training so a killed coordinator resumes where it stopped.
 
     Each backup holds the model's and the optimizer's weights and the
-    position in training (epoch and step within the epoch). When the same
+    position in training (epoch and step within the epoch). With a
+    `keras_ps.ShardedInput` it also holds the epoch's shard ledger: a resumed
+    epoch skips the shards already done, and `save_freq` counts shards. When the same
     script starts again with the same `backup_dir`, `fit` loads the newest
     backup and continues from that epoch and step, so `optimizer.iterations`
     ends at the planned total (plus at most one packed execution per worker
@@ -73,6 +75,11 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._steps_since_save = 0
         self._last_step_seen = -1
         self._serial = 0
+        # Extra state saved with each backup: name -> callable returning a
+        # JSON-able value (fit on a keras_ps.ShardedInput stores the epoch's
+        # shard ledger here); the restored values are in `restored_state`.
+        self.state_providers = {}
+        self.restored_state = None
 
     # -- what fit asks ------------------------------------------------------------
     def resume_position(self):
@@ -88,6 +95,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         """
         os.makedirs(self.backup_dir, exist_ok=True)
         self._resume = None
+        self.restored_state = None
         state = self._read_state()
         if state is None:
             return
@@ -107,6 +115,7 @@ class BackupAndRestore(keras.callbacks.Callback):
                 "scratch.") from error
         self._serial = state["serial"]
         self._resume = (state["epoch"], state["step"])
+        self.restored_state = state.get("extra", {})
         logger.info("[chief] restored backup %s: epoch %d, step %d",
                     weights, state["epoch"], state["step"])
 
@@ -143,9 +152,10 @@ class BackupAndRestore(keras.callbacks.Callback):
         path = os.path.join(self.backup_dir, name)
         self.model.save_weights(path, overwrite=True)
         previous = self._read_state()
+        extra = {key: provide() for key, provide in self.state_providers.items()}
         _write_atomically(self._state_path, json.dumps(
             {"epoch": epoch, "step": step, "serial": self._serial,
-             "weights": name}))
+             "weights": name, "extra": extra}))
         if previous is not None and previous["weights"] != name:
             try:
                 os.remove(os.path.join(self.backup_dir, previous["weights"]))

@@ -117,3 +117,11 @@ def capture_call_time_value(closure, spec, name):
 
 def inside_function():
     return _internals().ops.inside_function()
+
+
+def sleep_dataset(microseconds):
+    """A dataset transformation that waits `microseconds` before each element
+    (TF's non-public test op; for benchmarks and tests of slow input)."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    return testing.sleep(microseconds)

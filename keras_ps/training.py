@@ -256,8 +256,27 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1):
     """`model.fit` for a model built under a keras_ps strategy (same arguments
-    as Keras' `Model.fit`; `steps_per_epoch` is required)."""
+    as Keras' `Model.fit`; `steps_per_epoch` is required, except with a
+    `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
+    # Dynamic data shards: a ShardedInput has its own epoch loop
+    # (keras_ps/shards/fit.py); everything below is the steps_per_epoch path.
+    from keras_ps.shards import ShardedInput
+
+    if isinstance(x, ShardedInput):
+        from keras_ps.shards import fit as sharded_fit
+
+        _no_targets(x, y, sample_weight)
+        if class_weight is not None or validation_split:
+            raise ValueError(
+                "A ShardedInput carries its own data: class_weight and "
+                "validation_split do not apply. Received: class_weight="
+                f"{class_weight!r}, validation_split={validation_split!r}. "
+                "Fix: put weights in the records; pass validation_data.")
+        return sharded_fit.fit(
+            model, x, epochs, verbose, callbacks, validation_data,
+            validation_steps, validation_batch_size, validation_freq,
+            initial_epoch, steps_per_epoch)
     steps_per_epoch = _require_steps("steps_per_epoch", steps_per_epoch, "epoch")
     if class_weight is not None:
         raise ValueError(

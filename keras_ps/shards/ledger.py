@@ -46,7 +46,7 @@ class ShardTransitionError(RuntimeError):
 
 class _Shard:
     __slots__ = ("index", "description", "records", "state", "worker",
-                 "attempts", "workers_tried", "trained")
+                 "attempts", "workers_tried", "trained", "losses")
 
     def __init__(self, index, description, records):
         self.index = index
@@ -57,6 +57,7 @@ class _Shard:
         self.attempts = 0
         self.workers_tried = []
         self.trained = 0  # records trained by completed steps
+        self.losses = 0  # attempts lost with their worker
 
 
 class ShardLedger:
@@ -144,6 +145,7 @@ class ShardLedger:
             worker = shard.worker
             self.in_flight_records_lost += in_flight_records
             self.losses += 1
+            shard.losses += 1
         self.transition(index, ShardState.LOST, reason, worker)
 
     def fail(self, index, reason):
@@ -197,6 +199,11 @@ class ShardLedger:
         with self._cv:
             sizes = [s.records for s in self._shards]
         return None if any(r is None for r in sizes) else sum(sizes)
+
+    def lost_shards(self):
+        """Shards with an attempt lost this epoch (their worker failed)."""
+        with self._cv:
+            return [s.index for s in self._shards if s.losses]
 
     def empty_shards(self):
         with self._cv:
