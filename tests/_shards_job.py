@@ -305,11 +305,12 @@ def backup(data_dir, spec_json, backup_dir):
             ledger = keras_ps.shards.epoch.state_for(
                 data, coordinator).current.ledger
             restored.append([epoch, [i for i in range(len(ledger)) if
-                                     ledger.state(i).value == "done"]])
+                                     ledger.state(i).value == "done"],
+                             backup_cb.resume_position()])
 
     fit_and_report(model, data, coordinator,
                    [Restored(), backup_cb, _Progress()],
-                   restored=restored, resumed=backup_cb.resume_position())
+                   restored=restored)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,249 @@
+"""Dynamic data shards (keras_ps.ShardedInput): the ledger as pure logic, the
+input's checks, and Model.fit on real clusters counting every record by id
+(tests/_shards_job.py): undisturbed, a worker SIGKILLed and restarted, a
+worker SIGSTOPped past the hang timeout, a worker joining through the
+rendezvous and leaving, and a coordinator SIGKILLed and rerun with
+BackupAndRestore."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from _polling import wait_until  # tests/_polling.py
+from keras_ps.shards.ledger import (ShardLedger, ShardState,
+                                    ShardTransitionError)
+
+JOB = os.path.join(os.path.dirname(__file__), "_shards_job.py")
+RECORDS = 24 * 64  # _shards_job.FILES * RECORDS_PER_FILE
+
+
+# -- the ledger, with no cluster ------------------------------------------------
+def _ledger(n=4, records=None):
+    return ShardLedger([f"shard-{i}" for i in range(n)], records, epoch=0)
+
+
+@pytest.mark.timeout(10)
+def test_ledger_happy_path_and_summary():
+    ledger = _ledger(3, [10, 10, 5])
+    assert ledger.todo() == [0, 1, 2]
+    for i in range(3):
+        ledger.hand_out(i, worker=i)
+    assert ledger.count(ShardState.HANDED_OUT) == 3 and ledger.todo() == []
+    ledger.finish(0, 0, 0, 10)
+    ledger.finish(1, 1, 0, 10)
+    assert not ledger.complete()
+    ledger.finish(2, 2, 0, 5)
+    assert ledger.complete()
+    assert ledger.summary() == {"shards_done": 3, "shards": 3,
+                                "records_trained": 25, "shards_lost": 0,
+                                "records_retrained_max": 0}
+
+
+@pytest.mark.timeout(10)
+def test_ledger_lost_shard_is_handed_out_again_and_counted():
+    ledger = _ledger(2, [64, 64])
+    ledger.hand_out(0, worker=1)
+    ledger.lose(0, "worker 1 killed", in_flight_records=16)
+    assert ledger.state(0) is ShardState.LOST
+    assert ledger.lost_shards() == [0]
+    ledger.hand_out(0, worker=2)
+    assert ledger.workers_tried(0) == [1, 2] and ledger.attempts(0) == 2
+    ledger.finish(0, 2, trained_before=32, trained_now=32)
+    assert ledger.records(0) == 64
+    assert ledger.summary()["records_retrained_max"] == 16
+    assert ledger.summary()["shards_lost"] == 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("moves", [
+    [("finish",)],  # done without being handed out
+    [("hand_out",), ("finish",), ("lose",)],  # a done shard cannot be lost
+    [("hand_out",), ("finish",), ("hand_out",)],  # nor handed out again
+    [("lose",)],  # a pending shard was never in flight
+])
+def test_ledger_refuses_moves_the_state_machine_does_not_allow(moves):
+    ledger = _ledger(1, [8])
+    actions = {"hand_out": lambda: ledger.hand_out(0, 0),
+               "finish": lambda: ledger.finish(0, 0, 0, 8),
+               "lose": lambda: ledger.lose(0, "x", 8)}
+    for move in moves[:-1]:
+        actions[move[0]]()
+    with pytest.raises(ShardTransitionError, match="cannot go from"):
+        actions[moves[-1][0]]()
+
+
+@pytest.mark.timeout(10)
+def test_ledger_snapshot_restores_done_shards_only():
+    ledger = ShardLedger(["a", "b", "c"], [4, 4, 4], epoch=2, order=[2, 0, 1])
+    ledger.hand_out(2, 0)
+    ledger.finish(2, 0, 0, 4)
+    ledger.hand_out(0, 1)  # in flight at the snapshot: not done
+    snapshot = json.loads(json.dumps(ledger.snapshot()))
+    restored = ShardLedger.restore(snapshot, ["a", "b", "c"])
+    assert restored.epoch == 2
+    assert restored.state(2) is ShardState.DONE
+    assert restored.todo() == [0, 1]  # the saved order, done shards skipped
+    with pytest.raises(ValueError, match="different number of shards"):
+        ShardLedger.restore(snapshot, ["a", "b"])
+
+
+@pytest.mark.timeout(10)
+def test_ledger_transitions_are_logged(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="keras_ps.shards.ledger")
+    ledger = _ledger(1, [8])
+    ledger.hand_out(0, worker=3)
+    assert "[worker:3] epoch 0 shard 0 (shard-0): pending -> handed_out" in \
+        caplog.text
+
+
+@pytest.mark.timeout(10)
+def test_ledger_wakes_a_waiter_on_change():
+    import threading
+
+    ledger = _ledger(1, [8])
+    seen = ledger.changes()
+    threading.Timer(0.05, lambda: ledger.hand_out(0, 0)).start()
+    assert ledger.wait_for_change(seen, timeout=10) != seen
+
+
+# -- fit on real clusters, every record counted by id ---------------------------
+def _env(**extra):
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+                **extra)
+
+
+def _result(output):
+    lines = [l for l in output.splitlines() if l.startswith("RESULT ")]
+    assert lines, f"job printed no result:\n{output[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _run(mode, data_dir, timeout, **env):
+    out = subprocess.run([sys.executable, JOB, mode, str(data_dir)],
+                         env=_env(**env), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-4000:]
+    return _result(out.stdout)
+
+
+def _check_epoch(epoch, exactly_once):
+    """Every id trained; duplicates only in shards lost with a step in
+    flight, and no more than the count the epoch's logs report."""
+    logs = epoch["logs"]
+    assert epoch["missing"] == [], epoch
+    assert logs["shards_done"] == logs["shards"] == 24, logs
+    assert logs["records_trained"] == RECORDS, logs
+    if exactly_once:
+        assert epoch["max_count"] == 1 and logs["shards_lost"] == 0, epoch
+        return
+    assert set(epoch["twice"]) <= set(epoch["lost_ids"]), epoch
+    assert epoch["max_count"] <= 2, epoch
+    assert epoch["extra"] <= logs["records_retrained_max"], epoch
+    # At most one step (16 records) per lost attempt.
+    assert logs["records_retrained_max"] <= 16 * logs["shards_lost"], logs
+
+
+@pytest.mark.timeout(200)
+def test_fit_three_workers_two_epochs_every_id_exactly_once(tmp_path):
+    result = _run("plain", tmp_path, 180)
+    assert result["history_epochs"] == [0, 1]
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=True)
+    # The work was shared: every worker trained shards.
+    assert all(n > 0 for n in result["closures"]), result
+
+
+@pytest.mark.timeout(200)
+def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
+    result = _run("kill", tmp_path, 180)
+    assert result["events"] == {"killed": True, "restarted": True}, result
+    first = result["epochs"]["0"]
+    assert first["logs"]["shards_lost"] >= 1, first
+    _check_epoch(first, exactly_once=False)
+    _check_epoch(result["epochs"]["1"], exactly_once=False)
+    assert result["states"] == ["healthy"] * 3, result
+
+
+@pytest.mark.timeout(200)
+def test_fit_worker_sigstopped_past_hang_timeout(tmp_path):
+    result = _run("stop", tmp_path, 180, KERAS_PS_HANG_TIMEOUT="3")
+    assert result["events"] == {"stopped": True, "continued": True}, result
+    first = result["epochs"]["0"]
+    assert first["logs"]["shards_lost"] >= 1, first
+    # The stopped worker finishes the step it was running when it continues,
+    # and no more: the shard's lease moved to the retry.
+    _check_epoch(first, exactly_once=False)
+    _check_epoch(result["epochs"]["1"], exactly_once=False)
+
+
+@pytest.mark.timeout(280)
+def test_fit_worker_joins_through_rendezvous_and_leaves(tmp_path):
+    result = _run("elastic", tmp_path, 260)
+    events = result["events"]
+    assert events["third_ran"] >= 2 and events["third_exit"] == 0, result
+    assert len(result["states"]) == 3 and result["states"][2] == "left", result
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=False)
+
+
+def _read_state(backup_dir):
+    try:
+        with open(os.path.join(backup_dir, "backup_state.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
+                                                             tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
+    args = [sys.executable, JOB, "backup", str(tmp_path / "data"), spec,
+            backup_dir]
+    job = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        # Kill once a backup of epoch 1 holds 6 shards done.
+        def mid_epoch_backup():
+            assert job.poll() is None, job.stdout.read()[-3000:]
+            state = _read_state(backup_dir)
+            return state if state and state["epoch"] == 1 and \
+                state["step"] >= 6 else None
+        wait_until(mid_epoch_backup, 200, "a mid-epoch backup of epoch 1")
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = job.stdout.read()
+    assert "EPOCH 0 " in output and "EPOCH 1 " not in output, output[-3000:]
+    killed_at = _read_state(backup_dir)
+    done_before = set(killed_at["extra"]["shard_ledger"]["done"])
+    # A backup waits for the shards in flight, so its ledger may hold more
+    # done shards than the callbacks had seen (its step).
+    assert len(done_before) >= killed_at["step"] >= 6
+
+    again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    assert result["history_epochs"] == [1], result
+    # The rerun resumed at the backup's position, from the backup's ledger,
+    # and handed out only the shards not done in it.
+    assert result["restored"][0] == [1, sorted(done_before),
+                                     [1, killed_at["step"]]], result
+    epoch = result["epochs"]["1"]
+    assert not set(epoch["handed_out"]) & done_before, epoch
+    assert set(epoch["handed_out"]) | done_before == set(range(24)), epoch
+    # Every id of the interrupted epoch is in the model once: the counts
+    # are a model weight, restored from the backup with the rest.
+    _check_epoch(epoch, exactly_once=True)
+    assert not os.path.exists(backup_dir)
