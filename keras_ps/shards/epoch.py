@@ -24,6 +24,7 @@ import weakref
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
+from keras_ps.errors import KerasPSError
 from keras_ps.shards.ledger import ShardLedger, ShardState
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ _tokens = itertools.count(1)
 _states = weakref.WeakKeyDictionary()  # ShardedInput -> {coordinator id: state}
 
 
-class ShardReadError(RuntimeError):
+class ShardReadError(KerasPSError, RuntimeError):
     """A shard failed on every attempt (a missing file, a corrupt record, or
     an error in the step)."""
 
@@ -76,7 +77,8 @@ class _ShardsOnCluster:
     def new_epoch(self, epoch, ledger=None):
         """Resets progress and leases (no shard of this input may be in
         flight) and returns the epoch."""
-        if self.current is not None and not self.current.settled():
+        if self.current is not None and not self.current.settled() and \
+                self.coordinator._queue.counts() != (0, 0):
             raise RuntimeError(
                 "A new epoch of this ShardedInput started while shards of "
                 f"epoch {self.current.epoch} are still running. Call "
@@ -172,7 +174,7 @@ class ShardedEpoch:
         self._state = state
         self.ledger = ledger
         self.epoch = ledger.epoch
-        self._scheduled = 0
+        self._abandoned = False
 
     def __iter__(self):
         for index in self.ledger.todo():
@@ -182,9 +184,16 @@ class ShardedEpoch:
         return len(self.ledger)
 
     def settled(self):
-        """No shard of the epoch is handed out or queued again."""
-        return self.ledger.count(ShardState.HANDED_OUT) == 0 and \
-            self.ledger.count(ShardState.LOST) == 0
+        """No shard of the epoch is handed out or queued again (or the epoch
+        was abandoned after an error)."""
+        return self._abandoned or (
+            self.ledger.count(ShardState.HANDED_OUT) == 0 and
+            self.ledger.count(ShardState.LOST) == 0)
+
+    def abandon(self):
+        """An error ended the epoch: its unfinished shards are dropped (the
+        next epoch resets every lease, so a closure still running stops)."""
+        self._abandoned = True
 
     def summary(self):
         return self.ledger.summary()

@@ -81,8 +81,12 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
             backup.state_providers[LEDGER_KEY] = epoch.snapshot
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch_index)
-        _run_epoch(model, coordinator, train_shard, epoch, callback_list)
-        coordinator.join()
+        try:
+            _run_epoch(model, coordinator, train_shard, epoch, callback_list)
+            coordinator.join()
+        except BaseException:
+            epoch.abandon()
+            raise
         epoch_logs = training._python_logs(model.get_metrics_result())
         summary = epoch.summary()
         epoch_logs.update(summary)
