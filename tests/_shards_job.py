@@ -238,9 +238,20 @@ def elastic(data_dir):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log_dir = os.path.join(data_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    agents = [Agent(endpoint, log_dir, f"agent-{i}") for i in range(2)]
+    def start_agent(name, attempts=3):
+        """An agent whose worker serves; started again when the agent gave
+        up reaching the rendezvous (it happens on a very busy machine)."""
+        for attempt in range(attempts):
+            agent = Agent(endpoint, log_dir, f"{name}-{attempt}")
+            if wait_for_port(agent.address, 90, agent.process):
+                return agent
+            agent.stop()
+        raise RuntimeError(f"{name} did not start; see {log_dir}")
+
+    agents = []
     third = []
     try:
+        agents.extend(start_agent(f"agent-{i}") for i in range(2))
         resolver = keras_ps.elastic.ElasticClusterResolver(
             endpoint, ps=[ps_address], min_workers=2, poll_interval=0.5,
             startup_timeout=90)
@@ -255,11 +266,9 @@ def elastic(data_dir):
                          if w.address == address), None)
 
         def grow():
-            agent = Agent(endpoint, log_dir, "agent-2")
+            # Holds the fit until the new worker serves, so shards are left.
+            agent = start_agent("agent-2")
             third.append(agent)
-            # Hold the fit until the new worker serves, so shards are left.
-            if not wait_for_port(agent.address, 90, agent.process):
-                raise RuntimeError("the third worker did not start")
 
             def leave():
                 wait_for(lambda: find(agent.address) is not None and

@@ -247,3 +247,80 @@ def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
     # are a model weight, restored from the backup with the rest.
     _check_epoch(epoch, exactly_once=True)
     assert not os.path.exists(backup_dir)
+
+
+# -- in this process, on the shared cluster --------------------------------------
+@pytest.mark.timeout(120)
+def test_custom_loop_schedules_each_shard_and_counts_each_id_once(
+        strategy, coordinator):
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    n = 1000
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([n], tf.int32))
+    data = keras_ps.ShardedInput(np.arange(n, dtype=np.int64), batch_size=10,
+                                 records_per_shard=100, seed=3)
+    assert data.num_shards == 10
+
+    def step(ids):
+        counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
+
+    train_shard = data.shard_function(coordinator, step)
+    orders = []
+    for epoch in range(2):
+        shards = data.epoch(coordinator, epoch)
+        orders.append([s.index for s in shards])
+        for shard in shards:
+            coordinator.schedule(train_shard, args=(shard,))
+        coordinator.join()
+        assert shards.summary()["records_trained"] == n
+        assert np.all(counts.numpy() == epoch + 1)
+    # Shuffled across shards, differently each epoch, reproducibly.
+    assert sorted(orders[0]) == list(range(10)) and orders[0] != orders[1]
+    assert orders == [data.order(0), data.order(1)]
+    again = keras_ps.ShardedInput(np.arange(n, dtype=np.int64), batch_size=10,
+                                  records_per_shard=100, seed=3)
+    assert again.order(0) == orders[0]
+    assert again.shard_seed(0, 4) == data.shard_seed(0, 4)
+
+
+@pytest.mark.timeout(120)
+def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
+                                                          caplog):
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    import keras_ps
+
+    paths = []
+    for f, records in enumerate([8, 0, 8]):
+        path = str(tmp_path / f"part-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(records):
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature={"x": tf.train.Feature(float_list=tf.train.FloatList(
+                        value=[1.0, 2.0]))})).SerializeToString())
+        paths.append(path)
+    spec = {"x": tf.io.FixedLenFeature([2], tf.float32)}
+
+    def read_fn(filename):
+        return tf.data.TFRecordDataset(filename).map(
+            lambda r: (tf.io.parse_single_example(r, spec)["x"],
+                       tf.constant([1.0])))
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    caplog.set_level(logging.WARNING, logger="keras_ps.shards.fit")
+    history = model.fit(keras_ps.ShardedInput(paths, read_fn=read_fn,
+                                              batch_size=4), epochs=1,
+                        verbose=0)
+    assert history.history["records_trained"] == [16]
+    assert history.history["shards_done"] == [3]
+    assert "1 shard(s) had no records" in caplog.text
+    assert "part-1.tfrecord" in caplog.text

@@ -143,7 +143,7 @@ class ClusterCoordinator:
             if hasattr(value, "_keras_ps_shard_listener"):
                 # A shard of a keras_ps.ShardedInput epoch: replaced by its
                 # arguments; its ledger follows the closure (keras_ps/shards).
-                listener = value._keras_ps_shard_listener()
+                listener = value._keras_ps_shard_listener(fn)
                 args, kwargs = tf.nest.map_structure(
                     lambda v: v._keras_ps_shard_arguments() if hasattr(
                         v, "_keras_ps_shard_arguments") else v, (args, kwargs))

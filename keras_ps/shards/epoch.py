@@ -95,14 +95,19 @@ class _ShardsOnCluster:
                     n, ledger.count(ShardState.DONE), self.input)
         return self.current
 
-    def shard_function(self, step_fn):
-        fn = self._functions.get(step_fn)
+    def shard_function(self, step_fn, steps_per_execution=1):
+        key = (step_fn, steps_per_execution)
+        fn = self._functions.get(key)
         if fn is None:
-            fn = tf.function(self._build(step_fn), autograph=False)
-            self._functions[step_fn] = fn
+            fn = tf.function(self._build(step_fn, steps_per_execution),
+                             autograph=False)
+            # Read by the shard's listener: a lost attempt may have applied
+            # up to this many steps that its retry runs again.
+            fn._keras_ps_steps_per_execution = steps_per_execution
+            self._functions[key] = fn
         return fn
 
-    def _build(self, step_fn):
+    def _build(self, step_fn, steps_per_execution):
         data, progress, lease = self.input, self.progress, self.lease
         batch_size = data.batch_size
 
@@ -126,28 +131,43 @@ class _ShardsOnCluster:
                     resource=progress.handle, indices=one,
                     updates=tf.reshape(start + done, [1]))
 
-            def body(done, _):
+            def one_step():
                 optional = iterator.get_next_as_optional()
-                go = tf.logical_and(optional.has_value(), owned())
 
                 def step():
-                    # `done` counts only finished steps: the loop variables
-                    # of an iteration wait for all of its stateful ops.
-                    with tf.control_dependencies([write_progress(done)]):
-                        batch = optional.get_value()
-                        size = tf.shape(tf.nest.flatten(batch)[0],
-                                        out_type=tf.int64)[0]
+                    batch = optional.get_value()
+                    size = tf.shape(tf.nest.flatten(batch)[0],
+                                    out_type=tf.int64)[0]
                     with tf.control_dependencies([size]):
                         step_fn(batch)
-                    return done + size, tf.constant(True)
+                    return size
 
-                return tf.cond(go, step,
+                return tf.cond(optional.has_value(), step,
+                               lambda: tf.constant(0, tf.int64)), \
+                    optional.has_value()
+
+            def execution(done):
+                # `done` counts only finished steps: the loop variables of an
+                # iteration wait for all of its stateful ops. Progress and the
+                # lease are checked once per execution of
+                # `steps_per_execution` steps, which keeps the per-step cost
+                # of dynamic shards low.
+                with tf.control_dependencies([write_progress(done)]):
+                    trained = tf.constant(0, tf.int64)
+                for _ in range(steps_per_execution):
+                    size, more = one_step()
+                    trained += size
+                return done + trained, more
+
+            def body(done, _):
+                return tf.cond(owned(), lambda: execution(done),
                                lambda: (tf.identity(done), tf.constant(False)))
 
             done, _ = tf.while_loop(
                 lambda done, running: running, body,
                 (tf.constant(0, tf.int64), tf.constant(True)),
                 parallel_iterations=1)
+
             # Only the owner reports its progress (a call given up as hung
             # that continues later has lost the lease).
             def report():
@@ -158,7 +178,9 @@ class _ShardsOnCluster:
             with tf.control_dependencies([final]):
                 return tf.identity(start), tf.identity(done)
 
-        train_shard.__name__ = f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
+        train_shard.__name__ = (
+            f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
+            f"_x{steps_per_execution}")
         return train_shard
 
 
@@ -218,8 +240,9 @@ class _ShardTicket:
     def _keras_ps_shard_arguments(self):
         return self._args
 
-    def _keras_ps_shard_listener(self):
-        return _ShardListener(self._epoch, self.index)
+    def _keras_ps_shard_listener(self, fn):
+        return _ShardListener(self._epoch, self.index, getattr(
+            fn, "_keras_ps_steps_per_execution", 1))
 
     def __repr__(self):
         return (f"<shard {self.index} of epoch {self._epoch.epoch}: "
@@ -230,11 +253,12 @@ class _ShardListener:
     """Told by the coordinator's worker threads what happens to one shard's
     closure; moves the shard in the ledger."""
 
-    def __init__(self, epoch, index):
+    def __init__(self, epoch, index, steps_per_execution):
         self._epoch = epoch
         self._ledger = epoch.ledger
         self.index = index
-        self._batch_size = epoch._state.input.batch_size
+        self._in_flight_bound = epoch._state.input.batch_size * \
+            steps_per_execution
         self._max_attempts = epoch._state.input.max_attempts
 
     def started(self, worker):
@@ -246,10 +270,11 @@ class _ShardListener:
 
     def requeued(self, reason="its worker failed"):
         """The closure goes back to the queue (its worker failed, hung or
-        left). At most the step in flight may have been applied."""
+        left). At most the execution in flight (steps_per_execution steps)
+        may have been applied."""
         if self._ledger.state(self.index) is not ShardState.HANDED_OUT:
             return  # put back before it ran: nothing was in flight
-        in_flight = self._batch_size
+        in_flight = self._in_flight_bound
         records = self._ledger.records(self.index)
         if records is not None:
             in_flight = min(in_flight, records)

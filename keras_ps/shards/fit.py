@@ -62,7 +62,9 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
     strategy = model.distribute_strategy
     coordinator = training.coordinator_for(strategy)
     _keras_adapter.symbolic_build(model, strategy, data.element_spec)
-    train_shard = data.shard_function(coordinator, model.train_step)
+    train_shard = data.shard_function(
+        coordinator, model.train_step,
+        max(1, int(model.steps_per_execution or 1)))
     callback_list = training._make_callbacks(model, callbacks, verbose, epochs,
                                              data.num_shards)
     model.stop_training = False

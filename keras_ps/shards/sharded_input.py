@@ -136,7 +136,10 @@ class ShardedInput:
         self.num_shards = len(self.files)
         self.descriptions = [f"file {f!r}" for f in self.files]
         self.shard_records = [None] * self.num_shards
-        dataset = read_fn(tf.constant(self.files[0]))
+        # Traced, not run: read_fn runs on the workers (it may read the
+        # worker's index), here only its output's structure is needed.
+        dataset = tf.function(read_fn, autograph=False).get_concrete_function(
+            tf.TensorSpec([], tf.string)).structured_outputs
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(
                 "read_fn must return a tf.data.Dataset of the file's records. "
@@ -242,9 +245,14 @@ class ShardedInput:
                 f"seed={self.seed})")
 
     # -- custom training loops -----------------------------------------------------
-    def shard_function(self, coordinator, step_fn):
+    def shard_function(self, coordinator, step_fn, steps_per_execution=1):
         """A tf.function that runs `step_fn(batch)` on every batch of one
         shard; schedule it with each shard of `self.epoch(...)`.
+
+        The shard's progress (kept on a ps, so a retry resumes after it) is
+        recorded every `steps_per_execution` steps: more steps per execution
+        cost less per step, and a worker lost mid-shard may have applied up
+        to that many steps that its retry runs again.
 
         Example:
         ```python
@@ -259,7 +267,13 @@ class ShardedInput:
         """
         from keras_ps.shards import epoch as epoch_lib
 
-        return epoch_lib.state_for(self, coordinator).shard_function(step_fn)
+        if isinstance(steps_per_execution, bool) or not isinstance(
+                steps_per_execution, int) or steps_per_execution < 1:
+            raise ValueError(
+                "steps_per_execution must be a positive integer. Received: "
+                f"steps_per_execution={steps_per_execution!r}.")
+        return epoch_lib.state_for(self, coordinator).shard_function(
+            step_fn, steps_per_execution)
 
     def epoch(self, coordinator, epoch, ledger=None):
         """A new epoch of shards (a `keras_ps.shards.ShardedEpoch`):
