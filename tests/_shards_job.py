@@ -238,20 +238,29 @@ def elastic(data_dir):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log_dir = os.path.join(data_dir, "logs")
     os.makedirs(log_dir, exist_ok=True)
-    def start_agent(name, attempts=3):
-        """An agent whose worker serves; started again when the agent gave
-        up reaching the rendezvous (it happens on a very busy machine)."""
+    def start_agents(names, attempts=3):
+        """Agents whose workers serve (started together: the rendezvous
+        admits them once min_workers are waiting); one is started again when
+        it gave up reaching the rendezvous (seen on a very busy machine)."""
+        started = {}
         for attempt in range(attempts):
-            agent = Agent(endpoint, log_dir, f"{name}-{attempt}")
-            if wait_for_port(agent.address, 90, agent.process):
-                return agent
-            agent.stop()
-        raise RuntimeError(f"{name} did not start; see {log_dir}")
+            for name in names:
+                if name not in started:
+                    started[name] = Agent(endpoint, log_dir,
+                                          f"{name}-{attempt}")
+            for name in names:
+                agent = started[name]
+                if not wait_for_port(agent.address, 90, agent.process):
+                    agent.stop()
+                    del started[name]
+            if len(started) == len(names):
+                return [started[name] for name in names]
+        raise RuntimeError(f"{names} did not start; see {log_dir}")
 
     agents = []
     third = []
     try:
-        agents.extend(start_agent(f"agent-{i}") for i in range(2))
+        agents.extend(start_agents(["agent-0", "agent-1"]))
         resolver = keras_ps.elastic.ElasticClusterResolver(
             endpoint, ps=[ps_address], min_workers=2, poll_interval=0.5,
             startup_timeout=90)
@@ -267,7 +276,7 @@ def elastic(data_dir):
 
         def grow():
             # Holds the fit until the new worker serves, so shards are left.
-            agent = start_agent("agent-2")
+            agent, = start_agents(["agent-2"])
             third.append(agent)
 
             def leave():

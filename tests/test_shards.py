@@ -126,11 +126,20 @@ def _result(output):
 
 
 def _run(mode, data_dir, timeout, **env):
-    out = subprocess.run([sys.executable, JOB, mode, str(data_dir)],
-                         env=_env(**env), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=timeout)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return _result(out.stdout)
+    # Its own process group: on a timeout the job's servers and agents are
+    # killed with it.
+    job = subprocess.Popen([sys.executable, JOB, mode, str(data_dir)],
+                           env=_env(**env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise AssertionError(f"{mode} job timed out:\n{output[-4000:]}")
+    assert job.returncode == 0, output[-4000:]
+    return _result(output)
 
 
 def _check_epoch(epoch, exactly_once):
