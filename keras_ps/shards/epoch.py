@@ -57,6 +57,16 @@ def _call_token():
         tf.TensorSpec([], tf.int64), "keras_ps_shard_call")
 
 
+def _shard_options():
+    """tf.data options for a shard's pipeline, built once per shard: no
+    static graph rewrites (their optimizer pass costs more CPU than a short
+    shard's reads) and no autotuning thread."""
+    options = tf.data.Options()
+    options.experimental_optimization.apply_default_optimizations = False
+    options.autotune.enabled = False
+    return options
+
+
 class _ShardsOnCluster:
     """The progress and lease variables of one ShardedInput on a ps."""
 
@@ -121,7 +131,7 @@ class _ShardsOnCluster:
             with tf.control_dependencies([claim]):
                 start = tf.reshape(progress.sparse_read(one), [])
             batches = data.records(index, seed).skip(start).batch(batch_size)
-            iterator = iter(batches)
+            iterator = iter(batches.with_options(_shard_options()))
 
             def owned():
                 return tf.equal(tf.reshape(lease.sparse_read(one), []), token)
