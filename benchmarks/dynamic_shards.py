@@ -189,10 +189,18 @@ def run_tiny(mode, steps=TINY_STEPS):
     return {"steps_per_s": steps / elapsed}
 
 
-def _child(workload, mode):
+def _quick():
+    """Smoke-test sizes (run_all.py --quick): not a measurement."""
+    global READ_US, SHARDS, RECORDS, TINY_STEPS
+    READ_US, SHARDS, TINY_STEPS = 20000, 16, 500
+    RECORDS = SHARDS * RECORDS_PER_SHARD
+
+
+def _child(workload, mode, quick=False):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     out = subprocess.run([sys.executable, os.path.abspath(__file__),
-                          "--_child", workload, mode], capture_output=True,
+                          "--_child", workload, mode, str(int(quick))],
+                         capture_output=True,
                          text=True, env=env, timeout=900)
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
@@ -201,14 +209,15 @@ def _child(workload, mode):
     return json.loads(lines[0][7:])
 
 
-def measure(workloads, repeats, log=print):
+def measure(workloads=("straggler", "tiny"), repeats=1, log=print,
+            quick=False):
     """{workload: {mode: [result per repeat]}}, modes alternating."""
     modes = {"straggler": ("dynamic", "static"), "tiny": ("iterator", "shards")}
     report = {w: {m: [] for m in modes[w]} for w in workloads}
     for r in range(repeats):
         for workload in workloads:
             for mode in modes[workload]:
-                result = _child(workload, mode)
+                result = _child(workload, mode, quick)
                 report[workload][mode].append(result)
                 log(f"{workload:9s} {mode:8s} run {r}: {json.dumps(result)}")
     return report
@@ -256,18 +265,23 @@ def main():
                         default="all")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--_child", nargs=2)
+    parser.add_argument("--quick", action="store_true",
+                        help="small runs (a smoke test, not a measurement)")
+    parser.add_argument("--_child", nargs=3)
     args = parser.parse_args()
     if args._child:
-        workload, mode = args._child
+        workload, mode, quick = args._child
+        if quick == "1":
+            _quick()
         fn = run_straggler if workload == "straggler" else run_tiny
-        print("RESULT " + json.dumps(fn(mode)), flush=True)
+        result = fn(mode) if workload == "straggler" else fn(mode, TINY_STEPS)
+        print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)
     workloads = ["straggler", "tiny"] if args.workload == "all" \
         else [args.workload]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json \
         else print
-    report = measure(workloads, args.repeats, log)
+    report = measure(workloads, args.repeats, log, args.quick)
     summary = summarize(report)
     if args.json:
         print(json.dumps({"runs": report, "summary": summary}))
