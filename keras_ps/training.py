@@ -396,6 +396,13 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
     kwargs.pop("_use_cached_eval_dataset", None)
     if kwargs:
         raise TypeError(f"Unexpected evaluate arguments: {sorted(kwargs)}.")
+    from keras_ps.shards import ShardedInput
+
+    if isinstance(x, ShardedInput):  # dynamic data shards train only
+        raise TypeError(
+            "evaluate does not take a ShardedInput (it is for training). "
+            f"Received: x={x!r}. Fix: pass the records as a finite "
+            "tf.data.Dataset: evaluate is exactly-once on finite data.")
     _check_compiled(model, "evaluate")
     strategy = model.distribute_strategy
     coordinator = coordinator_for(strategy)

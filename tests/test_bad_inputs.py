@@ -547,6 +547,13 @@ def fit_sharded_with_steps_per_epoch(env):
                              steps_per_epoch=5, verbose=0)
 
 
+@case("evaluate_sharded_input", TypeError,
+      "does not take a ShardedInput", "Received: x=ShardedInput(",
+      "finite tf.data.Dataset")
+def evaluate_sharded_input(env):
+    _model(env.strategy).evaluate(keras_ps.ShardedInput((X, Y)), verbose=0)
+
+
 @case("fit_sharded_missing_file", keras_ps.shards.ShardReadError,
       "Shard 2 of 3", "missing.tfrecord", "failed on 3 attempts",
       "NotFoundError", "check that the file exists", timeout=90)
