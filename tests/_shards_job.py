@@ -11,6 +11,7 @@ Usage:
     plain    3 workers, 2 epochs, nothing happens
     kill     SIGKILL worker 1 mid-epoch 0 and restart it at once
     stop     SIGSTOP worker 1 mid-epoch 0 past the hang timeout, then SIGCONT
+    chaos    a kill and a stop in epoch 0, a kill in epoch 1
     elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
              leaves (SIGTERM to its agent) once it trained 2 shards
     backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
@@ -187,35 +188,41 @@ def on_local_cluster(mode, data_dir):
         coordinator = keras_ps.training.coordinator_for(strategy)
         data = sharded_input(paths)
         events = {}
-        worker = coordinator.workers[1]
 
-        def kill():
-            cluster.kill("worker", 1)
-            events["killed"] = True
+        def kill(index=1, key=""):
+            worker = coordinator.workers[index]
+            cluster.kill("worker", index)
+            events[f"killed{key}"] = True
 
             def restart():
                 wait_for(lambda: worker.state is not
                          keras_ps.coordinator.WorkerState.HEALTHY, 30,
                          "the kill to be noticed")
-                cluster.restart("worker", 1)
-                events["restarted"] = True
+                cluster.restart("worker", index)
+                events[f"restarted{key}"] = True
             threading.Thread(target=restart, daemon=True).start()
 
-        def stop():
-            pid = cluster.pid("worker", 1)
+        def stop(index=1, key=""):
+            worker = coordinator.workers[index]
+            pid = cluster.pid("worker", index)
             os.kill(pid, signal.SIGSTOP)
-            events["stopped"] = True
+            events[f"stopped{key}"] = True
 
             def resume():
                 wait_for(lambda: worker.state is
                          keras_ps.coordinator.WorkerState.FAILED, 60,
                          "the hang to be noticed")
                 os.kill(pid, signal.SIGCONT)
-                events["continued"] = True
+                events[f"continued{key}"] = True
             threading.Thread(target=resume, daemon=True).start()
 
-        callbacks = {"plain": [], "kill": [AtShard(6, kill)],
-                     "stop": [AtShard(6, stop)]}[mode]
+        callbacks = {
+            "plain": [], "kill": [AtShard(6, kill)],
+            "stop": [AtShard(6, stop)],
+            # The long variant: a kill and a stop in epoch 0, a kill in 1.
+            "chaos": [AtShard(4, lambda: kill(1, "_0")),
+                      AtShard(14, lambda: stop(2, "_0")),
+                      AtShard(6, lambda: kill(0, "_1"), epoch=1)]}[mode]
         fit_and_report(model, data, coordinator, callbacks, events=events)
 
 

@@ -192,6 +192,18 @@ def test_fit_worker_sigstopped_past_hang_timeout(tmp_path):
     _check_epoch(result["epochs"]["1"], exactly_once=False)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fit_kills_and_a_stop_across_two_epochs(tmp_path):
+    result = _run("chaos", tmp_path, 380, KERAS_PS_HANG_TIMEOUT="3")
+    assert set(result["events"]) == {
+        "killed_0", "restarted_0", "stopped_0", "continued_0", "killed_1",
+        "restarted_1"}, result
+    for epoch in result["epochs"].values():
+        assert epoch["logs"]["shards_lost"] >= 1, epoch
+        _check_epoch(epoch, exactly_once=False)
+
+
 @pytest.mark.timeout(280)
 def test_fit_worker_joins_through_rendezvous_and_leaves(tmp_path):
     result = _run("elastic", tmp_path, 260)

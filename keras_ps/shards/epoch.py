@@ -7,14 +7,16 @@ builds the shard's dataset and runs the step on each batch in a loop. Two
 int64 variables on a ps, one entry per shard, make a retry exact:
 
 - `progress[shard]`: records trained by completed steps. Written before each
-  step (covering the steps before it, all finished) and at the end. A retry
-  skips that many records of the (deterministically shuffled) shard.
+  execution of `steps_per_execution` steps (covering the executions before
+  it, all finished) and at the end. A retry skips that many records of the
+  (deterministically shuffled) shard.
 - `lease[shard]`: the call that owns the shard. A call claims it when it
-  starts and checks it before each step, so a worker that was given up as
-  hung and continues later stops after the step it was running.
+  starts and checks it before each execution, so a worker that was given up
+  as hung and continues later stops after the execution it was running.
 
 So a record is trained twice only when its step was in flight on a worker
-that failed: at most one step per lost attempt, which the ledger counts.
+that failed: at most one execution per lost attempt, which the ledger
+counts.
 """
 
 import itertools
