@@ -78,63 +78,65 @@ def run_straggler(mode):
     # Real server processes: in one process the workers would share one
     # inter-op thread pool, which the sleeping reads would exhaust.
     cluster = keras_ps.LocalCluster(num_workers=STRAGGLER_WORKERS, num_ps=1)
-    strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-    coordinator = keras_ps.ClusterCoordinator(strategy)
-    with strategy.scope():
-        seen = tf.Variable(0.0)
-        # The read sleep, on the ps: 1 us for the warm-up epoch (traces,
-        # connections), READ_US for the measured one.
-        read_us = tf.Variable(1, dtype=tf.int64)
-    # One file per dynamic shard; the static split reads the same records as
-    # 4 files, one per worker.
-    files = _write_files(SHARDS if mode == "dynamic" else STRAGGLER_WORKERS)
-    per_file = RECORDS // len(files)
+    try:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            seen = tf.Variable(0.0)
+            # The read sleep, on the ps: 1 us for the warm-up epoch (traces,
+            # connections), READ_US for the measured one.
+            read_us = tf.Variable(1, dtype=tf.int64)
+        # One file per dynamic shard; the static split reads the same records as
+        # 4 files, one per worker.
+        files = _write_files(SHARDS if mode == "dynamic" else STRAGGLER_WORKERS)
+        per_file = RECORDS // len(files)
 
-    def read_fn(filename):
-        # Slow reads on one worker: the sleep depends on the worker running
-        # the shard (a call-time value, so one trace serves every worker).
-        worker = keras_ps.coordinator.worker_index()
-        sleep = tf.where(tf.equal(worker, SLOW_WORKER),
-                         read_us * SLOW_FACTOR, read_us + 0)
-        records = tf.data.FixedLengthRecordDataset(filename, 4).map(
-            lambda r: tf.io.decode_raw(r, tf.float32)[0])
-        # TF's sleep op also sleeps before reporting the end of its input;
-        # take() ends the file without asking it again: one sleep a record.
-        return records.apply(_tf_adapter.sleep_dataset(sleep)).take(per_file)
+        def read_fn(filename):
+            # Slow reads on one worker: the sleep depends on the worker running
+            # the shard (a call-time value, so one trace serves every worker).
+            worker = keras_ps.coordinator.worker_index()
+            sleep = tf.where(tf.equal(worker, SLOW_WORKER),
+                             read_us * SLOW_FACTOR, read_us + 0)
+            records = tf.data.FixedLengthRecordDataset(filename, 4).map(
+                lambda r: tf.io.decode_raw(r, tf.float32)[0])
+            # TF's sleep op also sleeps before reporting the end of its input;
+            # take() ends the file without asking it again: one sleep a record.
+            return records.apply(_tf_adapter.sleep_dataset(sleep)).take(per_file)
 
-    data = keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=BATCH,
-                                 shuffle=False)
+        data = keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=BATCH,
+                                     shuffle=False)
 
-    def step(batch):
-        seen.assign_add(tf.reduce_sum(batch))
+        def step(batch):
+            seen.assign_add(tf.reduce_sum(batch))
 
-    train_shard = data.shard_function(coordinator, step,
-                                      steps_per_execution=STEPS_PER_EXECUTION)
-    for epoch in range(2):  # the first (no sleep) traces and warms up
-        read_us.assign(1 if epoch == 0 else READ_US)
-        start = time.perf_counter()
-        shards = data.epoch(coordinator, epoch)
-        remotes = [coordinator.schedule(train_shard, args=(shard,))
-                   for shard in shards]
-        finished = [None] * len(remotes)
+        train_shard = data.shard_function(coordinator, step,
+                                          steps_per_execution=STEPS_PER_EXECUTION)
+        for epoch in range(2):  # the first (no sleep) traces and warms up
+            read_us.assign(1 if epoch == 0 else READ_US)
+            start = time.perf_counter()
+            shards = data.epoch(coordinator, epoch)
+            remotes = [coordinator.schedule(train_shard, args=(shard,))
+                       for shard in shards]
+            finished = [None] * len(remotes)
 
-        def wait(i):
-            remotes[i].fetch()
-            finished[i] = time.perf_counter() - start
+            def wait(i):
+                remotes[i].fetch()
+                finished[i] = time.perf_counter() - start
 
-        threads = [threading.Thread(target=wait, args=(i,))
-                   for i in range(len(remotes))]
-        for t in threads:
-            t.start()
-        coordinator.join()
-        for t in threads:
-            t.join()
-        seconds = time.perf_counter() - start
-    assert seen.numpy() == 2 * RECORDS, seen.numpy()
-    result = {"seconds": seconds, "ideal": _ideal_seconds(),
-              "shards_per_worker": [w.closures_run for w in coordinator.workers]}
-    coordinator.shutdown()
-    cluster.shutdown()
+            threads = [threading.Thread(target=wait, args=(i,))
+                       for i in range(len(remotes))]
+            for t in threads:
+                t.start()
+            coordinator.join()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - start
+        assert seen.numpy() == 2 * RECORDS, seen.numpy()
+        result = {"seconds": seconds, "ideal": _ideal_seconds(),
+                  "shards_per_worker": [w.closures_run for w in coordinator.workers]}
+        coordinator.shutdown()
+    finally:
+        cluster.shutdown()
     if mode == "static":
         # Each worker's measured read rate (its quarter over the time it
         # took): the cluster's real total rate, overheads included.
