@@ -28,11 +28,11 @@ class BackupAndRestore(keras.callbacks.Callback):
     Each backup holds the model's and the optimizer's weights and the
     position in training (epoch and step within the epoch). With a
     `keras_ps.ShardedInput` it also holds the epoch's shard ledger: a resumed
-    epoch skips the shards already done, and `save_freq` counts shards. When the same
-    script starts again with the same `backup_dir`, `fit` loads the newest
-    backup and continues from that epoch and step, so `optimizer.iterations`
-    ends at the planned total (plus at most one packed execution per worker
-    that ran twice under at-least-once execution).
+    epoch skips the shards already done, and `save_freq` counts shards.
+    When the same script starts again with the same `backup_dir`, `fit`
+    loads the newest backup and continues from that epoch and step, so
+    `optimizer.iterations` ends at the planned total (plus at most one packed
+    execution per worker that ran twice under at-least-once execution).
 
     A backup waits for the steps in flight to finish first, so it is
     consistent: every step it counts is in its weights. Backups are written
