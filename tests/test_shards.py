@@ -345,3 +345,24 @@ def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
     assert history.history["shards_done"] == [3]
     assert "1 shard(s) had no records" in caplog.text
     assert "part-1.tfrecord" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_within_shard_shuffle_is_reproducible_from_the_seed():
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    def shard_order(seed, epoch, shard):
+        data = keras_ps.ShardedInput(np.arange(200, dtype=np.int64),
+                                     records_per_shard=100, seed=seed)
+        records = data.records(tf.constant(shard, tf.int64), tf.constant(
+            data.shard_seed(epoch, shard), tf.int64))
+        return [int(r) for r in records]
+
+    first = shard_order(seed=1, epoch=0, shard=1)
+    assert sorted(first) == list(range(100, 200)) and first != sorted(first)
+    assert shard_order(seed=1, epoch=0, shard=1) == first  # same seed, same order
+    assert shard_order(seed=1, epoch=1, shard=1) != first  # a new epoch reshuffles
+    assert shard_order(seed=2, epoch=0, shard=1) != first
