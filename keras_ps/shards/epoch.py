@@ -111,8 +111,10 @@ class _ShardsOnCluster:
         key = (step_fn, steps_per_execution)
         fn = self._functions.get(key)
         if fn is None:
-            fn = tf.function(self._build(step_fn, steps_per_execution),
-                             autograph=False)
+            # Autograph on, so the functions read_fn passes to tf.data (e.g.
+            # a map with Python control flow) are converted as they are in
+            # a dataset_fn; the step itself runs unconverted (see _build).
+            fn = tf.function(self._build(step_fn, steps_per_execution))
             # Read by the shard's listener: a lost attempt may have applied
             # up to this many steps that its retry runs again.
             fn._keras_ps_steps_per_execution = steps_per_execution
@@ -121,6 +123,8 @@ class _ShardsOnCluster:
 
     def _build(self, step_fn, steps_per_execution):
         data, progress, lease = self.input, self.progress, self.lease
+        # As keras_ps' own step functions: traced as written, not converted.
+        step_fn = tf.autograph.experimental.do_not_convert(step_fn)
         batch_size = data.batch_size
 
         def train_shard(shard):
@@ -305,7 +309,14 @@ class _ShardListener:
         """The error the user sees: names the shard, its file or records,
         and the workers that tried."""
         data = self._epoch._state.input
-        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        lines = [l.strip() for l in str(error).splitlines() if l.strip()]
+        # The first line, unless it only introduces the next ones (TF's
+        # "in user code:"): then the last, which holds the error itself.
+        first = "" if not lines else lines[-1] if lines[0].endswith(":") \
+            else lines[0]
+        name = type(error).__name__
+        if first.startswith(f"{name}: "):
+            first = first[len(name) + 2:]
         fix = ("Fix: check that the file exists and is readable on every "
                "worker, and that read_fn parses its records (a corrupt file "
                "can be removed from the list)." if data.kind == "files" else

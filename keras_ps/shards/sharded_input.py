@@ -235,8 +235,17 @@ class ShardedInput:
             count = tf.gather(tf.constant(self.shard_records, tf.int64), shard)
             dataset = self._records_fn().skip(start).take(count)
         if self.shuffle:
-            dataset = dataset.shuffle(self.shuffle_buffer_size, seed=seed,
-                                      reshuffle_each_iteration=False)
+            # The order depends on `seed` only, not on a global seed set with
+            # tf.random.set_seed / keras.utils.set_random_seed (which would
+            # also make tf.data compare the seed tensor as a Python bool when
+            # that global seed is 0): no graph seed while the op is made.
+            graph = tf.compat.v1.get_default_graph()
+            saved, graph.seed = graph.seed, None
+            try:
+                dataset = dataset.shuffle(self.shuffle_buffer_size, seed=seed,
+                                          reshuffle_each_iteration=False)
+            finally:
+                graph.seed = saved
         return dataset
 
     def __repr__(self):
