@@ -113,6 +113,71 @@ def test_ledger_wakes_a_waiter_on_change():
     assert ledger.wait_for_change(seen, timeout=10) != seen
 
 
+class _FakeInput:
+    batch_size, max_attempts, kind = 16, 2, "files"
+
+
+class _FakeEpoch:
+    """What a shard listener reads of its epoch, without a cluster."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+        self._state = type("State", (), {"input": _FakeInput()})()
+
+
+class _FakeFunction:
+    __name__ = "fake_shard_function"
+    _keras_ps_steps_per_execution = 2
+
+
+@pytest.mark.timeout(10)
+def test_queue_hooks_move_the_ledger_with_fakes():
+    """The coordinator's queue and a shard listener, no TF: a shard taken,
+    put back (its worker lost), taken again and finished; another that fails
+    to read twice is retried once, then gives the error naming it."""
+    import tensorflow as tf
+
+    from keras_ps.coordinator.closures import Closure, ClosureQueue
+    from keras_ps.shards.epoch import ShardReadError, _ShardListener
+
+    ledger = ShardLedger(["file 'a'", "file 'b'"], [64, None], epoch=0)
+    epoch = _FakeEpoch(ledger)
+    queue = ClosureQueue()
+    fn = _FakeFunction()
+    listeners = [_ShardListener(epoch, i, fn._keras_ps_steps_per_execution)
+                 for i in range(2)]
+    for listener in listeners:
+        queue.put(Closure(fn, (), {}, False, listener))
+
+    batch = queue.take(max_pack=16, num_takers=1)
+    assert len(batch) == 1  # a shard closure always runs alone
+    batch[0].listener.started(worker=3)
+    queue.put_back(batch)  # worker 3 lost
+    assert ledger.state(0) is ShardState.LOST
+    # The execution in flight (2 steps of 16) may have been applied.
+    assert ledger.summary()["records_retrained_max"] == 32
+    batch = queue.take(max_pack=16, num_takers=1)
+    batch[0].listener.started(worker=1)
+    batch[0].listener.finished(1, (tf.constant(40, tf.int64),
+                                   tf.constant(24, tf.int64)))
+    queue.mark_finished(1)
+    assert ledger.state(0) is ShardState.DONE and ledger.records(0) == 64
+
+    error = tf.errors.NotFoundError(None, None, "b: No such file or directory")
+    second = queue.take(max_pack=16, num_takers=1)[0].listener
+    second.started(worker=0)
+    assert second.retry_after_error(error) is True  # attempt 1 of 2
+    assert ledger.state(1) is ShardState.LOST
+    second.started(worker=1)
+    assert second.retry_after_error(error) is False  # attempts used up
+    assert ledger.state(1) is ShardState.FAILED
+    wrapped = second.error(error)
+    assert isinstance(wrapped, ShardReadError)
+    assert "Shard 1 of 2 (file 'b') failed on 2 attempts (workers [0, 1])" \
+        in str(wrapped)
+    assert "No such file or directory" in str(wrapped)
+
+
 # -- fit on real clusters, every record counted by id ---------------------------
 def _env(**extra):
     return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
