@@ -4,19 +4,21 @@
     .venv/bin/python benchmarks/dynamic_shards.py --repeats 3 --json
 
 Workloads (each measurement in its own process):
-  straggler  a LocalCluster of 4 worker processes and 1 ps; every record waits READ_US in the worker's
-             reads, 3x as long on worker 3. One epoch of RECORDS records,
-             each trained once, two ways:
-               dynamic: keras_ps.ShardedInput with SHARDS shards, handed to
-                        whichever worker is free;
-               static:  the same records split into 4 equal parts, one per
-                        worker (what sharding by worker index does).
+  straggler  a LocalCluster of 4 worker processes and 1 ps. Every record
+             waits READ_US (160 ms) in the worker's reads, 3x as long on
+             worker 3; a warm-up epoch without the wait comes first. One
+             epoch of RECORDS records, each trained once, two ways:
+               dynamic: keras_ps.ShardedInput with SHARDS (128) files of 4
+                        records, handed to whichever worker is free;
+               static:  the same records as 4 files, one per worker (what
+                        sharding by worker index does).
              Ideal time = the records over the cluster's total read rate
              (3 fast workers + one at 1/3 speed). Target: dynamic <= 1.15x
              the ideal.
-  tiny       (in-process cluster) ctl_dispatch.py's tiny step `v.assign_add(x)`, 2 workers, 2 ps:
-             today's per-worker iterator (`next(it)`, packed closures) vs
-             shard-driven input (ShardedInput of ones, batch_size=1, each
+  tiny       (in-process cluster, 2 workers, 2 ps) ctl_dispatch.py's tiny
+             step `v.assign_add(x)`: today's per-worker iterator (`next(it)`,
+             packed closures) vs shard-driven input (a ShardedInput of 4000
+             ones, batch_size=1, 16 shards, steps_per_execution=16, each
              closure one shard). Target: shards >= 0.9x the iterator.
 """
 
