@@ -274,7 +274,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 f"{class_weight!r}, validation_split={validation_split!r}. "
                 "Fix: put weights in the records; pass validation_data.")
         return sharded_fit.fit(
-            model, x, epochs, verbose, callbacks, validation_data,
+            model, coordinator_for(model.distribute_strategy), x, epochs,
+            verbose, callbacks, validation_data,
             validation_steps, validation_batch_size, validation_freq,
             initial_epoch, steps_per_epoch)
     steps_per_epoch = _require_steps("steps_per_epoch", steps_per_epoch, "epoch")

@@ -402,10 +402,15 @@ def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
     caplog.set_level(logging.WARNING, logger="keras_ps.shards.fit")
+    import numpy as np
+
     history = model.fit(keras_ps.ShardedInput(paths, read_fn=read_fn,
                                               batch_size=4), epochs=1,
+                        validation_data=(np.ones((8, 2), "float32"),
+                                         np.ones((8, 1), "float32")),
                         verbose=0)
     assert history.history["records_trained"] == [16]
+    assert len(history.history["val_loss"]) == 1
     assert history.history["shards_done"] == [3]
     assert "1 shard(s) had no records" in caplog.text
     assert "part-1.tfrecord" in caplog.text

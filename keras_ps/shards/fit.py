@@ -12,6 +12,7 @@ import collections
 import logging
 
 import keras
+import numpy as np
 
 from keras_ps import _keras_adapter
 from keras_ps.shards.ledger import ShardLedger, ShardState
@@ -23,12 +24,27 @@ _POLL_SECONDS = 0.5
 
 
 def _backup_callback(callback_list):
-    from keras_ps.callbacks import BackupAndRestore
-
+    """keras_ps' BackupAndRestore, found by what it offers (this module
+    imports neither the callbacks nor the training loop)."""
     for callback in callback_list.callbacks:
-        if isinstance(callback, BackupAndRestore):
+        if hasattr(callback, "state_providers") and \
+                hasattr(callback, "resume_position"):
             return callback
     return None
+
+
+def _python_logs(logs):
+    out = {}
+    for key, value in logs.items():
+        value = np.asarray(value)
+        out[key] = float(value) if value.size == 1 else value
+    return out
+
+
+def _should_validate(epoch, validation_freq):
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq
 
 
 def _restored_ledger(backup, data, epoch):
@@ -47,12 +63,10 @@ def _restored_ledger(backup, data, epoch):
     return ShardLedger.restore(snapshot, data.descriptions)
 
 
-def fit(model, data, epochs, verbose, callbacks, validation_data,
-        validation_steps, validation_batch_size, validation_freq,
-        initial_epoch, steps_per_epoch):
-    """`model.fit(data)` for a ShardedInput `data`."""
-    from keras_ps import training
-
+def fit(model, coordinator, data, epochs, verbose, callbacks,
+        validation_data, validation_steps, validation_batch_size,
+        validation_freq, initial_epoch, steps_per_epoch):
+    """`model.fit(data)` for a ShardedInput `data`, on `coordinator`."""
     if steps_per_epoch is not None:
         raise ValueError(
             "With a ShardedInput an epoch is every record once, so fit "
@@ -60,13 +74,15 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
             f"{steps_per_epoch}. Fix: drop steps_per_epoch (use "
             "records_per_shard and batch_size to size the work).")
     strategy = model.distribute_strategy
-    coordinator = training.coordinator_for(strategy)
     _keras_adapter.symbolic_build(model, strategy, data.element_spec)
     train_shard = data.shard_function(
         coordinator, model.train_step,
         max(1, int(model.steps_per_execution or 1)))
-    callback_list = training._make_callbacks(model, callbacks, verbose, epochs,
-                                             data.num_shards)
+    callback_list = callbacks if isinstance(
+        callbacks, keras.callbacks.CallbackList) else \
+        keras.callbacks.CallbackList(
+            callbacks, add_history=True, add_progbar=verbose != 0,
+            verbose=verbose, epochs=epochs, steps=data.num_shards, model=model)
     model.stop_training = False
     callback_list.on_train_begin()
     backup = _backup_callback(callback_list)
@@ -89,7 +105,7 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
         except BaseException:
             epoch.abandon()
             raise
-        epoch_logs = training._python_logs(model.get_metrics_result())
+        epoch_logs = _python_logs(model.get_metrics_result())
         summary = epoch.summary()
         epoch_logs.update(summary)
         empty = epoch.ledger.empty_shards()
@@ -102,13 +118,13 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
                     epoch_index, summary["shards_done"], summary["shards"],
                     summary["records_trained"], summary["shards_lost"],
                     summary["records_retrained_max"])
-        if validation_data is not None and training._should_validate(
+        if validation_data is not None and _should_validate(
                 epoch_index, validation_freq):
             val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
                 validation_data) if isinstance(validation_data, tuple) else (
                 validation_data, None, None)
-            val_logs = training.evaluate(
-                model, val_x, val_y, sample_weight=val_w,
+            val_logs = model.evaluate(  # keras_ps' evaluate, on the workers
+                val_x, val_y, sample_weight=val_w,
                 batch_size=validation_batch_size or data.batch_size,
                 steps=validation_steps, verbose=0, return_dict=True)
             epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
@@ -125,8 +141,6 @@ def fit(model, data, epochs, verbose, callbacks, validation_data,
 def _run_epoch(model, coordinator, train_shard, epoch, callback_list):
     """Schedules the epoch's shards a window ahead; runs the batch-level
     callbacks as shards finish (batch index = shards done - 1)."""
-    from keras_ps import training
-
     ledger = epoch.ledger
     todo = collections.deque(epoch)
     reported = ledger.count(ShardState.DONE)
@@ -140,7 +154,7 @@ def _run_epoch(model, coordinator, train_shard, epoch, callback_list):
         done = ledger.count(ShardState.DONE)
         while reported < done:
             callback_list.on_train_batch_begin(reported)
-            logs = training._python_logs(model.get_metrics_result())
+            logs = _python_logs(model.get_metrics_result())
             callback_list.on_train_batch_end(reported, logs)
             reported += 1
             if model.stop_training:
