@@ -47,12 +47,14 @@ def test_ledger_happy_path_and_summary():
 def test_ledger_lost_shard_is_handed_out_again_and_counted():
     ledger = _ledger(2, [64, 64])
     ledger.hand_out(0, worker=1)
-    ledger.lose(0, "worker 1 killed", in_flight_records=16)
+    ledger.lose(0, "worker 1 killed")
     assert ledger.state(0) is ShardState.LOST
     assert ledger.lost_shards() == [0]
     ledger.hand_out(0, worker=2)
     assert ledger.workers_tried(0) == [1, 2] and ledger.attempts(0) == 2
-    ledger.finish(0, 2, trained_before=32, trained_now=32)
+    # The retry skipped the 32 records done; the lost attempt had started
+    # 16 more, which the retry trains again.
+    ledger.finish(0, 2, trained_before=32, trained_now=32, retrained=16)
     assert ledger.records(0) == 64
     assert ledger.summary()["records_retrained_max"] == 16
     assert ledger.summary()["shards_lost"] == 1
@@ -69,7 +71,7 @@ def test_ledger_refuses_moves_the_state_machine_does_not_allow(moves):
     ledger = _ledger(1, [8])
     actions = {"hand_out": lambda: ledger.hand_out(0, 0),
                "finish": lambda: ledger.finish(0, 0, 0, 8),
-               "lose": lambda: ledger.lose(0, "x", 8)}
+               "lose": lambda: ledger.lose(0, "x")}
     for move in moves[:-1]:
         actions[move[0]]()
     with pytest.raises(ShardTransitionError, match="cannot go from"):
@@ -153,14 +155,16 @@ def test_queue_hooks_move_the_ledger_with_fakes():
     batch[0].listener.started(worker=3)
     queue.put_back(batch)  # worker 3 lost
     assert ledger.state(0) is ShardState.LOST
-    # The execution in flight (2 steps of 16) may have been applied.
-    assert ledger.summary()["records_retrained_max"] == 32
     batch = queue.take(max_pack=16, num_takers=1)
     batch[0].listener.started(worker=1)
+    # The retry resumed at record 40 and found 16 records started by the
+    # lost attempt (maybe applied): trained again, counted.
     batch[0].listener.finished(1, (tf.constant(40, tf.int64),
-                                   tf.constant(24, tf.int64)))
+                                   tf.constant(24, tf.int64),
+                                   tf.constant(16, tf.int64)))
     queue.mark_finished(1)
     assert ledger.state(0) is ShardState.DONE and ledger.records(0) == 64
+    assert ledger.summary()["records_retrained_max"] == 16
 
     error = tf.errors.NotFoundError(None, None, "b: No such file or directory")
     second = queue.take(max_pack=16, num_takers=1)[0].listener

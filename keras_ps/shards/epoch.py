@@ -11,12 +11,17 @@ int64 variables on a ps, one entry per shard, make a retry exact:
   it, all finished) and at the end. A retry skips that many records of the
   (deterministically shuffled) shard.
 - `lease[shard]`: the call that owns the shard. A call claims it when it
-  starts and checks it before each execution, so a worker that was given up
-  as hung and continues later stops after the execution it was running.
+  starts and checks it before running each execution's steps, so a worker
+  that was given up as hung and continues later applies at most the
+  execution it had started.
+- `started[shard]`: records of the executions a call has started (marked
+  before its lease check). The next attempt counts `started - progress`:
+  the records a lost attempt may have applied, which it trains again.
 
 So a record is trained twice only when its step was in flight on a worker
-that failed: at most one execution per lost attempt, which the ledger
-counts.
+that failed: at most one execution per lost attempt, counted in the
+ledger (`records_retrained_max`: an upper bound, exact unless a worker dies
+between marking an execution and applying it).
 """
 
 import itertools
@@ -69,6 +74,15 @@ def _shard_options():
     return options
 
 
+def _batch_size(batch):
+    return tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
+
+
+def _run(step_fn, batch):
+    step_fn(batch)
+    return tf.constant(True)
+
+
 class _ShardsOnCluster:
     """The progress and lease variables of one ShardedInput on a ps."""
 
@@ -83,6 +97,9 @@ class _ShardsOnCluster:
             self.lease = tf.Variable(tf.zeros([n], tf.int64),
                                      name="keras_ps_shard_lease",
                                      trainable=False)
+            self.started = tf.Variable(tf.zeros([n], tf.int64),
+                                       name="keras_ps_shard_started",
+                                       trainable=False)
         self._functions = {}
         self.current = None
 
@@ -96,8 +113,8 @@ class _ShardsOnCluster:
                 f"epoch {self.current.epoch} are still running. Call "
                 "coordinator.join() first.")
         n = self.input.num_shards
-        self.progress.assign(tf.zeros([n], tf.int64))
-        self.lease.assign(tf.zeros([n], tf.int64))
+        for variable in (self.progress, self.lease, self.started):
+            variable.assign(tf.zeros([n], tf.int64))
         if ledger is None:
             ledger = ShardLedger(self.input.descriptions,
                                  list(self.input.shard_records), epoch,
@@ -123,6 +140,7 @@ class _ShardsOnCluster:
 
     def _build(self, step_fn, steps_per_execution):
         data, progress, lease = self.input, self.progress, self.lease
+        started = self.started
         # As keras_ps' own step functions: traced as written, not converted.
         step_fn = tf.autograph.experimental.do_not_convert(step_fn)
         batch_size = data.batch_size
@@ -136,6 +154,10 @@ class _ShardsOnCluster:
                 updates=tf.reshape(token, [1]))
             with tf.control_dependencies([claim]):
                 start = tf.reshape(progress.sparse_read(one), [])
+                marked = tf.reshape(started.sparse_read(one), [])
+            # Batches an earlier attempt had started and not finished: it
+            # may have applied them, and this attempt trains them again.
+            retrained = tf.maximum(marked - start, 0)
             batches = data.records(index, seed).skip(start).batch(batch_size)
             iterator = iter(batches.with_options(_shard_options()))
 
@@ -147,37 +169,44 @@ class _ShardsOnCluster:
                     resource=progress.handle, indices=one,
                     updates=tf.reshape(start + done, [1]))
 
-            def one_step():
-                optional = iterator.get_next_as_optional()
-
-                def step():
-                    batch = optional.get_value()
-                    size = tf.shape(tf.nest.flatten(batch)[0],
-                                    out_type=tf.int64)[0]
-                    with tf.control_dependencies([size]):
-                        step_fn(batch)
-                    return size
-
-                return tf.cond(optional.has_value(), step,
-                               lambda: tf.constant(0, tf.int64)), \
-                    optional.has_value()
-
             def execution(done):
-                # `done` counts only finished steps: the loop variables of an
-                # iteration wait for all of its stateful ops. Progress and the
-                # lease are checked once per execution of
-                # `steps_per_execution` steps, which keeps the per-step cost
-                # of dynamic shards low.
+                # Reads the next `steps_per_execution` batches, marks them
+                # started, checks the lease, then runs the steps. `done`
+                # counts only finished steps: the loop variables of an
+                # iteration wait for all of its stateful ops. Progress,
+                # marker and lease cost a few ps ops per execution, which
+                # keeps the per-step cost of dynamic shards low.
                 with tf.control_dependencies([write_progress(done)]):
-                    trained = tf.constant(0, tf.int64)
-                for _ in range(steps_per_execution):
-                    size, more = one_step()
-                    trained += size
-                return done + trained, more
+                    optionals = [iterator.get_next_as_optional()]
+                for _ in range(steps_per_execution - 1):
+                    optionals.append(iterator.get_next_as_optional())
+                sizes = [tf.cond(o.has_value(),
+                                 lambda o=o: _batch_size(o.get_value()),
+                                 lambda: tf.constant(0, tf.int64))
+                         for o in optionals]
+                total = tf.add_n(sizes)
+                # Marked before the lease check: a call that loses the lease
+                # after this has its batches counted by the next attempt
+                # (maybe trained twice); one that lost it before applies
+                # nothing. Monotonic (max), so a late call cannot lower it.
+                mark = tf.raw_ops.ResourceScatterMax(
+                    resource=started.handle, indices=one,
+                    updates=tf.reshape(start + done + total, [1]))
+                with tf.control_dependencies([mark]):
+                    keep = owned()
+
+                def run_steps():
+                    for o in optionals:
+                        tf.cond(o.has_value(),
+                                lambda o=o: _run(step_fn, o.get_value()),
+                                lambda: tf.constant(False))
+                    return done + total, optionals[-1].has_value()
+
+                return tf.cond(keep, run_steps,
+                               lambda: (tf.identity(done), tf.constant(False)))
 
             def body(done, _):
-                return tf.cond(owned(), lambda: execution(done),
-                               lambda: (tf.identity(done), tf.constant(False)))
+                return execution(done)
 
             done, _ = tf.while_loop(
                 lambda done, running: running, body,
@@ -192,7 +221,8 @@ class _ShardsOnCluster:
 
             final = tf.cond(owned(), report, lambda: tf.constant(False))
             with tf.control_dependencies([final]):
-                return tf.identity(start), tf.identity(done)
+                return (tf.identity(start), tf.identity(done),
+                        tf.identity(retrained))
 
         train_shard.__name__ = (
             f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
@@ -273,28 +303,22 @@ class _ShardListener:
         self._epoch = epoch
         self._ledger = epoch.ledger
         self.index = index
-        self._in_flight_bound = epoch._state.input.batch_size * \
-            steps_per_execution
+        self.steps_per_execution = steps_per_execution
         self._max_attempts = epoch._state.input.max_attempts
 
     def started(self, worker):
         self._ledger.hand_out(self.index, worker)
 
     def finished(self, worker, output):
-        start, done = (int(t.numpy()) for t in output)
-        self._ledger.finish(self.index, worker, start, done)
+        start, done, retrained = (int(t.numpy()) for t in output)
+        self._ledger.finish(self.index, worker, start, done, retrained)
 
     def requeued(self, reason="its worker failed"):
         """The closure goes back to the queue (its worker failed, hung or
-        left). At most the execution in flight (steps_per_execution steps)
-        may have been applied."""
+        left). The retry counts what the lost attempt may have applied."""
         if self._ledger.state(self.index) is not ShardState.HANDED_OUT:
             return  # put back before it ran: nothing was in flight
-        in_flight = self._in_flight_bound
-        records = self._ledger.records(self.index)
-        if records is not None:
-            in_flight = min(in_flight, records)
-        self._ledger.lose(self.index, reason, in_flight)
+        self._ledger.lose(self.index, reason)
 
     def retry_after_error(self, error):
         """An error in the shard's function: True to run it again (on

@@ -10,9 +10,9 @@ only place a state changes, checks the move against `ALLOWED`, and logs it.
                              LOST ┘        HANDED_OUT ──fail──> FAILED
 
 A LOST shard is back in the queue (its worker failed, hung, or left); its
-retry resumes after the records its earlier attempts trained. The ledger
-counts the records of steps that were in flight when a shard was lost: the
-only records that can be trained twice.
+retry resumes after the records its earlier attempts trained, and reports
+the records the lost attempt had started and may have applied: the only
+records that can be trained twice, which the ledger counts.
 """
 
 import enum
@@ -124,26 +124,28 @@ class ShardLedger:
         self.transition(index, ShardState.HANDED_OUT, f"attempt {attempt}",
                         worker)
 
-    def finish(self, index, worker, trained_before, trained_now):
+    def finish(self, index, worker, trained_before, trained_now,
+               retrained=0):
         """The shard's last step completed: it started `trained_before`
-        records in (skipped, trained by earlier attempts) and trained
-        `trained_now` more."""
+        records in (skipped, trained by earlier attempts), trained
+        `trained_now` more, of which `retrained` a lost attempt had started
+        (possibly trained twice: nobody can tell whether a step in flight on
+        a dead worker was applied)."""
         with self._cv:
             shard = self._shards[index]
             shard.trained = trained_before + trained_now
             shard.records = shard.trained
+            self.in_flight_records_lost += retrained
         self.transition(index, ShardState.DONE,
                         f"{trained_now} records trained, {trained_before} by "
-                        "earlier attempts", worker)
+                        f"earlier attempts, {retrained} possibly twice",
+                        worker)
 
-    def lose(self, index, reason, in_flight_records):
-        """The shard's worker failed, hung or left: queue it again, counting
-        the records of the step(s) that were in flight (possibly trained
-        twice: the retry cannot know whether they were applied)."""
+    def lose(self, index, reason):
+        """The shard's worker failed, hung or left: queue it again."""
         with self._cv:
             shard = self._shards[index]
             worker = shard.worker
-            self.in_flight_records_lost += in_flight_records
             self.losses += 1
             shard.losses += 1
         self.transition(index, ShardState.LOST, reason, worker)
