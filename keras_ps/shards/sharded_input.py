@@ -37,8 +37,8 @@ class ShardedInput:
     shard again when its worker fails, hangs or leaves; the retry resumes
     after the records already trained. A record is trained twice only when
     its step was in flight on a worker that failed (the epoch's logs count
-    these records in `records_retrained_max`). The epoch ends when every
-    shard is done, so `fit` needs no `steps_per_epoch`.
+    these records in `records_retrained_max`, an upper bound). The epoch
+    ends when every shard is done, so `fit` needs no `steps_per_epoch`.
 
     Args:
         data: one of
