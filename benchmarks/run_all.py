@@ -23,6 +23,10 @@ run back to back, so each ratio compares neighbours in time):
            at 1M; LazyAdam accuracy within 0.5 points of dense Adam at 1M;
            peak RSS <= 1.25x table + slots). Plot: large_tables.png.
            About 35 minutes for 3 repeats.
+  shards   dynamic_shards.py (keras_ps only): one worker 3x slower among 4,
+           dynamic shards vs a static per-worker split (target: dynamic <=
+           1.15x the ideal time); CTL tiny step with shard-driven input vs
+           the per-worker iterator (target: >= 0.9x)
 
 Ratios are min / median / max over the repeats; a target counts as met when
 the median meets it. `--only tiny,fit` runs a subset.
@@ -42,10 +46,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import ctl_dispatch  # noqa: E402
+import dynamic_shards  # noqa: E402
 import fit_embedding  # noqa: E402
 import fit_large_tables  # noqa: E402
 
-ALL = ("tiny", "sleep", "fit", "lookup", "scaling", "large")
+ALL = ("tiny", "sleep", "fit", "lookup", "scaling", "large", "shards")
 SCALING_WORKERS = (1, 2, 4, 8, 16)
 QUICK_SCALING_WORKERS = (1, 4)  # plus 16 when `sleep` ran
 SLEEP_IDEAL_PER_WORKER = 50.0  # 20 ms per step
@@ -111,6 +116,9 @@ def run_all(names, repeats, quick):
             rows = fit_large_tables.ROWS[:1] if quick else fit_large_tables.ROWS
             results[name] = fit_large_tables.measure(rows, repeats=repeats, log=log,
                                                      quick=quick)
+        elif name == "shards":
+            results[name] = dynamic_shards.measure(repeats=repeats, log=log,
+                                                   quick=quick)
         elif name == "scaling":
             workers = QUICK_SCALING_WORKERS if quick else SCALING_WORKERS
             if quick and "sleep" in results:
@@ -199,6 +207,26 @@ def table_rows(results):
             statistics.median(growth) < table / 2))
     if "large" in results:
         rows.extend(large_table_rows(results["large"]))
+    if "shards" in results:
+        summary = dynamic_shards.summarize(results["shards"])
+        s, t = summary["straggler"], summary["tiny"]
+        lo, mid, hi = s["dynamic_over_ideal"]
+        rows.append((
+            "Dynamic shards: 1 of 4 workers reads 3x slower, one epoch of "
+            f"{dynamic_shards.SHARDS} shards, epoch time / ideal (data / total "
+            "rate); TF native column: static per-worker split",
+            f"static {s['static_over_ideal'][1]:.2f}x ideal",
+            f"dynamic {mid:.2f}x ideal",
+            f"{lo:.2f} / **{mid:.2f}** / {hi:.2f}x", "dynamic <= 1.15x ideal",
+            s["met"]))
+        lo, mid, hi = t["shards_over_iterator"]
+        rows.append((
+            "  CTL tiny step, shard-driven input vs per-worker iterator, 2 "
+            "workers (TF native column: the iterator)",
+            f"{t['iterator_steps_per_s'][1]:.0f} steps/s",
+            f"{t['shards_steps_per_s'][1]:.0f} steps/s",
+            f"{lo:.2f} / **{mid:.2f}** / {hi:.2f}x", "shards >= 0.9x iterator",
+            t["met"]))
     return rows
 
 

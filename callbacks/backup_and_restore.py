@@ -8,7 +8,7 @@ import shutil
 
 from keras_ps import _files
 from keras_ps.coordinator import ClusterCoordinator
-from keras_ps.training import ResumableCallback
+from keras_ps.resumable import ResumableCallback
 
 logger = logging.getLogger(__name__)
 
@@ -19,11 +19,13 @@ class BackupAndRestore(ResumableCallback):
     """Backs up training so a killed coordinator resumes where it stopped.
 
     Each backup holds the model's and the optimizer's weights and the
-    position in training (epoch and step within the epoch). When the same
-    script starts again with the same `backup_dir`, `fit` loads the newest
-    backup and continues from that epoch and step, so `optimizer.iterations`
-    ends at the planned total (plus at most one packed execution per worker
-    that ran twice under at-least-once execution).
+    position in training (epoch and step within the epoch). With a
+    `keras_ps.ShardedInput` it also holds the epoch's shard ledger: a resumed
+    epoch skips the shards already done, and `save_freq` counts shards.
+    When the same script starts again with the same `backup_dir`, `fit`
+    loads the newest backup and continues from that epoch and step, so
+    `optimizer.iterations` ends at the planned total (plus at most one packed
+    execution per worker that ran twice under at-least-once execution).
 
     A backup waits for the steps in flight to finish first, so it is
     consistent: every step it counts is in its weights. Backups are written
@@ -81,6 +83,7 @@ class BackupAndRestore(ResumableCallback):
         """
         os.makedirs(self.backup_dir, exist_ok=True)
         self._resume = None
+        self.restored_state = None
         state = self._read_state()
         if state is None:
             return
@@ -100,6 +103,7 @@ class BackupAndRestore(ResumableCallback):
                 "scratch.") from error
         self._serial = state["serial"]
         self._resume = (state["epoch"], state["step"])
+        self.restored_state = state.get("extra", {})
         logger.info("[chief] restored backup %s: epoch %d, step %d",
                     weights, state["epoch"], state["step"])
 
@@ -134,9 +138,10 @@ class BackupAndRestore(ResumableCallback):
         path = os.path.join(self.backup_dir, name)
         self.model.save_weights(path, overwrite=True)
         previous = self._read_state()
+        extra = {key: provide() for key, provide in self.state_providers.items()}
         _files.write_atomically(self._state_path, json.dumps(
             {"epoch": epoch, "step": step, "serial": self._serial,
-             "weights": name}))
+             "weights": name, "extra": extra}))
         if previous is not None and previous["weights"] != name:
             try:
                 os.remove(os.path.join(self.backup_dir, previous["weights"]))

@@ -158,7 +158,7 @@ class SidecarEvaluatorModelExport(keras.callbacks.Callback):
 
     def on_checkpoint_restored(self, checkpoint):
         """Called by `SidecarEvaluator` with the checkpoint about to be
-        evaluated (a `keras_ps.evaluation.Checkpoint`)."""
+        evaluated (a `keras_ps.sidecar.format.Checkpoint`)."""
         self._checkpoint = checkpoint
 
     def _better(self, value):

@@ -32,6 +32,7 @@ _EXPORTS = {
     "ParameterServerStrategy": ("keras_ps.strategy", "ParameterServerStrategy"),
     "PerWorkerValues": ("keras_ps.coordinator", "PerWorkerValues"),
     "RemoteValue": ("keras_ps.coordinator", "RemoteValue"),
+    "ShardedInput": ("keras_ps.shards", "ShardedInput"),
     "ShardedVariable": ("keras_ps.sharded_variable", "ShardedVariable"),
     "SidecarEvaluator": ("keras_ps.sidecar.evaluator", "SidecarEvaluator"),
     "callbacks": ("keras_ps.callbacks", None),
@@ -40,6 +41,7 @@ _EXPORTS = {
     "elastic": ("keras_ps.elastic", None),
     "optimizers": ("keras_ps.optimizers", None),
     "partitioners": ("keras_ps.partitioners", None),
+    "shards": ("keras_ps.shards", None),
     "training": ("keras_ps.training", None),
 }
 

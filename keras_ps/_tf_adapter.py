@@ -144,3 +144,11 @@ def resource_variable_saveable(variable, slice_spec, name):
 
     return saveable_object_util.ResourceVariableSaveable(
         variable, slice_spec, name)
+
+
+def sleep_dataset(microseconds):
+    """A dataset transformation that waits `microseconds` before each element
+    (TF's non-public test op; for benchmarks and tests of slow input)."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    return testing.sleep(microseconds)

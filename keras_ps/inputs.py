@@ -150,7 +150,10 @@ def require_steps(name, value, what):
             "so the data runs out on each worker at a different step, and "
             "where the epoch ended would depend on timing (batches still in "
             f"flight are lost or repeated). Received: {name}=-1. Pass "
-            f"{name}=<number of batches per {what}>{exact}.")
+            f"{name}=<number of batches per {what}>{exact}"
+            + (", or give fit a keras_ps.ShardedInput: its epoch ends when "
+               "every record has been trained on once." if name ==
+               "steps_per_epoch" else "."))
     if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(
             f"`{name}` must be a positive integer. Received: {name}={value!r}.")
@@ -183,3 +186,10 @@ def exact_input(x, y, sample_weight, batch_size):
     data = as_arrays(x, y, sample_weight)
     return tf.data.Dataset.from_tensor_slices(data).batch(
         batch_size or DEFAULT_BATCH_SIZE)
+
+
+def should_validate(epoch, validation_freq):
+    """Whether `fit` evaluates `validation_data` after `epoch` (0-based)."""
+    if isinstance(validation_freq, int):
+        return (epoch + 1) % validation_freq == 0
+    return epoch + 1 in validation_freq

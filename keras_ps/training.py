@@ -16,25 +16,16 @@ import tensorflow as tf
 
 from keras_ps import exact_evaluation
 from keras_ps import inputs
+from keras_ps import shards
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.inputs import DatasetCreator  # noqa: F401  (keras_ps.training.DatasetCreator)
+from keras_ps.resumable import ResumableCallback
+from keras_ps.shards import fit as sharded_fit
 from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training_logs import StepLogs, StepLogsTracker, python_logs
 
 logger = logging.getLogger(__name__)
-
-
-class ResumableCallback(keras.callbacks.Callback):
-    """A callback that tells `fit` where to resume after `on_train_begin`.
-
-    `keras_ps.callbacks.BackupAndRestore` is one: after loading a backup it
-    returns the (epoch, step within the epoch) the backup was taken at.
-    """
-
-    def resume_position(self):
-        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
-        return None
 
 
 # -- scheduled functions ---------------------------------------------------------
@@ -124,8 +115,23 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         steps_per_epoch=None, validation_steps=None,
         validation_batch_size=None, validation_freq=1):
     """`model.fit` for a model built under a keras_ps strategy (same arguments
-    as Keras' `Model.fit`; `steps_per_epoch` is required)."""
+    as Keras' `Model.fit`; `steps_per_epoch` is required, except with a
+    `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
+    if isinstance(x, shards.ShardedInput):
+        # Dynamic data shards: the epoch is every shard once (shards/fit.py).
+        inputs.no_targets(x, y, sample_weight)
+        if class_weight is not None or validation_split:
+            raise ValueError(
+                "A ShardedInput carries its own data: class_weight and "
+                "validation_split do not apply. Received: class_weight="
+                f"{class_weight!r}, validation_split={validation_split!r}. "
+                "Fix: put weights in the records; pass validation_data.")
+        return sharded_fit.fit(
+            model, ClusterCoordinator(model.distribute_strategy), x, epochs,
+            verbose, callbacks, validation_data,
+            validation_steps, validation_batch_size, validation_freq,
+            initial_epoch, steps_per_epoch)
     steps_per_epoch = inputs.require_steps("steps_per_epoch", steps_per_epoch, "epoch")
     if class_weight is not None:
         raise ValueError(
@@ -176,7 +182,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 break
         coordinator.join()
         epoch_logs = python_logs(model.get_metrics_result())
-        if validation_data is not None and _should_validate(epoch,
+        if validation_data is not None and inputs.should_validate(epoch,
                                                             validation_freq):
             val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
                 validation_data) if isinstance(validation_data, tuple) else (
@@ -203,12 +209,6 @@ def _check_compiled(model, what):
             f"{model.name!r} that is not compiled.")
 
 
-def _should_validate(epoch, validation_freq):
-    if isinstance(validation_freq, int):
-        return (epoch + 1) % validation_freq == 0
-    return epoch + 1 in validation_freq
-
-
 # -- evaluate --------------------------------------------------------------------
 def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
              sample_weight=None, steps=None, callbacks=None,
@@ -227,6 +227,11 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
         kwargs.pop(name, None)
     if kwargs:
         raise TypeError(f"Unexpected evaluate arguments: {sorted(kwargs)}.")
+    if isinstance(x, shards.ShardedInput):  # dynamic data shards train only
+        raise TypeError(
+            "evaluate does not take a ShardedInput (it is for training). "
+            f"Received: x={x!r}. Fix: pass the records as a finite "
+            "tf.data.Dataset: evaluate is exactly-once on finite data.")
     _check_compiled(model, "evaluate")
     strategy = model.distribute_strategy
     coordinator = ClusterCoordinator(strategy)

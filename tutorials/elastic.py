@@ -12,12 +12,19 @@ Everything runs on this machine's loopback as real processes:
    dataset is created, nobody restarts); later it gets SIGTERM (the cluster
    shrinks back to 2: its in-flight steps are retried on the others).
 
+With `--input shards` the data are a `keras_ps.ShardedInput`: the
+coordinator hands out shards of the data to whichever worker is free, so the
+third worker takes shards as soon as it is admitted, the shards it holds
+when it leaves go back to the queue, and every record is trained once per
+epoch (the result adds the records trained per epoch).
+
 The last line printed is `RESULT {json}`: steps run per worker, optimizer
 iterations against the plan, seconds from the third agent's launch to its
 worker's first step, and whether the first two workers kept their pids.
 
 Run:
     python tutorials/elastic.py --steps_per_epoch 40 --epochs 4
+    python tutorials/elastic.py --epochs 4 --input shards
 """
 
 import argparse
@@ -113,6 +120,15 @@ def dataset_creator():
     return keras_ps.DatasetCreator(dataset_fn)
 
 
+def sharded_input():
+    """The same records as dynamic shards: 16 ranges of 256, handed out by
+    the coordinator (a shard is not tied to a worker, so a joining worker
+    changes nothing about the data)."""
+    x, y = data()
+    return keras_ps.ShardedInput((x, y), batch_size=32, records_per_shard=256,
+                                 seed=1)
+
+
 class GrowAndShrink(keras.callbacks.Callback):
     """Starts a third agent in epoch 0 and stops it once it ran steps."""
 
@@ -183,6 +199,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps_per_epoch", type=int, default=40)
     parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--input", choices=["dataset_fn", "shards"],
+                        default="dataset_fn")
     args = parser.parse_args(argv)
     if args.steps_per_epoch < 4 or args.epochs < 2:
         parser.error("--steps_per_epoch must be >= 4 and --epochs >= 2")
@@ -215,14 +233,22 @@ def main(argv=None):
             model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
                           steps_per_execution=PER_EXECUTION)
         coordinator = keras_ps.ClusterCoordinator(strategy)
+        # With shards the batch index of the callbacks counts shards.
         grow = GrowAndShrink(rdzv_endpoint, log_dir,
-                             grow_at=min(9, args.steps_per_epoch // 2),
+                             grow_at=4 if args.input == "shards" else
+                             min(9, args.steps_per_epoch // 2),
                              min_steps_run=2)
         grow.coordinator = coordinator
-        model.fit(dataset_creator(), epochs=args.epochs,
-                  steps_per_epoch=args.steps_per_epoch, callbacks=[grow],
-                  verbose=0)
-        planned = args.epochs * args.steps_per_epoch
+        if args.input == "shards":
+            history = model.fit(sharded_input(), epochs=args.epochs,
+                                callbacks=[grow], verbose=0)
+            # An epoch is every record once: 4096 records, 128 steps of 32.
+            planned = args.epochs * 128
+        else:
+            history = model.fit(dataset_creator(), epochs=args.epochs,
+                                steps_per_epoch=args.steps_per_epoch,
+                                callbacks=[grow], verbose=0)
+            planned = args.epochs * args.steps_per_epoch
         result = dict(
             planned=planned,
             iterations=int(model.optimizer.iterations.numpy()),
@@ -233,6 +259,10 @@ def main(argv=None):
             pids_unchanged=pids == [a.task_pid() for a in agents],
             first_two_alive=all(a.process.poll() is None for a in agents),
             log_dir=log_dir, **grow.report)
+        if args.input == "shards":
+            result.update(
+                records_trained=history.history["records_trained"],
+                records_retrained_max=history.history["records_retrained_max"])
         coordinator.shutdown()
         resolver.close()
         print("RESULT " + json.dumps(result), flush=True)

@@ -20,8 +20,15 @@ with keras_ps in place of `tf.distribute.ParameterServerStrategy`:
    the evaluator task runs `python -m keras_ps.evaluator --model_fn
    tutorials/model_fit.py:eval_model --checkpoint_dir WORKDIR/sidecar`.
 
+With `--input shards` the data are TFRecord files read through
+`keras_ps.ShardedInput`: the coordinator hands the files out one at a time
+to whichever worker is free, every record is trained once per epoch (even if
+a worker dies, hangs, joins or leaves), and `fit` needs no
+`steps_per_epoch`: an epoch is every file once.
+
 Run:
     python tutorials/model_fit.py --epochs 5 --steps_per_epoch 20
+    python tutorials/model_fit.py --epochs 5 --input shards
 """
 
 import argparse
@@ -134,6 +141,10 @@ def _parser():
     parser.add_argument("--backup_freq", default="epoch",
                         help='BackupAndRestore save_freq: "epoch" or a step count')
     parser.add_argument("--eval_examples", type=int, default=200)
+    parser.add_argument("--input", choices=["dataset_fn", "shards"],
+                        default="dataset_fn",
+                        help="a DatasetCreator (each worker reads its part) "
+                        "or TFRecord files handed out as dynamic shards")
     parser.add_argument("--workdir", default=os.path.join(
         tempfile.gettempdir(), "keras_ps_model_fit"))
     return parser
@@ -165,6 +176,42 @@ def main(argv=None):
     finally:
         if cluster is not None:
             cluster.shutdown()
+
+
+def sharded_input(examples, preprocess, workdir, num_files=8):
+    """The examples as TFRecord files, read as dynamic shards.
+
+    The data are stated once (the files) with how to read one file
+    (`read_fn`, run on whichever worker the coordinator hands the file to).
+    """
+    import tensorflow as tf
+
+    import keras_ps
+
+    data_dir = os.path.join(workdir, "data")
+    os.makedirs(data_dir, exist_ok=True)
+    files = [os.path.join(data_dir, f"train-{i:02d}.tfrecord")
+             for i in range(num_files)]
+    count = len(examples["label"])
+    for i, path in enumerate(files):
+        with tf.io.TFRecordWriter(path) as writer:
+            for j in range(i * count // num_files, (i + 1) * count // num_files):
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature={
+                        key: tf.train.Feature(bytes_list=tf.train.BytesList(
+                            value=[v.encode() for v in examples[key][j]]))
+                        for key in ("features", "label")})).SerializeToString())
+
+    spec = {"features": tf.io.FixedLenFeature([3], tf.string),
+            "label": tf.io.FixedLenFeature([1], tf.string)}
+
+    def read_fn(filename):
+        # One file's records, parsed and preprocessed (no batching: the
+        # ShardedInput batches, shard by shard).
+        return tf.data.TFRecordDataset(filename).map(
+            lambda record: preprocess(tf.io.parse_single_example(record, spec)))
+
+    return keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=32, seed=0)
 
 
 def train(args, resolver):
@@ -218,12 +265,23 @@ def train(args, resolver):
         keras_ps.callbacks.SidecarCheckpoint(
             os.path.join(args.workdir, "sidecar")),
     ]
-    history = model.fit(keras_ps.DatasetCreator(dataset_fn),
-                        epochs=args.epochs, steps_per_epoch=args.steps_per_epoch,
-                        callbacks=callbacks, verbose=2)
+    if args.input == "shards":
+        history = model.fit(sharded_input(examples, preprocess, args.workdir),
+                            epochs=args.epochs, callbacks=callbacks, verbose=2)
+        # Each epoch's logs count the shards and records it trained.
+        print(f"Records trained per epoch: "
+              f"{[int(n) for n in history.history['records_trained']]} "
+              f"({int(history.history['shards'][-1])} files); at most "
+              f"{int(sum(history.history['records_retrained_max']))} trained "
+              "twice")
+    else:
+        history = model.fit(keras_ps.DatasetCreator(dataset_fn),
+                            epochs=args.epochs,
+                            steps_per_epoch=args.steps_per_epoch,
+                            callbacks=callbacks, verbose=2)
     print(f"Training steps: {int(model.optimizer.iterations.numpy())}")
     # What each worker ran in this process (a restarted chief counts anew).
-    workers = keras_ps.training.coordinator_for(strategy).workers
+    workers = keras_ps.ClusterCoordinator(strategy).workers
     print("Steps per worker: " + ", ".join(
         f"worker {w.index}: {w.closures_run * args.steps_per_execution} "
         f"({w.state.value})" for w in workers))

@@ -1,5 +1,6 @@
 """Closures (scheduled calls) and the queue that hands them to workers."""
 
+import abc
 import collections
 import logging
 import threading
@@ -12,13 +13,54 @@ from keras_ps.errors import ClosureCancelledError
 logger = logging.getLogger(__name__)
 
 
+class ClosureListener(abc.ABC):
+    """Told what happens to one closure (dynamic data shards keep their
+    ledger with it: keras_ps/shards/epoch.py). Called from worker threads."""
+
+    @abc.abstractmethod
+    def started(self, worker_index):
+        """A worker took the closure and is about to run it."""
+
+    @abc.abstractmethod
+    def finished(self, worker_index, output):
+        """The closure ran; `output` is its result on the coordinator."""
+
+    @abc.abstractmethod
+    def requeued(self):
+        """The closure goes back to the queue (its worker was lost)."""
+
+    @abc.abstractmethod
+    def retry_after_error(self, error):
+        """Whether to run the closure again after it raised `error`."""
+
+    @abc.abstractmethod
+    def error(self, error):
+        """The error the closure's RemoteValue raises (may add context)."""
+
+
+class ScheduledShard(abc.ABC):
+    """An argument of `coordinator.schedule` that stands for a shard of data.
+
+    The scheduled function receives `arguments()` in its place, and the
+    closure reports to `listener(fn)` (a `ClosureListener`).
+    """
+
+    @abc.abstractmethod
+    def arguments(self):
+        """The structure of tensors passed to the function instead."""
+
+    @abc.abstractmethod
+    def listener(self, fn):
+        """A ClosureListener for the closure of `fn` on this shard."""
+
+
 class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
     __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
-                 "generation", "cancellation")
+                 "generation", "cancellation", "listener")
 
-    def __init__(self, fn, args, kwargs, per_worker):
+    def __init__(self, fn, args, kwargs, per_worker, listener=None):
         self.fn = fn
         self.args = args
         self.kwargs = kwargs
@@ -26,6 +68,10 @@ class Closure:
         self.remote_value = RemoteValue(getattr(fn, "__name__", None))
         self.generation = 0  # error generation when a worker took it
         self.cancellation = None  # cancels it in flight after another's error
+        # Hook for dynamic data shards (keras_ps/shards/epoch.py): an object
+        # told when the closure starts on a worker, finishes, is requeued or
+        # fails; None for ordinary closures.
+        self.listener = listener
 
     def cancel(self):
         self.remote_value._set_error(ClosureCancelledError(
@@ -71,6 +117,10 @@ class ClosureQueue:
             # A fair share, so one worker doesn't starve the others.
             limit = packing.pack_limit(len(self._pending), max_pack, num_takers)
             first = self._pending[0]
+            if first.listener is not None:
+                # A shard closure runs alone: one shard per call keeps the
+                # hand-out dynamic (a slow worker holds one shard at a time).
+                limit = 1
             run = 0  # closures of the same function at the head of the queue
             while (run < limit and run < len(self._pending)
                    and self._pending[run].fn is first.fn):
@@ -90,6 +140,10 @@ class ClosureQueue:
                 for c in closures:
                     c.cancel()
             else:
+                # Dynamic data shards: the shard's ledger marks it lost.
+                for c in closures:
+                    if c.listener is not None:
+                        c.listener.requeued()
                 self._pending.extendleft(reversed(closures))
             self._cv.notify_all()
 
@@ -159,6 +213,11 @@ class ClosureQueue:
                 self._cv.wait(0.5)
                 if idle_check is not None:
                     idle_check()
+
+    def idle(self):
+        """Nothing pending and nothing in flight (never raises)."""
+        with self._cv:
+            return not self._pending and self._inflight == 0
 
     def stop(self):
         with self._cv:

@@ -13,7 +13,9 @@ from keras_ps._network import probe
 from keras_ps._per_worker import PerWorkerValues
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import worker as worker_lib
-from keras_ps.coordinator.closures import Closure, ClosureQueue
+from keras_ps.coordinator.closures import Closure
+from keras_ps.coordinator.closures import ClosureQueue
+from keras_ps.coordinator.closures import ScheduledShard
 from keras_ps.coordinator.config import CoordinatorConfig
 from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.gate import SharedExclusiveLock
@@ -164,7 +166,16 @@ class ClusterCoordinator:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         per_worker = False
+        listener = None
         for value in tf.nest.flatten((args, kwargs)):
+            if isinstance(value, ScheduledShard):
+                # A shard of a keras_ps.ShardedInput epoch: replaced by its
+                # arguments; its ledger follows the closure (keras_ps/shards).
+                listener = value.listener(fn)
+                args, kwargs = tf.nest.map_structure(
+                    lambda v: v.arguments() if isinstance(v, ScheduledShard)
+                    else v, (args, kwargs))
+                continue
             if isinstance(value, RemoteValue):
                 raise TypeError(
                     "A RemoteValue was passed as an argument to schedule. "
@@ -172,7 +183,7 @@ class ClusterCoordinator:
                     "return the value from the scheduled function that needs it.")
             if isinstance(value, PerWorkerValues):
                 per_worker = True
-        closure = Closure(fn, args, kwargs, per_worker)
+        closure = Closure(fn, args, kwargs, per_worker, listener)
         self._queue.put(closure)
         return closure.remote_value
 
@@ -184,7 +195,7 @@ class ClusterCoordinator:
             ParameterServerUnavailableError, or NoWorkersAvailableError when no
             worker was healthy for KERAS_PS_NO_WORKER_TIMEOUT seconds.
         """
-        self._queue.wait(idle_check=self._check_workers)
+        self._queue.wait(idle_check=self.raise_if_no_workers)
 
     def done(self):
         """True when every scheduled function has run (raises as `join`)."""
@@ -313,7 +324,14 @@ class ClusterCoordinator:
     def _on_worker_admitted(self):
         self._unhealthy_since = None
 
-    def _check_workers(self):
+    def is_idle(self):
+        """True when no scheduled function is queued or running (unlike
+        `done`, it never raises)."""
+        return self._queue.idle()
+
+    def raise_if_no_workers(self):
+        """Raises NoWorkersAvailableError when no worker has been healthy for
+        KERAS_PS_NO_WORKER_TIMEOUT seconds (`join` calls it while it waits)."""
         if self.num_healthy():
             self._unhealthy_since = None
             return

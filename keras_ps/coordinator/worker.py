@@ -223,6 +223,9 @@ class Worker:
                            "worker may be hung; this waits for that worker",
                            self.index)
         call = _Call(batch)
+        for closure in batch:  # dynamic data shards: the shard is handed out
+            if closure.listener is not None:
+                closure.listener.started(self.index)
         try:
             with services.gate.shared() as hold:
                 call.gate_hold = hold
@@ -243,6 +246,8 @@ class Worker:
                         time.monotonic() - call.started)
             self.transition(WorkerState.HEALTHY, "first call after admission ran")
         for closure, output in zip(batch, outputs):
+            if closure.listener is not None:  # dynamic data shards: done
+                closure.listener.finished(self.index, output)
             closure.remote_value._set_values(output)
         self.closures_run += len(batch)
         self._consecutive_failures = 0
@@ -353,6 +358,14 @@ class Worker:
                 c.remote_value._set_error(fatal)
             queue.mark_fatal(len(batch), fatal)
         else:
+            listener = batch[0].listener
+            if listener is not None:
+                # Dynamic data shards: a shard that fails to read is retried
+                # a bounded number of times, then fails naming the shard.
+                if listener.retry_after_error(error):
+                    queue.put_back(batch)
+                    return
+                error = listener.error(error)
             batch[0].remote_value._set_error(error)
             for c in batch[1:]:
                 c.cancel()

@@ -484,6 +484,107 @@ def fit_class_weight(env):
                              steps_per_epoch=2, verbose=0)
 
 
+# Dynamic data shards (keras_ps.ShardedInput) --------------------------------------
+def _read_records(filename):
+    spec = {"x": tf.io.FixedLenFeature([4], tf.float32),
+            "y": tf.io.FixedLenFeature([1], tf.float32)}
+    return tf.data.TFRecordDataset(filename).map(
+        lambda r: tuple(tf.io.parse_single_example(r, spec).values()))
+
+
+def _record_files(directory, count, records=8):
+    paths = []
+    for f in range(count):
+        path = os.path.join(directory, f"part-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(records):
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature={"x": tf.train.Feature(float_list=tf.train.FloatList(
+                        value=[0.0] * 4)),
+                        "y": tf.train.Feature(float_list=tf.train.FloatList(
+                            value=[0.0]))})).SerializeToString())
+        paths.append(path)
+    return paths
+
+
+@case("sharded_input_no_file_matches", ValueError,
+      "no file matching", "Received: data='/nonexistent/train-*.tfrecord'",
+      "check the path")
+def sharded_input_no_file_matches(env):
+    keras_ps.ShardedInput("/nonexistent/train-*.tfrecord",
+                          read_fn=_read_records)
+
+
+@case("sharded_input_files_without_read_fn", ValueError,
+      "needs read_fn", "Received: read_fn=None with 2 files",
+      "read_fn=lambda f: tf.data.TFRecordDataset(f)")
+def sharded_input_files_without_read_fn(env):
+    keras_ps.ShardedInput(["a.tfrecord", "b.tfrecord"])
+
+
+@case("sharded_input_empty_arrays", ValueError,
+      "received no records", "an empty arrays", "check the data")
+def sharded_input_empty_arrays(env):
+    keras_ps.ShardedInput((np.zeros((0, 4)), np.zeros((0, 1))))
+
+
+@case("sharded_input_infinite_dataset", ValueError,
+      "needs finite data", "infinite cardinality", "remove .repeat()")
+def sharded_input_infinite_dataset(env):
+    keras_ps.ShardedInput(tf.data.Dataset.range(4).repeat())
+
+
+@case("sharded_input_read_fn_with_arrays", ValueError,
+      "only for a list of files", "with data of type ndarray",
+      "dataset.map(fn)")
+def sharded_input_read_fn_with_arrays(env):
+    keras_ps.ShardedInput(X, read_fn=_read_records)
+
+
+@case("fit_sharded_with_steps_per_epoch", ValueError,
+      "takes no steps_per_epoch", "steps_per_epoch=5",
+      "drop steps_per_epoch")
+def fit_sharded_with_steps_per_epoch(env):
+    _model(env.strategy).fit(keras_ps.ShardedInput((X, Y)), epochs=1,
+                             steps_per_epoch=5, verbose=0)
+
+
+@case("evaluate_sharded_input", TypeError,
+      "does not take a ShardedInput", "Received: x=ShardedInput(",
+      "finite tf.data.Dataset")
+def evaluate_sharded_input(env):
+    _model(env.strategy).evaluate(keras_ps.ShardedInput((X, Y)), verbose=0)
+
+
+@case("fit_sharded_missing_file", keras_ps.shards.ShardReadError,
+      "Shard 2 of 3", "missing.tfrecord", "failed on 3 attempts",
+      "NotFoundError", "check that the file exists", timeout=90)
+def fit_sharded_missing_file(env):
+    directory = env.tmp()
+    files = _record_files(directory, 2) + [
+        os.path.join(directory, "missing.tfrecord")]
+    _model(env.strategy).fit(
+        keras_ps.ShardedInput(files, read_fn=_read_records, shuffle=False),
+        epochs=1, verbose=0)
+
+
+@case("fit_sharded_corrupt_record", keras_ps.shards.ShardReadError,
+      "corrupt.tfrecord", "failed on 2 attempts", "DataLossError",
+      "read_fn parses its records", timeout=90)
+def fit_sharded_corrupt_record(env):
+    directory = env.tmp()
+    corrupt = os.path.join(directory, "corrupt.tfrecord")
+    files = _record_files(directory, 1)
+    with open(files[0], "rb") as good, open(corrupt, "wb") as bad:
+        data = bytearray(good.read())
+        data[20] ^= 0xFF  # flips a byte inside the first record
+        bad.write(bytes(data))
+    _model(env.strategy).fit(
+        keras_ps.ShardedInput([corrupt] + files, read_fn=_read_records,
+                              max_attempts=2),
+        epochs=1, verbose=0)
+
+
 @case("fit_not_compiled", ValueError,
       "not compiled", "call `compile()` before `fit()`")
 def fit_not_compiled(env):

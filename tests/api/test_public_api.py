@@ -10,9 +10,9 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_public_names_import_in_fresh_process():
     code = (
-        "import keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic\n"
+        "import keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic, keras_ps.shards\n"
         "assert keras_ps.optimizers.LazyAdam is not None\n"
-        "for mod in (keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic):\n"
+        "for mod in (keras_ps, keras_ps.partitioners, keras_ps.coordinator, keras_ps.callbacks, keras_ps.elastic, keras_ps.shards):\n"
         "    for name in mod.__all__:\n"
         "        assert getattr(mod, name) is not None, (mod, name)\n"
         "print('ok', len(keras_ps.__all__))\n")

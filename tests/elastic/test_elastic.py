@@ -175,3 +175,17 @@ def test_elastic_tutorial_smoke():
                           timeout=220)
     assert result["iterations"] >= result["planned"] == 16, result
     assert result["pids_unchanged"], result
+
+
+@pytest.mark.timeout(300)
+def test_elastic_tutorial_with_dynamic_shards():
+    result = run_tutorial("--epochs", "2", "--input", "shards", timeout=280)
+    # The third worker joined, trained shards and left; every epoch trained
+    # each of the 4096 records (the step in flight on the leaving worker
+    # may run again: counted in records_retrained_max).
+    assert result["third_ran"] >= 2, result
+    assert result["states"] == ["healthy", "healthy", "left"], result
+    assert result["records_trained"] == [4096, 4096], result
+    slack = sum(result["records_retrained_max"]) // 32
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + slack, result

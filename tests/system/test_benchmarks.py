@@ -73,7 +73,7 @@ def test_run_all_quick_every_benchmark(tmp_path):
     markdown = _run_all(tmp_path, timeout=590)
     _check_common(markdown, tmp_path,
                   ["CTL", "CTL", "Model.fit", "same", "Sharded", "same", "same",
-                   "same", "same", "same"])
+                   "same", "same", "same", "Dynamic", "CTL"])
     assert (tmp_path / "large_tables.png").read_bytes()[:8] == PNG_MAGIC
     scaling_rows = re.findall(r"^\| (\d+) \| (\d+) \|", markdown, re.M)
     assert [w for w, _ in scaling_rows] == ["1", "4", "16"]

@@ -53,6 +53,21 @@ def test_model_fit_tutorial(tmp_path):
 
 
 @pytest.mark.timeout(180)
+def test_model_fit_tutorial_with_dynamic_shards(tmp_path):
+    out = run_tutorial("model_fit.py", "--epochs", "3", "--input", "shards",
+                       "--steps_per_execution", "2", "--workdir",
+                       str(tmp_path))
+    # The progress bar counts files (shards) out of the epoch's 8.
+    assert [int(e) for e in re.findall(r"Epoch (\d)/3", out)] == [1, 2, 3]
+    assert "Records trained per epoch: [1000, 1000, 1000] (8 files); at " \
+        "most 0 trained twice" in out
+    # 32 batches per epoch: 125 records per file in batches of 32 (4 each).
+    assert number(r"Training steps: (\d+)", out) == 3 * 8 * 4
+    assert number(r"Final training accuracy: ([\d.]+)", out) >= 0.95
+    assert number(r"Evaluation accuracy: ([\d.]+) on 200 examples", out) >= 0.95
+
+
+@pytest.mark.timeout(180)
 def test_custom_training_loop_tutorial_and_restart(tmp_path):
     workdir = ["--workdir", str(tmp_path), "--steps_per_epoch", "5"]
     first = run_tutorial("custom_training_loop.py", "--epochs", "2", *workdir)

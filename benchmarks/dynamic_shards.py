@@ -1,0 +1,297 @@
+"""Dynamic data shards: a slow worker, and the cost of handing out shards.
+
+    .venv/bin/python benchmarks/dynamic_shards.py              # both, 1 repeat
+    .venv/bin/python benchmarks/dynamic_shards.py --repeats 3 --json
+
+Workloads (each measurement in its own process):
+  straggler  a LocalCluster of 4 worker processes and 1 ps. Every record
+             waits READ_US (160 ms) in the worker's reads, 3x as long on
+             worker 3; a warm-up epoch without the wait comes first. One
+             epoch of RECORDS records, each trained once, two ways:
+               dynamic: keras_ps.ShardedInput with SHARDS (128) files of 4
+                        records, handed to whichever worker is free;
+               static:  the same records as 4 files, one per worker (what
+                        sharding by worker index does).
+             Ideal time = the records over the cluster's total read rate
+             (3 fast workers + one at 1/3 speed). Target: dynamic <= 1.15x
+             the ideal.
+  tiny       (in-process cluster, 2 workers, 2 ps) ctl_dispatch.py's tiny
+             step `v.assign_add(x)`: today's per-worker iterator (`next(it)`,
+             packed closures) vs shard-driven input (a ShardedInput of 4000
+             ones, batch_size=1, 16 shards, steps_per_execution=16, each
+             closure one shard). Target: shards >= 0.9x the iterator.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+# Per record on a fast worker. Few long sleeps keep the run sleep-bound on
+# a busy 2-core machine, where every wake-up waits for a core.
+READ_US = 160000
+SLOW_FACTOR = 3
+SLOW_WORKER = 3
+STRAGGLER_WORKERS = 4
+BATCH = 1
+SHARDS = 128
+RECORDS_PER_SHARD = 4
+RECORDS = SHARDS * RECORDS_PER_SHARD
+STEPS_PER_EXECUTION = 4
+TINY_STEPS = 4000
+
+
+def _ideal_seconds():
+    rate = (STRAGGLER_WORKERS - 1 + 1 / SLOW_FACTOR) / (READ_US * 1e-6)
+    return RECORDS / rate
+
+
+def _write_files(count):
+    """`count` files of float32 ones splitting RECORDS records evenly."""
+    import tempfile
+
+    import numpy as np
+
+    directory = tempfile.mkdtemp(prefix="keras_ps_shards_bench_")
+    per_file = RECORDS // count
+    paths = []
+    for i in range(count):
+        path = os.path.join(directory, f"part-{i:04d}.bin")
+        np.ones(per_file, np.float32).tofile(path)
+        paths.append(path)
+    return paths
+
+
+def run_straggler(mode):
+    """Seconds for one epoch (after a warm-up epoch) with `mode` shards."""
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+    from keras_ps import _tf_adapter
+
+    # Real server processes: in one process the workers would share one
+    # inter-op thread pool, which the sleeping reads would exhaust.
+    cluster = keras_ps.LocalCluster(num_workers=STRAGGLER_WORKERS, num_ps=1)
+    try:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            seen = tf.Variable(0.0)
+            # The read sleep, on the ps: 1 us for the warm-up epoch (traces,
+            # connections), READ_US for the measured one.
+            read_us = tf.Variable(1, dtype=tf.int64)
+        # One file per dynamic shard; the static split reads the same records as
+        # 4 files, one per worker.
+        files = _write_files(SHARDS if mode == "dynamic" else STRAGGLER_WORKERS)
+        per_file = RECORDS // len(files)
+
+        def read_fn(filename):
+            # Slow reads on one worker: the sleep depends on the worker running
+            # the shard (a call-time value, so one trace serves every worker).
+            worker = keras_ps.coordinator.worker_index()
+            sleep = tf.where(tf.equal(worker, SLOW_WORKER),
+                             read_us * SLOW_FACTOR, read_us + 0)
+            records = tf.data.FixedLengthRecordDataset(filename, 4).map(
+                lambda r: tf.io.decode_raw(r, tf.float32)[0])
+            # TF's sleep op also sleeps before reporting the end of its input;
+            # take() ends the file without asking it again: one sleep a record.
+            return records.apply(_tf_adapter.sleep_dataset(sleep)).take(per_file)
+
+        data = keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=BATCH,
+                                     shuffle=False)
+
+        def step(batch):
+            seen.assign_add(tf.reduce_sum(batch))
+
+        train_shard = data.shard_function(coordinator, step,
+                                          steps_per_execution=STEPS_PER_EXECUTION)
+        for epoch in range(2):  # the first (no sleep) traces and warms up
+            read_us.assign(1 if epoch == 0 else READ_US)
+            start = time.perf_counter()
+            shards = data.epoch(coordinator, epoch)
+            remotes = [coordinator.schedule(train_shard, args=(shard,))
+                       for shard in shards]
+            finished = [None] * len(remotes)
+
+            def wait(i):
+                remotes[i].fetch()
+                finished[i] = time.perf_counter() - start
+
+            threads = [threading.Thread(target=wait, args=(i,))
+                       for i in range(len(remotes))]
+            for t in threads:
+                t.start()
+            coordinator.join()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - start
+        assert seen.numpy() == 2 * RECORDS, seen.numpy()
+        result = {"seconds": seconds, "ideal": _ideal_seconds(),
+                  "shards_per_worker": [w.closures_run for w in coordinator.workers]}
+        coordinator.shutdown()
+    finally:
+        cluster.shutdown()
+    if mode == "static":
+        # Each worker's measured read rate (its quarter over the time it
+        # took): the cluster's real total rate, overheads included.
+        rates = [RECORDS / STRAGGLER_WORKERS / t for t in finished]
+        result["measured_ideal"] = RECORDS / sum(rates)
+    return result
+
+
+def run_tiny(mode, steps=TINY_STEPS):
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    resolver = keras_ps.create_in_process_cluster(2, 2)
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = tf.Variable(0.0)
+    if mode == "iterator":
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat()))
+
+        @tf.function
+        def step(it):
+            v.assign_add(next(it))
+
+        def run(n):
+            for _ in range(n):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+    else:
+        data = keras_ps.ShardedInput(np.ones(steps, np.float32), batch_size=1,
+                                     shuffle=False, records_per_shard=250)
+
+        def shard_step(x):
+            v.assign_add(tf.reduce_sum(x))
+
+        train_shard = data.shard_function(coordinator, shard_step,
+                                          steps_per_execution=16)
+        epochs = iter(range(10))
+
+        def run(n):
+            del n  # one epoch: `steps` records, one step each
+            for shard in data.epoch(coordinator, next(epochs)):
+                coordinator.schedule(train_shard, args=(shard,))
+            coordinator.join()
+    run(200)  # warm up: traces, connections
+    start = time.perf_counter()
+    run(steps)
+    elapsed = time.perf_counter() - start
+    return {"steps_per_s": steps / elapsed}
+
+
+def _quick():
+    """Smoke-test sizes (run_all.py --quick): not a measurement."""
+    global READ_US, SHARDS, RECORDS, TINY_STEPS
+    READ_US, SHARDS, TINY_STEPS = 20000, 16, 500
+    RECORDS = SHARDS * RECORDS_PER_SHARD
+
+
+def _child(workload, mode, quick=False):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    out = subprocess.run([sys.executable, os.path.abspath(__file__),
+                          "--_child", workload, mode, str(int(quick))],
+                         capture_output=True,
+                         text=True, env=env, timeout=900)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        print(out.stderr[-3000:], file=sys.stderr)
+        raise RuntimeError(f"{workload}/{mode} failed")
+    return json.loads(lines[0][7:])
+
+
+def measure(workloads=("straggler", "tiny"), repeats=1, log=print,
+            quick=False):
+    """{workload: {mode: [result per repeat]}}, modes alternating."""
+    modes = {"straggler": ("dynamic", "static"), "tiny": ("iterator", "shards")}
+    report = {w: {m: [] for m in modes[w]} for w in workloads}
+    for r in range(repeats):
+        for workload in workloads:
+            for mode in modes[workload]:
+                result = _child(workload, mode, quick)
+                report[workload][mode].append(result)
+                log(f"{workload:9s} {mode:8s} run {r}: {json.dumps(result)}")
+    return report
+
+
+def summarize(report):
+    """Ratios as (min, median, max) and whether each target is met."""
+    out = {}
+    if "straggler" in report:
+        dyn = [r["seconds"] / r["ideal"] for r in report["straggler"]["dynamic"]]
+        sta = [r["seconds"] / r["ideal"] for r in report["straggler"]["static"]]
+        # The same ideal measured: the records over the sum of the rates
+        # each worker reached in the static run of the same repeat.
+        measured = [d["seconds"] / s["measured_ideal"] for d, s in zip(
+            report["straggler"]["dynamic"], report["straggler"]["static"])]
+        out["straggler"] = {
+            "ideal_seconds": report["straggler"]["dynamic"][0]["ideal"],
+            "dynamic_seconds": _spread([r["seconds"] for r in
+                                        report["straggler"]["dynamic"]]),
+            "static_seconds": _spread([r["seconds"] for r in
+                                       report["straggler"]["static"]]),
+            "dynamic_over_ideal": _spread(dyn),
+            "static_over_ideal": _spread(sta),
+            "dynamic_over_measured_ideal": _spread(measured),
+            "met": statistics.median(dyn) <= 1.15}
+    if "tiny" in report:
+        it = [r["steps_per_s"] for r in report["tiny"]["iterator"]]
+        sh = [r["steps_per_s"] for r in report["tiny"]["shards"]]
+        ratios = [s / i for s, i in zip(sh, it)]
+        out["tiny"] = {"iterator_steps_per_s": _spread(it),
+                       "shards_steps_per_s": _spread(sh),
+                       "shards_over_iterator": _spread(ratios),
+                       "met": statistics.median(ratios) >= 0.9}
+    return out
+
+
+def _spread(values):
+    return [round(min(values), 3), round(statistics.median(values), 3),
+            round(max(values), 3)]
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=["straggler", "tiny", "all"],
+                        default="all")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="small runs (a smoke test, not a measurement)")
+    parser.add_argument("--_child", nargs=3)
+    args = parser.parse_args()
+    if args._child:
+        workload, mode, quick = args._child
+        if quick == "1":
+            _quick()
+        fn = run_straggler if workload == "straggler" else run_tiny
+        result = fn(mode) if workload == "straggler" else fn(mode, TINY_STEPS)
+        print("RESULT " + json.dumps(result), flush=True)
+        os._exit(0)
+    workloads = ["straggler", "tiny"] if args.workload == "all" \
+        else [args.workload]
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json \
+        else print
+    report = measure(workloads, args.repeats, log, args.quick)
+    summary = summarize(report)
+    if args.json:
+        print(json.dumps({"runs": report, "summary": summary}))
+        return
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+"""A coordinator process for the dynamic-shard tests; prints JSON lines.
+
+Every record carries its id (column 0 of x). The model's train_step adds 1
+to `counts[id]`, a non-trainable weight on a ps, with one atomic scatter_add
+per step; a callback reads and clears the counts at each epoch end. So the
+test sees, per epoch, how many times each record was trained by a step that
+ran, and compares that with the shard ledger's own figures.
+
+Usage:
+  python tests/_shards_job.py MODE DATA_DIR [CLUSTER_SPEC_JSON BACKUP_DIR]
+    plain    3 workers, 2 epochs, nothing happens
+    kill     SIGKILL worker 1 mid-epoch 0 and restart it at once
+    stop     SIGSTOP worker 1 mid-epoch 0 past the hang timeout, then SIGCONT
+    chaos    a kill and a stop in epoch 0, a kill in epoch 1
+    elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
+             leaves (SIGTERM to its agent) once it trained 2 shards
+    backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
+             the test SIGKILLs this process mid-epoch 1 and runs it again
+"""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ps
+from _results import say
+from keras_ps import _tf_adapter
+
+FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
+READ_SLEEP_US = 2500  # per record: a shard takes about 0.2 s
+
+
+
+
+def write_files(data_dir):
+    """FILES TFRecord files of RECORDS_PER_FILE records; ids 0..N-1."""
+    os.makedirs(data_dir, exist_ok=True)
+    rng = np.random.default_rng(0)
+    paths = []
+    for f in range(FILES):
+        path = os.path.join(data_dir, f"part-{f:03d}.tfrecord")
+        paths.append(path)
+        if os.path.exists(path):
+            continue
+        with tf.io.TFRecordWriter(path + ".tmp") as writer:
+            for i in range(RECORDS_PER_FILE):
+                x = rng.normal(size=8).astype("float32")
+                record_id = f * RECORDS_PER_FILE + i
+                y = float(x[:4].sum() > x[4:].sum())
+                example = tf.train.Example(features=tf.train.Features(feature={
+                    "x": tf.train.Feature(float_list=tf.train.FloatList(
+                        value=[float(record_id)] + x.tolist())),
+                    "y": tf.train.Feature(float_list=tf.train.FloatList(
+                        value=[y]))}))
+                writer.write(example.SerializeToString())
+        os.replace(path + ".tmp", path)
+    return paths
+
+
+def read_fn(filename):
+    features = {"x": tf.io.FixedLenFeature([9], tf.float32),
+                "y": tf.io.FixedLenFeature([1], tf.float32)}
+
+    def parse(record):
+        parsed = tf.io.parse_single_example(record, features)
+        return parsed["x"], parsed["y"]
+
+    return tf.data.TFRecordDataset(filename).map(parse).apply(
+        _tf_adapter.sleep_dataset(READ_SLEEP_US))
+
+
+class CountingModel(keras.Model):
+    """Column 0 of x is the record id; the rest are features."""
+
+    def __init__(self, num_records, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(16, activation="relu")
+        self.out = keras.layers.Dense(1, activation="sigmoid")
+        self.counts = self.add_weight(shape=(num_records,), initializer="zeros",
+                                      trainable=False, dtype="int32",
+                                      name="counts")
+
+    def call(self, x):
+        return self.out(self.hidden(x[:, 1:]))
+
+    def train_step(self, data):
+        x, _ = data
+        ids = tf.cast(x[:, 0], tf.int32)
+        # One atomic op on the ps: counts[ids] += 1.
+        tf.raw_ops.ResourceScatterAdd(resource=self.counts._value.handle,
+                                      indices=ids, updates=tf.ones_like(ids))
+        return super().train_step(data)
+
+
+def build(strategy):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = CountingModel(FILES * RECORDS_PER_FILE)
+        model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
+                      metrics=["accuracy"])
+    return model
+
+
+class Counts(keras.callbacks.Callback):
+    """At each epoch end: the counts, then cleared; the ledger's view."""
+
+    def __init__(self, data, coordinator):
+        super().__init__()
+        self.data, self.coordinator = data, coordinator
+        self.epochs = {}
+
+    def on_epoch_end(self, epoch, logs=None):
+        counts = self.model.counts.numpy()
+        self.model.counts.assign(np.zeros_like(counts))
+        ledger = keras_ps.shards.epoch.state_for(
+            self.data, self.coordinator).current.ledger
+        lost = ledger.lost_shards()
+        self.epochs[epoch] = dict(
+            missing=[int(i) for i in np.flatnonzero(counts == 0)],
+            twice=[int(i) for i in np.flatnonzero(counts > 1)],
+            extra=int(np.maximum(counts - 1, 0).sum()),
+            max_count=int(counts.max()), logs={k: v for k, v in logs.items()
+                                          if not isinstance(v, float)
+                                          or k.startswith(("shards", "records"))},
+            lost_shards=lost,
+            lost_ids=[int(i) for s in lost for i in self.shard_ids(s)],
+            handed_out=[i for i in range(len(ledger)) if ledger.attempts(i)])
+        print(f"EPOCH {epoch} {json.dumps(self.epochs[epoch]['logs'])}",
+              flush=True)
+
+    def shard_ids(self, shard):
+        return range(shard * RECORDS_PER_FILE, (shard + 1) * RECORDS_PER_FILE)
+
+
+class AtShard(keras.callbacks.Callback):
+    """Runs `action` once, when `shards` shards of epoch 0 are done."""
+
+    def __init__(self, shards, action, epoch=0):
+        super().__init__()
+        self.shards, self.action, self.epoch = shards, action, epoch
+        self.fired = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.fired and self._epoch == self.epoch and \
+                batch + 1 >= self.shards:
+            self.fired = True
+            self.action()
+
+
+def wait_for(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def fit_and_report(model, data, coordinator, callbacks, **extra):
+    counts = Counts(data, coordinator)
+    history = model.fit(data, epochs=EPOCHS, callbacks=[counts] + callbacks,
+                        verbose=0)
+    say(epochs=counts.epochs, history_epochs=history.epoch,
+        states=[w.state.value for w in coordinator.workers],
+        closures=[w.closures_run for w in coordinator.workers], **extra)
+
+
+def sharded_input(paths):
+    return keras_ps.ShardedInput(paths, read_fn=read_fn, batch_size=BATCH,
+                                 seed=5)
+
+
+def on_local_cluster(mode, data_dir):
+    paths = write_files(data_dir)
+    with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        data = sharded_input(paths)
+        events = {}
+
+        def kill(index=1, key=""):
+            worker = coordinator.workers[index]
+            cluster.kill("worker", index)
+            events[f"killed{key}"] = True
+
+            def restart():
+                wait_for(lambda: worker.state is not
+                         keras_ps.coordinator.WorkerState.HEALTHY, 30,
+                         "the kill to be noticed")
+                cluster.restart("worker", index)
+                events[f"restarted{key}"] = True
+            threading.Thread(target=restart, daemon=True).start()
+
+        def stop(index=1, key=""):
+            worker = coordinator.workers[index]
+            pid = cluster.pid("worker", index)
+            os.kill(pid, signal.SIGSTOP)
+            events[f"stopped{key}"] = True
+
+            def resume():
+                wait_for(lambda: worker.state is
+                         keras_ps.coordinator.WorkerState.HUNG, 60,
+                         "the hang to be noticed")
+                os.kill(pid, signal.SIGCONT)
+                events[f"continued{key}"] = True
+            threading.Thread(target=resume, daemon=True).start()
+
+        callbacks = {
+            "plain": [], "kill": [AtShard(6, kill)],
+            "stop": [AtShard(6, stop)],
+            # The long variant: a kill and a stop in epoch 0, a kill in 1.
+            "chaos": [AtShard(4, lambda: kill(1, "_0")),
+                      AtShard(14, lambda: stop(2, "_0")),
+                      AtShard(6, lambda: kill(0, "_1"), epoch=1)]}[mode]
+        fit_and_report(model, data, coordinator, callbacks, events=events)
+
+
+def elastic(data_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "tutorials"))
+    import subprocess
+
+    from elastic import Agent, free_address  # tutorials/elastic.py
+    from keras_ps.cluster import wait_for_port
+    from keras_ps.elastic import RendezvousConfig, RendezvousServer
+
+    paths = write_files(data_dir)
+    rdzv = RendezvousServer(RendezvousConfig(gather_timeout=0.5))
+    endpoint = f"127.0.0.1:{rdzv.start()}"
+    ps_address = free_address()
+    ps = subprocess.Popen(
+        [sys.executable, "-m", "keras_ps.server", "--job_name", "ps",
+         "--cluster_spec", json.dumps({"ps": [ps_address]})],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log_dir = os.path.join(data_dir, "logs")
+    os.makedirs(log_dir, exist_ok=True)
+    def start_agents(names, attempts=3):
+        """Agents whose workers serve (started together: the rendezvous
+        admits them once min_workers are waiting); one is started again when
+        it gave up reaching the rendezvous (seen on a very busy machine)."""
+        started = {}
+        for attempt in range(attempts):
+            for name in names:
+                if name not in started:
+                    started[name] = Agent(endpoint, log_dir,
+                                          f"{name}-{attempt}")
+            for name in names:
+                agent = started[name]
+                if not wait_for_port(agent.address, 90, agent.process):
+                    agent.stop()
+                    del started[name]
+            if len(started) == len(names):
+                return [started[name] for name in names]
+        raise RuntimeError(f"{names} did not start; see {log_dir}")
+
+    agents = []
+    third = []
+    try:
+        agents.extend(start_agents(["agent-0", "agent-1"]))
+        resolver = keras_ps.elastic.ElasticClusterResolver(
+            endpoint, ps=[ps_address], min_workers=2, poll_interval=0.5,
+            startup_timeout=90)
+        strategy = keras_ps.ParameterServerStrategy(resolver)
+        model = build(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        data = sharded_input(paths)
+        events = {}
+
+        def find(address):
+            return next((w for w in coordinator.workers
+                         if w.address == address), None)
+
+        def grow():
+            # Holds the fit until the new worker serves, so shards are left.
+            agent, = start_agents(["agent-2"])
+            third.append(agent)
+
+            def leave():
+                wait_for(lambda: find(agent.address) is not None and
+                         find(agent.address).closures_run >= 2, 120,
+                         "the third worker to train 2 shards")
+                events["third_ran"] = find(agent.address).closures_run
+                events["third_exit"] = agent.stop()
+            threading.Thread(target=leave, daemon=True).start()
+
+        fit_and_report(model, data, coordinator, [AtShard(3, grow)],
+                       events=events)
+        coordinator.shutdown()
+        resolver.close()
+    finally:
+        for agent in agents + third:
+            agent.stop()
+        ps.send_signal(signal.SIGTERM)
+        ps.wait(30)
+        rdzv.stop(0)
+
+
+class _Progress(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        print(f"PROGRESS epoch={self._epoch} shards={batch + 1}", flush=True)
+
+
+def backup(data_dir, spec_json, backup_dir):
+    paths = write_files(data_dir)
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    model = build(strategy)
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    data = sharded_input(paths)
+    backup_cb = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=1)
+    restored = []
+
+    class Restored(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            ledger = keras_ps.shards.epoch.state_for(
+                data, coordinator).current.ledger
+            restored.append([epoch, [i for i in range(len(ledger)) if
+                                     ledger.state(i).value == "done"],
+                             backup_cb.resume_position()])
+
+    fit_and_report(model, data, coordinator,
+                   [Restored(), backup_cb, _Progress()],
+                   restored=restored)
+
+
+if __name__ == "__main__":
+    import logging
+
+    logging.basicConfig(level=logging.INFO if os.environ.get(
+        "SHARDS_JOB_LOG") else logging.WARNING,
+        format="%(asctime)s %(name)s %(message)s")
+    mode = sys.argv[1]
+    if mode == "backup":
+        backup(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif mode == "elastic":
+        elastic(sys.argv[2])
+    else:
+        on_local_cluster(mode, sys.argv[2])

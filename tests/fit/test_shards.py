@@ -1,0 +1,441 @@
+"""Dynamic data shards (keras_ps.ShardedInput): the ledger as pure logic, the
+input's checks, and Model.fit on real clusters counting every record by id
+(tests/_shards_job.py): undisturbed, a worker SIGKILLed and restarted, a
+worker SIGSTOPped past the hang timeout, a worker joining through the
+rendezvous and leaving, and a coordinator SIGKILLed and rerun with
+BackupAndRestore."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from _paths import TESTS
+from _polling import wait_until
+from _results import last_report
+from keras_ps.shards.ledger import (ShardLedger, ShardState,
+                                    ShardTransitionError)
+
+JOB = os.path.join(TESTS, "_shards_job.py")
+RECORDS = 24 * 64  # _shards_job.FILES * RECORDS_PER_FILE
+
+
+# -- the ledger, with no cluster ------------------------------------------------
+def _ledger(n=4, records=None):
+    return ShardLedger([f"shard-{i}" for i in range(n)], records, epoch=0)
+
+
+@pytest.mark.timeout(10)
+def test_ledger_happy_path_and_summary():
+    ledger = _ledger(3, [10, 10, 5])
+    assert ledger.todo() == [0, 1, 2]
+    for i in range(3):
+        ledger.hand_out(i, worker=i)
+    assert ledger.count(ShardState.HANDED_OUT) == 3 and ledger.todo() == []
+    ledger.finish(0, 0, 0, 10)
+    ledger.finish(1, 1, 0, 10)
+    assert not ledger.complete()
+    ledger.finish(2, 2, 0, 5)
+    assert ledger.complete()
+    assert ledger.summary() == {"shards_done": 3, "shards": 3,
+                                "records_trained": 25, "shards_lost": 0,
+                                "records_retrained_max": 0}
+
+
+@pytest.mark.timeout(10)
+def test_ledger_lost_shard_is_handed_out_again_and_counted():
+    ledger = _ledger(2, [64, 64])
+    ledger.hand_out(0, worker=1)
+    ledger.lose(0, "worker 1 killed")
+    assert ledger.state(0) is ShardState.LOST
+    assert ledger.lost_shards() == [0]
+    ledger.hand_out(0, worker=2)
+    assert ledger.workers_tried(0) == [1, 2] and ledger.attempts(0) == 2
+    # The retry skipped the 32 records done; the lost attempt had started
+    # 16 more, which the retry trains again.
+    ledger.finish(0, 2, trained_before=32, trained_now=32, retrained=16)
+    assert ledger.records(0) == 64
+    assert ledger.summary()["records_retrained_max"] == 16
+    assert ledger.summary()["shards_lost"] == 1
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("moves", [
+    [("finish",)],  # done without being handed out
+    [("hand_out",), ("finish",), ("lose",)],  # a done shard cannot be lost
+    [("hand_out",), ("finish",), ("hand_out",)],  # nor handed out again
+    [("lose",)],  # a pending shard was never in flight
+])
+def test_ledger_refuses_moves_the_state_machine_does_not_allow(moves):
+    ledger = _ledger(1, [8])
+    actions = {"hand_out": lambda: ledger.hand_out(0, 0),
+               "finish": lambda: ledger.finish(0, 0, 0, 8),
+               "lose": lambda: ledger.lose(0, "x")}
+    for move in moves[:-1]:
+        actions[move[0]]()
+    with pytest.raises(ShardTransitionError, match="cannot go from"):
+        actions[moves[-1][0]]()
+
+
+@pytest.mark.timeout(10)
+def test_ledger_snapshot_restores_done_shards_only():
+    ledger = ShardLedger(["a", "b", "c"], [4, 4, 4], epoch=2, order=[2, 0, 1])
+    ledger.hand_out(2, 0)
+    ledger.finish(2, 0, 0, 4)
+    ledger.hand_out(0, 1)  # in flight at the snapshot: not done
+    snapshot = json.loads(json.dumps(ledger.snapshot()))
+    restored = ShardLedger.restore(snapshot, ["a", "b", "c"])
+    assert restored.epoch == 2
+    assert restored.state(2) is ShardState.DONE
+    assert restored.todo() == [0, 1]  # the saved order, done shards skipped
+    with pytest.raises(ValueError, match="different number of shards"):
+        ShardLedger.restore(snapshot, ["a", "b"])
+
+
+@pytest.mark.timeout(10)
+def test_ledger_transitions_are_logged(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="keras_ps.shards.ledger")
+    ledger = _ledger(1, [8])
+    ledger.hand_out(0, worker=3)
+    assert "[worker:3] epoch 0 shard 0 (shard-0): pending -> handed_out" in \
+        caplog.text
+
+
+@pytest.mark.timeout(10)
+def test_ledger_wakes_a_waiter_on_change():
+    import threading
+
+    ledger = _ledger(1, [8])
+    seen = ledger.changes()
+    threading.Timer(0.05, lambda: ledger.hand_out(0, 0)).start()
+    assert ledger.wait_for_change(seen, timeout=10) != seen
+
+
+class _FakeInput:
+    batch_size, max_attempts, kind = 16, 2, "files"
+
+
+class _FakeEpoch:
+    """What a shard listener reads of its epoch, without a cluster."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+        self._state = type("State", (), {"input": _FakeInput()})()
+
+
+class _FakeFunction:
+    __name__ = "fake_shard_function"
+    _keras_ps_steps_per_execution = 2
+
+
+@pytest.mark.timeout(10)
+def test_queue_hooks_move_the_ledger_with_fakes():
+    """The coordinator's queue and a shard listener, no TF: a shard taken,
+    put back (its worker lost), taken again and finished; another that fails
+    to read twice is retried once, then gives the error naming it."""
+    import tensorflow as tf
+
+    from keras_ps.coordinator.closures import Closure, ClosureQueue
+    from keras_ps.shards.epoch import ShardReadError, _ShardListener
+
+    ledger = ShardLedger(["file 'a'", "file 'b'"], [64, None], epoch=0)
+    epoch = _FakeEpoch(ledger)
+    queue = ClosureQueue()
+    fn = _FakeFunction()
+    listeners = [_ShardListener(epoch, i, fn._keras_ps_steps_per_execution)
+                 for i in range(2)]
+    for listener in listeners:
+        queue.put(Closure(fn, (), {}, False, listener))
+
+    batch = queue.take(max_pack=16, num_takers=1)
+    assert len(batch) == 1  # a shard closure always runs alone
+    batch[0].listener.started(worker=3)
+    queue.put_back(batch)  # worker 3 lost
+    assert ledger.state(0) is ShardState.LOST
+    batch = queue.take(max_pack=16, num_takers=1)
+    batch[0].listener.started(worker=1)
+    # The retry resumed at record 40 and found 16 records started by the
+    # lost attempt (maybe applied): trained again, counted.
+    batch[0].listener.finished(1, (tf.constant(40, tf.int64),
+                                   tf.constant(24, tf.int64),
+                                   tf.constant(16, tf.int64)))
+    queue.mark_finished(1)
+    assert ledger.state(0) is ShardState.DONE and ledger.records(0) == 64
+    assert ledger.summary()["records_retrained_max"] == 16
+
+    error = tf.errors.NotFoundError(None, None, "b: No such file or directory")
+    second = queue.take(max_pack=16, num_takers=1)[0].listener
+    second.started(worker=0)
+    assert second.retry_after_error(error) is True  # attempt 1 of 2
+    assert ledger.state(1) is ShardState.LOST
+    second.started(worker=1)
+    assert second.retry_after_error(error) is False  # attempts used up
+    assert ledger.state(1) is ShardState.FAILED
+    wrapped = second.error(error)
+    assert isinstance(wrapped, ShardReadError)
+    assert "Shard 1 of 2 (file 'b') failed on 2 attempts (workers [0, 1])" \
+        in str(wrapped)
+    assert "No such file or directory" in str(wrapped)
+
+
+# -- fit on real clusters, every record counted by id ---------------------------
+def _env(**extra):
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+                **extra)
+
+
+def _result(output):
+    return last_report(output)
+
+
+def _run(mode, data_dir, timeout, **env):
+    # Its own process group: on a timeout the job's servers and agents are
+    # killed with it.
+    job = subprocess.Popen([sys.executable, JOB, mode, str(data_dir)],
+                           env=_env(**env), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise AssertionError(f"{mode} job timed out:\n{output[-4000:]}")
+    assert job.returncode == 0, output[-4000:]
+    return _result(output)
+
+
+def _check_epoch(epoch, exactly_once):
+    """Every id trained; duplicates only in shards lost with a step in
+    flight, and no more than the count the epoch's logs report."""
+    logs = epoch["logs"]
+    assert epoch["missing"] == [], epoch
+    assert logs["shards_done"] == logs["shards"] == 24, logs
+    assert logs["records_trained"] == RECORDS, logs
+    if exactly_once:
+        assert epoch["max_count"] == 1 and logs["shards_lost"] == 0, epoch
+        return
+    assert set(epoch["twice"]) <= set(epoch["lost_ids"]), epoch
+    assert epoch["max_count"] <= 2, epoch
+    assert epoch["extra"] <= logs["records_retrained_max"], epoch
+    # At most one step (16 records) per lost attempt.
+    assert logs["records_retrained_max"] <= 16 * logs["shards_lost"], logs
+
+
+@pytest.mark.timeout(200)
+def test_fit_three_workers_two_epochs_every_id_exactly_once(tmp_path):
+    result = _run("plain", tmp_path, 180)
+    assert result["history_epochs"] == [0, 1]
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=True)
+    # The work was shared: every worker trained shards.
+    assert all(n > 0 for n in result["closures"]), result
+
+
+@pytest.mark.timeout(200)
+def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
+    result = _run("kill", tmp_path, 180)
+    assert result["events"] == {"killed": True, "restarted": True}, result
+    first = result["epochs"]["0"]
+    assert first["logs"]["shards_lost"] >= 1, first
+    _check_epoch(first, exactly_once=False)
+    _check_epoch(result["epochs"]["1"], exactly_once=False)
+    assert result["states"] == ["healthy"] * 3, result
+
+
+@pytest.mark.timeout(200)
+def test_fit_worker_sigstopped_past_hang_timeout(tmp_path):
+    result = _run("stop", tmp_path, 180, KERAS_PS_HANG_TIMEOUT="3")
+    assert result["events"] == {"stopped": True, "continued": True}, result
+    first = result["epochs"]["0"]
+    assert first["logs"]["shards_lost"] >= 1, first
+    # The stopped worker finishes the step it was running when it continues,
+    # and no more: the shard's lease moved to the retry.
+    _check_epoch(first, exactly_once=False)
+    _check_epoch(result["epochs"]["1"], exactly_once=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_fit_kills_and_a_stop_across_two_epochs(tmp_path):
+    result = _run("chaos", tmp_path, 380, KERAS_PS_HANG_TIMEOUT="3")
+    assert set(result["events"]) == {
+        "killed_0", "restarted_0", "stopped_0", "continued_0", "killed_1",
+        "restarted_1"}, result
+    for epoch in result["epochs"].values():
+        assert epoch["logs"]["shards_lost"] >= 1, epoch
+        _check_epoch(epoch, exactly_once=False)
+
+
+@pytest.mark.timeout(280)
+def test_fit_worker_joins_through_rendezvous_and_leaves(tmp_path):
+    result = _run("elastic", tmp_path, 260)
+    events = result["events"]
+    assert events["third_ran"] >= 2 and events["third_exit"] == 0, result
+    assert len(result["states"]) == 3 and result["states"][2] == "left", result
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=False)
+
+
+def _read_state(backup_dir):
+    try:
+        with open(os.path.join(backup_dir, "backup_state.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+@pytest.mark.timeout(300)
+def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
+                                                             tmp_path):
+    backup_dir = str(tmp_path / "backup")
+    spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
+    args = [sys.executable, JOB, "backup", str(tmp_path / "data"), spec,
+            backup_dir]
+    job = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        # Kill once a backup of epoch 1 holds 6 shards done.
+        def mid_epoch_backup():
+            assert job.poll() is None, job.stdout.read()[-3000:]
+            state = _read_state(backup_dir)
+            return state if state and state["epoch"] == 1 and \
+                state["step"] >= 6 else None
+        wait_until(mid_epoch_backup, 200, "a mid-epoch backup of epoch 1")
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    output = job.stdout.read()
+    assert "EPOCH 0 " in output and "EPOCH 1 " not in output, output[-3000:]
+    killed_at = _read_state(backup_dir)
+    done_before = set(killed_at["extra"]["shard_ledger"]["done"])
+    # A backup waits for the shards in flight, so its ledger may hold more
+    # done shards than the callbacks had seen (its step).
+    assert len(done_before) >= killed_at["step"] >= 6
+
+    again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=200)
+    assert again.returncode == 0, again.stdout[-3000:]
+    result = _result(again.stdout)
+    assert result["history_epochs"] == [1], result
+    # The rerun resumed at the backup's position, from the backup's ledger,
+    # and handed out only the shards not done in it.
+    assert result["restored"][0] == [1, sorted(done_before),
+                                     [1, killed_at["step"]]], result
+    epoch = result["epochs"]["1"]
+    assert not set(epoch["handed_out"]) & done_before, epoch
+    assert set(epoch["handed_out"]) | done_before == set(range(24)), epoch
+    # Every id of the interrupted epoch is in the model once: the counts
+    # are a model weight, restored from the backup with the rest.
+    _check_epoch(epoch, exactly_once=True)
+    assert not os.path.exists(backup_dir)
+
+
+# -- in this process, on the shared cluster --------------------------------------
+@pytest.mark.timeout(120)
+def test_custom_loop_schedules_each_shard_and_counts_each_id_once(
+        strategy, coordinator):
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    n = 1000
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([n], tf.int32))
+    data = keras_ps.ShardedInput(np.arange(n, dtype=np.int64), batch_size=10,
+                                 records_per_shard=100, seed=3)
+    assert data.num_shards == 10
+
+    def step(ids):
+        counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
+
+    train_shard = data.shard_function(coordinator, step)
+    orders = []
+    for epoch in range(2):
+        shards = data.epoch(coordinator, epoch)
+        orders.append([s.index for s in shards])
+        for shard in shards:
+            coordinator.schedule(train_shard, args=(shard,))
+        coordinator.join()
+        assert shards.summary()["records_trained"] == n
+        assert np.all(counts.numpy() == epoch + 1)
+    # Shuffled across shards, differently each epoch, reproducibly.
+    assert sorted(orders[0]) == list(range(10)) and orders[0] != orders[1]
+    assert orders == [data.order(0), data.order(1)]
+    again = keras_ps.ShardedInput(np.arange(n, dtype=np.int64), batch_size=10,
+                                  records_per_shard=100, seed=3)
+    assert again.order(0) == orders[0]
+    assert again.shard_seed(0, 4) == data.shard_seed(0, 4)
+
+
+@pytest.mark.timeout(120)
+def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
+                                                          caplog):
+    import logging
+
+    import keras
+    import tensorflow as tf
+
+    import keras_ps
+
+    paths = []
+    for f, records in enumerate([8, 0, 8]):
+        path = str(tmp_path / f"part-{f}.tfrecord")
+        with tf.io.TFRecordWriter(path) as writer:
+            for _ in range(records):
+                writer.write(tf.train.Example(features=tf.train.Features(
+                    feature={"x": tf.train.Feature(float_list=tf.train.FloatList(
+                        value=[1.0, 2.0]))})).SerializeToString())
+        paths.append(path)
+    spec = {"x": tf.io.FixedLenFeature([2], tf.float32)}
+
+    def read_fn(filename):
+        return tf.data.TFRecordDataset(filename).map(
+            lambda r: (tf.io.parse_single_example(r, spec)["x"],
+                       tf.constant([1.0])))
+
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    caplog.set_level(logging.WARNING, logger="keras_ps.shards.fit")
+    import numpy as np
+
+    history = model.fit(keras_ps.ShardedInput(paths, read_fn=read_fn,
+                                              batch_size=4), epochs=1,
+                        validation_data=(np.ones((8, 2), "float32"),
+                                         np.ones((8, 1), "float32")),
+                        verbose=0)
+    assert history.history["records_trained"] == [16]
+    assert len(history.history["val_loss"]) == 1
+    assert history.history["shards_done"] == [3]
+    assert "1 shard(s) had no records" in caplog.text
+    assert "part-1.tfrecord" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_within_shard_shuffle_is_reproducible_from_the_seed():
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    def shard_order(seed, epoch, shard):
+        data = keras_ps.ShardedInput(np.arange(200, dtype=np.int64),
+                                     records_per_shard=100, seed=seed)
+        records = data.records(tf.constant(shard, tf.int64), tf.constant(
+            data.shard_seed(epoch, shard), tf.int64))
+        return [int(r) for r in records]
+
+    first = shard_order(seed=1, epoch=0, shard=1)
+    assert sorted(first) == list(range(100, 200)) and first != sorted(first)
+    assert shard_order(seed=1, epoch=0, shard=1) == first  # same seed, same order
+    assert shard_order(seed=1, epoch=1, shard=1) != first  # a new epoch reshuffles
+    assert shard_order(seed=2, epoch=0, shard=1) != first
