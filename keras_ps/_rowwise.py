@@ -103,8 +103,8 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     the row by, `alpha_j * beta_1^i m / sqrt(beta_2^i v)`, summed with the
     current `alpha` and epsilon kept once (exact when the learning rate and
     bias correction no longer change and epsilon is small against sqrt(v)):
-    the skipped-steps correction of tensorflow/tensorflow#23668, applied when
-    the row is next touched. Three gathers, three scatter-updates, one
+    the skipped-steps correction proposed on TensorFlow's tracker
+    ("SparseAdam"), applied when the row is next touched. Three gathers, three scatter-updates, one
     scatter-sub.
 
     Args:

@@ -204,25 +204,6 @@ class _SliceInitializer:
         return part if dtype is None else tf.cast(part, dtype)
 
 
-class _Fill:
-    """`keras.initializers.Constant(value)` as one `tf.fill` (Keras computes
-    `value * ones(shape)`: two full-size tensors at once)."""
-
-    def __init__(self, value):
-        self._value = value
-
-    def __call__(self, shape, dtype=None):
-        return tf.fill(shape, tf.cast(self._value, dtype or "float32"))
-
-
-def filled(initializer):
-    """`initializer`, or a one-fill equivalent for a scalar Constant."""
-    if (type(initializer) is keras.initializers.Constant
-            and isinstance(initializer.value, (int, float))):
-        return _Fill(initializer.value)
-    return initializer
-
-
 def group_slot(slot, reference, name):
     """Records an optimizer slot made for a shard; once every shard has its
     slot `name`, groups them into a ShardedWeight (for saving only)."""

@@ -37,8 +37,8 @@ class LazyAdam(keras.optimizers.Adam):
       (rho + ... + rho^(k-1))` with `rho = beta_1 / sqrt(beta_2)`), then takes
       this step's update. The catch-up uses this step's `alpha` for the
       skipped steps and keeps epsilon once; it is the skipped-steps
-      correction proposed in tensorflow/tensorflow#23668, where the classic
-      LazyAdam fell short of Adam's accuracy. A row never touched again keeps
+      correction proposed on TensorFlow's tracker ("SparseAdam") after the
+      classic LazyAdam fell short of Adam's accuracy. A row never touched again keeps
       its value (dense Adam would move it by at most ~9 more updates of its
       last momentum with the default betas).
 

@@ -119,15 +119,13 @@ def _collapsed_state(keras_walk):
 # Missing public API: Keras optimizers do not report which slot belongs to
 # which variable. We wrap the TF optimizer's `add_variable_from_reference`
 # (every built-in optimizer makes its slots there) to group a shard's slots,
-# so saving writes one full slot per sharded weight, and to make a constant
-# slot (Adagrad's accumulator) with one fill instead of Keras' `value * ones`
-# (two slot-sized tensors at once on the ps).
+# so saving writes one full slot per sharded weight.
 def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
         slot = keras_add_slot(self, reference_variable, name=name,
-                              initializer=_sharded_weights.filled(initializer))
+                              initializer=initializer)
         _sharded_weights.group_slot(slot, reference_variable, name or "var")
         return slot
 
