@@ -14,6 +14,7 @@ import logging
 import keras
 import tensorflow as tf
 
+from keras_ps import _fit_epochs
 from keras_ps import exact_evaluation
 from keras_ps import inputs
 from keras_ps import shards
@@ -184,22 +185,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         epoch_logs = python_logs(model.get_metrics_result())
         if validation_data is not None and inputs.should_validate(epoch,
                                                             validation_freq):
-            val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
-                validation_data) if isinstance(validation_data, tuple) else (
-                validation_data, None, None)
-            val_logs = evaluate(
-                model, val_x, val_y, sample_weight=val_w,
-                batch_size=validation_batch_size or batch_size,
-                steps=validation_steps, verbose=0, return_dict=True)
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            epoch_logs.update(_fit_epochs.validation_logs(
+                model, validation_data, validation_batch_size or batch_size,
+                validation_steps))
         callback_list.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
         if model.stop_training:
             break
-    if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
-        model.optimizer.finalize_variable_values(model.trainable_weights)
-    callback_list.on_train_end(logs=training_logs)
-    return model.history
+    return _fit_epochs.end_training(model, callback_list, epochs,
+                                    training_logs)
 
 
 def _check_compiled(model, what):

@@ -13,6 +13,7 @@ import logging
 
 import keras
 
+from keras_ps import _fit_epochs
 from keras_ps._keras import fit_routing
 from keras_ps.inputs import should_validate
 from keras_ps.resumable import ResumableCallback
@@ -106,22 +107,15 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                     summary["records_retrained_max"])
         if validation_data is not None and should_validate(
                 epoch_index, validation_freq):
-            val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
-                validation_data) if isinstance(validation_data, tuple) else (
-                validation_data, None, None)
-            val_logs = model.evaluate(  # keras_ps' evaluate, on the workers
-                val_x, val_y, sample_weight=val_w,
-                batch_size=validation_batch_size or data.batch_size,
-                steps=validation_steps, verbose=0, return_dict=True)
-            epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+            epoch_logs.update(_fit_epochs.validation_logs(
+                model, validation_data,
+                validation_batch_size or data.batch_size, validation_steps))
         callback_list.on_epoch_end(epoch_index, epoch_logs)
         training_logs = epoch_logs
         if model.stop_training:
             break
-    if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
-        model.optimizer.finalize_variable_values(model.trainable_weights)
-    callback_list.on_train_end(logs=training_logs)
-    return model.history
+    return _fit_epochs.end_training(model, callback_list, epochs,
+                                    training_logs)
 
 
 def _run_epoch(model, coordinator, train_shard, epoch, callback_list):
