@@ -63,3 +63,21 @@ def test_every_error_class_is_a_picklable_keras_ps_error():
         error = cls("what went wrong")
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is cls and "what went wrong" in str(again)
+
+
+def test_setup_cfg_lists_every_package():
+    # A regular (non-editable) install, as the Docker image makes, installs
+    # only the packages setup.cfg lists.
+    import configparser
+    import os
+
+    from _paths import REPO
+
+    config = configparser.ConfigParser()
+    config.read(os.path.join(REPO, "setup.cfg"))
+    listed = set(config["options"]["packages"].split())
+    found = {os.path.relpath(root, REPO).replace(os.sep, ".")
+             for root, _, files in os.walk(os.path.join(REPO, "keras_ps"))
+             if "__init__.py" in files}
+    assert found <= listed, sorted(found - listed)
+    assert "keras_ps.callbacks" in listed
