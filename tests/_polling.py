@@ -3,9 +3,10 @@
 import time
 
 
-def wait_until(predicate, timeout, what):
-    """Polls `predicate` until it returns a truthy value, which it returns;
-    fails the test, naming `what`, after `timeout` seconds."""
+def wait_until(predicate, timeout, what, interval=0.02):
+    """Polls `predicate` every `interval` seconds until it returns a truthy
+    value, which it returns; fails the test, naming `what`, after `timeout`
+    seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
@@ -14,4 +15,4 @@ def wait_until(predicate, timeout, what):
         if time.monotonic() > deadline:
             raise AssertionError(
                 f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+        time.sleep(interval)

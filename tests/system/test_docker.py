@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from _paths import REPO as ROOT  # noqa: E402
+from _polling import wait_until  # noqa: E402
 DOCKER = os.path.join(ROOT, "docker")
 COMPOSE_FILE = os.path.join(DOCKER, "compose.yaml")
 ENGINE_SH = os.path.join(DOCKER, "engine.sh")
@@ -306,17 +307,9 @@ def test_plain_manifest_tf_configs_services_and_commands():
 
 
 # -- on a Docker engine ------------------------------------------------------------
-def poll(predicate, timeout, what, interval=0.5):
-    """Calls `predicate` until it returns a truthy value (returned); fails
-    naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+def poll(predicate, timeout, what):
+    """`wait_until` at the pace a container's log needs."""
+    return wait_until(predicate, timeout, what, interval=0.5)
 
 
 def docker(*args, timeout=120, check=True):
