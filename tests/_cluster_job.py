@@ -29,6 +29,22 @@ class _Seen(logging.Handler):
             self.event.set()
 
 
+def _count_steps(strategy, steps):
+    """Runs `steps` steps that each add 1 to a ps variable; its value."""
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    with strategy.scope():
+        v = tf.Variable(0.0)
+
+    @tf.function
+    def step():
+        v.assign_add(1.0)
+
+    for _ in range(steps):
+        coordinator.schedule(step)
+    coordinator.join()
+    return float(v.numpy())
+
+
 def connect():
     """A strategy waits for a worker that is still starting; one whose
     worker never answers fails with an error naming it."""
@@ -57,19 +73,8 @@ def connect():
 
         threading.Thread(target=restart_once_waited, daemon=True).start()
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
-        with strategy.scope():
-            v = tf.Variable(0.0)
-
-        @tf.function
-        def step():
-            v.assign_add(1.0)
-
-        for _ in range(10):
-            coordinator.schedule(step)
-        coordinator.join()
-        say(unreachable=unreachable, waited=seen.event.is_set(),
-            total=float(v.numpy()))
+        total = _count_steps(strategy, 10)
+        say(unreachable=unreachable, waited=seen.event.is_set(), total=total)
 
 
 def dataset_while_down():
@@ -107,21 +112,10 @@ def dataset_while_down():
 def second_cluster():
     """Clusters one after another in one process, as a notebook makes them."""
     runs, old = [], None
-    for n in range(4):
+    for _ in range(4):
         resolver = keras_ps.create_in_process_cluster(num_workers=2, num_ps=1)
         strategy = keras_ps.ParameterServerStrategy(resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
-        with strategy.scope():
-            v = tf.Variable(0.0)
-
-        @tf.function
-        def step():
-            v.assign_add(1.0)
-
-        for _ in range(40):
-            coordinator.schedule(step)
-        coordinator.join()
-        runs.append(float(v.numpy()))
+        runs.append(_count_steps(strategy, 40))
         if old is None:
             old = strategy
     try:

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from _backups import read_backup_state
 from _paths import TESTS
 from _results import last_report
 
@@ -26,14 +27,6 @@ def _result(output):
     return last_report(output)
 
 
-def _read_state(backup_dir):
-    try:
-        with open(os.path.join(backup_dir, "backup_state.json")) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 @pytest.mark.timeout(280)
 def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
     backup_dir = str(tmp_path / "backup")
@@ -45,7 +38,7 @@ def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
         # Kill the coordinator once a mid-epoch backup of epoch 1 exists.
         deadline = time.monotonic() + 180
         while True:
-            state = _read_state(backup_dir)
+            state = read_backup_state(backup_dir)
             if state and state["epoch"] == 1 and state["step"] > 0:
                 break
             assert job.poll() is None, job.stdout.read()[-3000:]
@@ -56,7 +49,7 @@ def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
     finally:
         if job.poll() is None:
             job.kill()
-    killed_at = _read_state(backup_dir)
+    killed_at = read_backup_state(backup_dir)
     assert killed_at["epoch"] == 1 and killed_at["step"] > 0
 
     again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
@@ -130,7 +123,7 @@ def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
     assert failed["is_unavailable"] is True
     assert failed["seconds"] < 10
     assert "Restart the job" in failed["message"]
-    killed_at = _read_state(backup_dir)
+    killed_at = read_backup_state(backup_dir)
     assert killed_at is not None and killed_at["epoch"] == 1
 
     # The same script again (a new cluster: the ps variables were lost).

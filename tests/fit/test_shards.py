@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from _backups import read_backup_state
 from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
@@ -282,14 +283,6 @@ def test_fit_worker_joins_through_rendezvous_and_leaves(tmp_path):
         _check_epoch(epoch, exactly_once=False)
 
 
-def _read_state(backup_dir):
-    try:
-        with open(os.path.join(backup_dir, "backup_state.json")) as f:
-            return json.load(f)
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-
-
 @pytest.mark.timeout(300)
 def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
                                                              tmp_path):
@@ -303,7 +296,7 @@ def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
         # Kill once a backup of epoch 1 holds 6 shards done.
         def mid_epoch_backup():
             assert job.poll() is None, job.stdout.read()[-3000:]
-            state = _read_state(backup_dir)
+            state = read_backup_state(backup_dir)
             return state if state and state["epoch"] == 1 and \
                 state["step"] >= 6 else None
         wait_until(mid_epoch_backup, 200, "a mid-epoch backup of epoch 1")
@@ -314,7 +307,7 @@ def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
             job.kill()
     output = job.stdout.read()
     assert "EPOCH 0 " in output and "EPOCH 1 " not in output, output[-3000:]
-    killed_at = _read_state(backup_dir)
+    killed_at = read_backup_state(backup_dir)
     done_before = set(killed_at["extra"]["shard_ledger"]["done"])
     # A backup waits for the shards in flight, so its ledger may hold more
     # done shards than the callbacks had seen (its step).
