@@ -45,9 +45,13 @@ SYSTEMS = ("tf_native_adam", "keras_ps_lazyadam", "tf_native_adagrad",
            "keras_ps_adagrad", "keras_ps_adam")
 SKIP = {("tf_native_adam", 10_000_000): "OOM-killed at 21.6 GB (dense Adam "
         "update of a 10M x 64 table); not run"}
-# (epochs, steps per epoch): epoch 1 is warm-up. Dense-update systems are slow.
-SCHEDULE = {"tf_native_adam": (3, 20), "keras_ps_adam": (3, 100)}
-DEFAULT_SCHEDULE = (3, 100)
+# (epochs, steps per epoch): epoch 1 is warm-up. 900 measured steps (15-30 s
+# for the row-wise systems) keep one slow second of a shared machine from
+# deciding a ratio. TF native's dense Adam is slow: 40 measured steps.
+# keras_ps' dense Adam (the accuracy reference for LazyAdam at 1M) takes as
+# many steps as LazyAdam.
+SCHEDULE = {"tf_native_adam": (3, 20)}
+DEFAULT_SCHEDULE = (4, 300)
 
 
 def make_batch(tf, rows, worker, index):

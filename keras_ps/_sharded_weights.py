@@ -182,11 +182,13 @@ SLICED_INIT_MAX_BYTES = 256 * 2**20
 
 
 def per_shard_initializer(initializer, index):
-    """`initializer` for shard `index`; a seeded one gets seed `seed + index`,
-    so shards of equal shape do not start equal."""
-    config = initializer.get_config() if hasattr(initializer, "get_config") else {}
-    if isinstance(config.get("seed"), int):
-        config = dict(config, seed=config["seed"] + index)
+    """`initializer` for shard `index`; one seeded with an int gets seed
+    `seed + index`, so shards of equal shape do not start equal. (An unseeded
+    Keras random initializer holds a fixed int seed too, and would draw the
+    same numbers for every shard of equal shape.)"""
+    seed = getattr(initializer, "seed", None)
+    if isinstance(seed, int) and hasattr(initializer, "get_config"):
+        config = dict(initializer.get_config(), seed=seed + index)
         return type(initializer).from_config(config)
     return initializer
 

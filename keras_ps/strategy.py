@@ -20,12 +20,14 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps import _blockwise_init
 from keras_ps import _connection
 from keras_ps import _sharded_variable_ops
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import compat as keras_compat
+from keras_ps._keras import initializers as keras_initializers
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import sharding as keras_sharding
 from keras_ps._per_worker import PerWorkerValues
@@ -265,18 +267,18 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         if colocate_with is not None:
             # Optimizer slots and the like: same ps as their variable, never split.
             with tf.device(colocate_with.device):
-                return next_creator(**kwargs)
+                return _blockwise_init.create(next_creator, kwargs)
         if self._partitioner is not None:
             created = _sharded_variable_ops.maybe_create_sharded(
                 self, next_creator, self._partitioner, kwargs)
             if created is not None:
                 return created
         with tf.device(self._next_ps_device()):
-            return next_creator(**kwargs)
+            return _blockwise_init.create(next_creator, kwargs)
 
     def _create_shard(self, next_creator, kwargs):
         with tf.device(self._next_ps_device()):
-            return next_creator(**kwargs)
+            return _blockwise_init.create(next_creator, kwargs)
 
     def _allow_variable_partition(self):
         return True
@@ -387,4 +389,5 @@ def _current_partitioner():
 keras_sharding.install(_current_partitioner)
 keras_atomic_updates.install()
 keras_optimizers.install()
+keras_initializers.install()
 keras_compat.install(lambda s: isinstance(s, ParameterServerStrategy))
