@@ -334,3 +334,23 @@ def test_rowwise_keras_zero_gradient_facts():
     # Adam's momentum moves row 0 at step 2.
     adam = [run(keras.optimizers.Adam(0.1), n) for n in (1, 2)]
     assert not np.array_equal(adam[0][0], adam[1][0])
+
+
+# -- initializers drawn in row blocks ------------------------------------------------
+@pytest.mark.timeout(60)
+def test_blockwise_initializer_hook_target():
+    from keras_ps._keras import initializers as keras_initializers
+
+    owner = keras_initializers.VARIABLE_CLASS
+    original = hooks.original(owner, "_initialize_with_initializer")
+    assert original is not owner._initialize_with_initializer
+    assert list(inspect.signature(original).parameters) == ["self", "initializer"]
+    # Keras' own path calls it with the initializer object, so a variable
+    # made outside a keras_ps strategy gets Keras' numbers.
+    init = keras.initializers.RandomUniform(seed=3)
+    variable = keras.Variable(init, shape=(4, 2))
+    np.testing.assert_array_equal(variable.numpy(), init((4, 2)).numpy())
+    # Only initializers that draw each element on its own qualify.
+    assert keras_initializers.block_function(init) is not None
+    assert keras_initializers.block_function(
+        keras.initializers.GlorotUniform()) is None
