@@ -22,7 +22,8 @@ learnt in its row). Throughput = steps of epochs 2..N / their wall time.
 Held-out accuracy on 10,240 examples from a stream no worker draws, looking up
 only the rows those examples use. Peak RSS: the whole process (coordinator,
 ps and workers share it in an in-process cluster), from getrusage; psutil
-gives the RSS after the model is built.
+gives the RSS before and after the model is built. The peak minus the RSS
+before the build is what the table, its slots and training added.
 
     .venv/bin/python benchmarks/fit_large_tables.py --rows 1000000 --repeats 1
     .venv/bin/python benchmarks/fit_large_tables.py --json
@@ -132,6 +133,7 @@ def run_one(system, rows, epochs, steps_per_epoch):
         def lookup(layer, ids):
             return keras.ops.take(layer.embeddings, ids, axis=0)
     keras.utils.set_random_seed(0)
+    rss_before_build = psutil.Process().memory_info().rss
     build_start = time.perf_counter()
     with strategy.scope():
         if optimizer_name == "lazyadam":
@@ -175,6 +177,7 @@ def run_one(system, rows, epochs, steps_per_epoch):
         "build_s": build_s,
         "test_accuracy": held_out_accuracy(tf, model, rows, lookup),
         "iterations": int(model.optimizer.iterations.numpy()),
+        "rss_before_build_gb": rss_before_build / 2**30,
         "rss_after_build_gb": rss_after_build / 2**30,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "table_and_slots_gb": table_bytes / 2**30,

@@ -274,6 +274,13 @@ def large_table_rows(large):
             out.append((f"  same run: {system} at {sizes[-1] / 1e6:g}M, peak RSS of "
                         "the whole in-process cluster / (table + slots)", "", "",
                         fmt_spread(ratio), "<= 1.25x", statistics.median(ratio) <= 1.25))
+        added = [(x["peak_rss_gb"] - x["rss_before_build_gb"]) / x["table_and_slots_gb"]
+                 for x in runs if x["system"] == system and x["rows"] == sizes[-1]
+                 and "rss_before_build_gb" in x]
+        if added:
+            out.append((f"  same run: {system} at {sizes[-1] / 1e6:g}M, (peak RSS - "
+                        "RSS before the model was built) / (table + slots)", "", "",
+                        fmt_spread(added), "<= 1.25x", statistics.median(added) <= 1.25))
     return out
 
 
