@@ -353,7 +353,9 @@ class LocalCluster:
         self._procs[(job, index)] = subprocess.Popen(
             [sys.executable, "-m", "keras_ps.server",
              "--cluster_spec", json.dumps(self.spec),
-             "--job_name", job, "--task_index", str(index)],
+             "--job_name", job, "--task_index", str(index),
+             # Tasks end with this process, even when it is SIGKILLed.
+             "--exit_with_parent"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )
         logger.info("[cluster] started %s:%d at %s (pid %d)", job, index,

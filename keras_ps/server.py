@@ -33,6 +33,9 @@ def _parser():
     parser.add_argument("--task_index", type=int, default=0)
     parser.add_argument("--inter_op_threads", type=int, default=0,
                         help="inter-op threads (0: max(4, cores))")
+    parser.add_argument("--exit_with_parent", action="store_true",
+                        help="stop when the process that started this one "
+                             "ends, even by SIGKILL (LocalCluster sets it)")
     return parser
 
 
@@ -76,7 +79,10 @@ def _task(args):
     return cluster, job, index
 
 
-def _serve_until_signal(server, job, index, address):
+def _serve_until_signal(server, job, index, address, parent=None):
+    """Serves until SIGTERM/SIGINT, or until `parent` (a pid) is no longer
+    this process' parent: a parent that dies, even by SIGKILL, leaves this
+    process to init, and nothing else would stop it."""
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -85,9 +91,12 @@ def _serve_until_signal(server, job, index, address):
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     print(f"keras_ps.server: {job}:{index} serving at {address}", flush=True)
+    why = "on signal"  # the message tests and operators look for
     while not stop.wait(1.0):
-        pass
-    print(f"keras_ps.server: {job}:{index} stopping on signal ({server.target})",
+        if parent is not None and os.getppid() != parent:
+            why = f"because the process that started it (pid {parent}) ended"
+            break
+    print(f"keras_ps.server: {job}:{index} stopping {why} ({server.target})",
           flush=True)
     sys.stdout.flush()
     # TF's server has no clean shutdown in 2.x; leave without running its
@@ -97,6 +106,7 @@ def _serve_until_signal(server, job, index, address):
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    parent = os.getppid() if args.exit_with_parent else None
     # Must be set before TF starts gRPC: calls to a dead task fail at once
     # instead of waiting for it to come back.
     os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
@@ -127,7 +137,7 @@ def main(argv=None):
     except Exception as e:  # TF raises UnknownError for bind failures.
         return _fail(f"could not start {job}:{index} at {address}: "
                      f"{str(e).splitlines()[0]}")
-    _serve_until_signal(server, job, index, address)
+    _serve_until_signal(server, job, index, address, parent)
 
 
 if __name__ == "__main__":

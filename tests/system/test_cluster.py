@@ -119,3 +119,49 @@ def test_local_cluster_kill_and_restart(tmp_path):
         local.restart("worker", 0)
         assert local.pid("worker", 0) != old
         assert cluster_lib.wait_for_port(address, 5)
+
+
+_OWNER = """
+import sys
+from keras_ps import cluster as cluster_lib
+local = cluster_lib.LocalCluster(num_workers=1, num_ps=1, log_dir=sys.argv[1])
+print(local.pid("ps", 0), local.pid("worker", 0), flush=True)
+sys.stdin.read()  # until the test kills this process
+"""
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); it has ended all the same.
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_local_cluster_tasks_end_when_its_process_is_sigkilled(tmp_path):
+    """A coordinator killed with SIGKILL runs no cleanup: its LocalCluster's
+    tasks notice their parent is gone and stop, instead of holding their
+    ports and memory until someone kills them by hand."""
+    from tests._polling import wait_until
+
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, str(tmp_path)], stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = owner.stdout.readline()
+        assert line, "the cluster's process printed no pids"
+        pids = [int(p) for p in line.split()]
+        assert all(_alive(p) for p in pids)
+        owner.kill()
+        owner.wait()
+        wait_until(lambda: not any(_alive(p) for p in pids), 15,
+                   "the tasks of a SIGKILLed LocalCluster's process to stop")
+    finally:
+        try:  # whatever of the group is left, if the test failed
+            os.killpg(owner.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    logs = "".join(open(tmp_path / name).read() for name in ("ps-0.log", "worker-0.log"))
+    assert "because the process that started it" in logs, logs
