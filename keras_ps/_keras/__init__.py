@@ -12,4 +12,5 @@ loudly there. Supported range: see setup.cfg.
 - `atomic_updates`: `assign_add`/`assign_sub` of ps variables as one atomic op.
 - `sharding`: sharded layer weights (creation, lookup, saving).
 - `optimizers`: how optimizers update variables that live on a ps.
+- `saving`: Keras weights files of weights on the ps, a block of rows at a time.
 """
