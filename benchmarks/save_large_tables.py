@@ -2,14 +2,19 @@
 
 A multi-process LocalCluster (2 ps, 1 worker; this process is the
 coordinator), Embedding(R, 64) split over the 2 ps, Dense(1) on top,
-keras_ps.optimizers.LazyAdam (so two float slots and a row step per row),
-one training step so every slot exists. Then, one at a time:
+keras_ps.optimizers.LazyAdam (two float slots and a row step per row) or,
+with --optimizer adagrad, keras.optimizers.Adagrad (one slot), one training
+step so every slot exists. Then, one at a time:
 
   checkpoint_save / checkpoint_restore   tf.train.Checkpoint(model=, optimizer=)
                                          (what BackupAndRestore and the sidecar
                                          checkpoint write)
-  save_weights / load_weights            model.save_weights("x.weights.h5")
+  save_weights / load_weights            model.save_weights("x.weights.h5"),
+                                         model.load_weights of it
   model_save                             model.save("x.keras")
+  load_weights_keras                     model.load_weights("x.keras")
+  load_model                             keras.models.load_model("x.keras")
+                                         under the strategy's scope
 
   predict / evaluate                     1,024 examples of 4 random ids: they
                                          must read only the rows they look up
@@ -19,7 +24,8 @@ For each: seconds, GB written (the file sizes), seconds per GB, and the peak
 RSS (VmHWM, reset before each operation) of the coordinator and of each ps,
 against the table + slots size.
 
-    .venv/bin/python benchmarks/save_large_tables.py --rows 4000000
+    .venv/bin/python benchmarks/save_large_tables.py --rows 4000000 \
+        --optimizer lazyadam
 """
 
 import argparse
@@ -65,7 +71,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=4_000_000)
     parser.add_argument("--ops", default="predict,evaluate,checkpoint_save,"
-                        "checkpoint_restore,save_weights,load_weights,model_save")
+                        "checkpoint_restore,save_weights,load_weights,model_save,"
+                        "load_weights_keras,load_model")
+    parser.add_argument("--optimizer", choices=("lazyadam", "adagrad"),
+                        default="lazyadam")
     parser.add_argument("--dir", default=None)
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -77,7 +86,7 @@ def main():
     from keras_ps.partitioners import FixedShardsPartitioner
 
     out_dir = args.dir or tempfile.mkdtemp(prefix="keras_ps_save_")
-    results = {"rows": args.rows, "ops": {}}
+    results = {"rows": args.rows, "optimizer": args.optimizer, "ops": {}}
     with keras_ps.LocalCluster(num_workers=1, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(
             cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
@@ -91,17 +100,28 @@ def main():
                 keras.layers.Flatten(),
                 keras.layers.Dense(1),
             ])
-            model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse",
-                          steps_per_execution=1)
+            optimizer = (keras_ps.optimizers.LazyAdam(0.01)
+                         if args.optimizer == "lazyadam"
+                         else keras.optimizers.Adagrad(0.01))
+            model.compile(optimizer, "mse", steps_per_execution=1)
         results["build_s"] = time.perf_counter() - start
         ids = np.array([[0, 1, args.rows // 2, args.rows - 1]] * 8, np.int64)
         model.fit(ids, np.ones((8, 1), np.float32), batch_size=8, epochs=1,
                   steps_per_epoch=1, verbose=0)
-        results["table_and_slots_gb"] = args.rows * (DIM * 4 * 3 + 8) / 2**30
+        row_bytes = (DIM * 4 * 3 + 8 if args.optimizer == "lazyadam"
+                     else DIM * 4 * 2)
+        results["table_and_slots_gb"] = args.rows * row_bytes / 2**30
         results["rss_after_build_gb"] = {k: status_gb(p, "VmRSS") for k, p in pids.items()}
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         prefix = os.path.join(out_dir, "ckpt", "c")
         probe = np.random.default_rng(0).integers(0, args.rows, (1024, 4))
+        loaded = []
+
+        def load_model(path):
+            loaded.clear()  # free the previous copy on the ps first
+            with strategy.scope():
+                loaded.append(keras.models.load_model(path))
+
         operations = {
             "predict": (lambda: model.predict(probe, batch_size=256, verbose=0), None),
             "evaluate": (lambda: model.evaluate(
@@ -118,6 +138,11 @@ def main():
                 os.path.join(out_dir, "w.weights.h5")),
                 os.path.join(out_dir, "w.weights.h5")),
             "model_save": (lambda: model.save(os.path.join(out_dir, "m.keras")),
+                           os.path.join(out_dir, "m.keras")),
+            "load_weights_keras": (lambda: model.load_weights(
+                os.path.join(out_dir, "m.keras")),
+                os.path.join(out_dir, "m.keras")),
+            "load_model": (lambda: load_model(os.path.join(out_dir, "m.keras")),
                            os.path.join(out_dir, "m.keras")),
         }
         for name in args.ops.split(","):

@@ -80,3 +80,10 @@ def env_int(name, default):
             f"Environment variable {name} must be an integer. Received: "
             f"{name}={raw!r}. Unset it to use the default {default}."
         ) from None
+
+# The most bytes of one weight that saving or loading a Keras weights file
+# (`model.save`, `save_weights`, `load_weights`, `load_model`) moves at once
+# between the coordinator and a ps: a sharded weight or a weight on a ps is
+# written and read in blocks of rows of at most this size.
+SAVE_CHUNK_BYTES_ENV_VAR = "KERAS_PS_SAVE_CHUNK_BYTES"
+DEFAULT_SAVE_CHUNK_BYTES = 64 * 2**20

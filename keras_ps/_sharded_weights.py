@@ -12,7 +12,9 @@ the strategy's `variable_partitioner` splits becomes:
   a tensor concatenates, `ops.take(..., axis=0)` gathers only requested rows.
 
 Saving sees the container, never the shards (`collapse`), so every format
-holds one full tensor per weight. This module uses only public Keras API; the
+holds one full tensor per weight; Keras weights files write and read it a
+block of rows at a time, shard by shard (`keras_ps._row_chunks`), so no
+process holds the whole weight. This module uses only public Keras API; the
 hooks that call it live in `keras_ps._keras.sharding`.
 """
 

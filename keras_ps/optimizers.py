@@ -12,6 +12,9 @@ import keras
 from keras_ps._keras import optimizers as _hooks
 
 
+# Registered so that `keras.models.load_model` of a model compiled with it
+# finds the class (with keras_ps imported).
+@keras.saving.register_keras_serializable(package="keras_ps")
 class LazyAdam(keras.optimizers.Adam):
     """Adam that updates only the rows of a sparse gradient (an embedding's).
 

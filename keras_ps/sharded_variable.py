@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from keras_ps import _row_chunks
 from keras_ps import _sliced_checkpoint
 
 
@@ -210,6 +211,10 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
+        if isinstance(value, _row_chunks.DatasetRows):  # block by block
+            _row_chunks.assign_by_rows(self, self._variables, value)
+            return self
+        value = _row_chunks.value_to_assign(self, value)
         for v, part in zip(self._variables, self._split(value)):
             v.assign(part)
         return self

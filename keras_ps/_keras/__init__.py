@@ -14,4 +14,5 @@ loudly there. Supported range: see setup.cfg.
 - `optimizers`: how optimizers update variables that live on a ps.
 - `initializers`: which initializers a large variable can be drawn with in
   row blocks on its ps.
+- `saving`: Keras weights files of weights on the ps, a block of rows at a time.
 """

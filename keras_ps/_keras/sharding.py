@@ -20,6 +20,7 @@ from keras.src.saving import saving_lib
 from keras_ps import _sharded_weights
 from keras_ps import sharded_variable
 from keras_ps._keras import hooks
+from keras_ps._keras import saving
 
 LAYER_CLASS = layer_lib.Layer
 OPTIMIZER_CLASS = tf_optimizer.TFOptimizer
@@ -100,7 +101,7 @@ def _sharded_take(keras_take):
 # one weight. We wrap the saving walk (`saving_lib._save_state` /
 # `_load_state`, called once per saveable object): while an object saves or
 # loads, its variable lists show each sharded weight as its container, which
-# reads and assigns the full tensor.
+# is written and read a block of rows at a time (keras_ps._keras.saving).
 def _collapsed_state(keras_walk):
     @functools.wraps(keras_walk)
     def walk(saveable, *args, **kwargs):
@@ -110,7 +111,9 @@ def _collapsed_state(keras_walk):
             names = OPTIMIZER_STATE_LISTS
         else:
             return keras_walk(saveable, *args, **kwargs)
-        with _sharded_weights.collapsed_attributes(saveable, names):
+        with _sharded_weights.collapsed_attributes(saveable, names), \
+                saving.reads_by_rows([v for name in names for v in
+                                      saveable.__dict__.get(name) or ()]):
             return keras_walk(saveable, *args, **kwargs)
 
     return walk
@@ -173,3 +176,4 @@ def install(partitioner_source):
     _partitioner_source = partitioner_source
     for (owner, name), wrap in zip(SHARDING_TARGETS, _SHARDING_WRAPPERS):
         hooks.wrap(owner, name, wrap)
+    saving.install()

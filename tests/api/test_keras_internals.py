@@ -13,12 +13,14 @@ import tensorflow as tf
 import keras
 import keras_ps  # noqa: F401
 import keras_ps.training  # noqa: F401  (installs every hook; no cluster needed)
+from keras_ps import _row_chunks
 from keras_ps import _sharded_weights
 from keras_ps import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import fit_routing
 from keras_ps._keras import hooks
 from keras_ps._keras import optimizers as keras_optimizers
+from keras_ps._keras import saving as keras_saving
 from keras_ps._keras import sharding as keras_sharding
 from keras_ps.partitioners import FixedShardsPartitioner
 
@@ -169,6 +171,82 @@ def test_sharding_no_partitioning_switch():
                    keras_sharding._unpartitioned_initialize(spy))
         keras.Variable(1.0)
     assert seen == [False]
+
+
+# -- Keras weights files, a block of rows at a time ------------------------------------
+_EXPECTED_SAVING_SIGNATURES = {
+    "__setitem__": ["self", "key", "value"],
+    "__getitem__": ["self", "key"],
+    "save_own_variables": ["self", "store"],
+    "is_memory_sufficient": ["model"],
+    "assign": ["self", "value"],
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("owner, name", keras_saving.SAVING_TARGETS,
+                          ids=[n for _, n in keras_saving.SAVING_TARGETS])
+def test_saving_hook_targets_exist_with_expected_signature(owner, name):
+    original = hooks.original(owner, name)
+    assert original is not getattr(owner, name), f"{name} is not hooked"
+    assert list(inspect.signature(original).parameters) == \
+        _EXPECTED_SAVING_SIGNATURES[name]
+
+
+@pytest.mark.timeout(60)
+def test_saving_keras_internals_used_by_the_hooks(tmp_path):
+    from keras.src.saving import saving_lib
+
+    # What the store's hooks read and call.
+    store = saving_lib.H5IOStore(str(tmp_path / "s.weights.h5"), mode="w")
+    store.make("layers/x")
+    assert store.mode == "w" and store._h5_entry_initialized is False
+    store._create_h5_group(store._h5_entry_path)
+    assert store._h5_entry_group.name == "/layers/x/vars"
+    store.close()
+    assert callable(saving_lib.safe_get_h5_dataset)
+    # model.save streams the h5 through a file when memory is "insufficient";
+    # load_model then extracts it instead of reading it into memory.
+    save = inspect.getsource(saving_lib._save_model_to_fileobj)
+    assert "is_memory_sufficient(model)" in save
+    assert "zf.write(weights_file_path.name, _VARS_FNAME_H5)" in save
+    load = inspect.getsource(saving_lib._load_model_from_fileobj)
+    assert "is_memory_sufficient(model)" in load and "zf.extract(" in load
+    # Keras saves optimizer state as `variable.numpy()` of each variable.
+    assert "variable.numpy()" in inspect.getsource(
+        hooks.original(keras_saving.OPTIMIZER_CLASS, "save_own_variables"))
+    assert issubclass(keras.Variable, keras_saving.VARIABLE_CLASS)
+
+
+@pytest.mark.timeout(60)
+def test_saving_streams_a_sharded_weight_by_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_PS_SAVE_CHUNK_BYTES", "24")  # 2 rows of 3
+    from keras.src.saving import saving_lib
+
+    _, weight = _local_weight()
+    want = weight.numpy()
+    writes = []
+    write_rows = _row_chunks.read_rows
+    monkeypatch.setattr(_row_chunks, "read_rows", lambda v, a, b: writes.append(
+        (a, b)) or write_rows(v, a, b))
+    path = str(tmp_path / "w.weights.h5")
+    store = saving_lib.H5IOStore(path, mode="w")
+    store.make("w")["0"] = weight
+    store.close()
+    assert writes == [(0, 2), (0, 2), (2, 3)]  # shards of 2 and 3 rows
+    weight.assign(np.zeros((5, 3), np.float32))
+    store = saving_lib.H5IOStore(path, mode="r")
+    with _row_chunks.rows_for_reads(True):
+        rows = store.get("w")["0"]
+    assert isinstance(rows, _row_chunks.DatasetRows) and rows.shape == (5, 3)
+    weight.assign(rows)
+    np.testing.assert_array_equal(weight.numpy(), want)
+    np.testing.assert_array_equal(np.asarray(rows), want)
+    assert isinstance(store.get("w")["0"], np.ndarray)  # outside: Keras' own
+    with _row_chunks.rows_for_reads(True), pytest.raises(
+            ValueError, match=r"must match.*variable.shape=\(4, 3\)"):
+        _local_weight(rows=(2, 2))[1].assign(store.get("w")["0"])
+    store.close()
 
 
 # -- optimizer updates on the ps ------------------------------------------------------
