@@ -189,10 +189,11 @@ def _reset_peak(pid):
 
 
 def test_large_variable_costs_its_ps_one_copy(cluster, strategy):
-    """A 256 MB table with Keras' Constant initializer (ones times the value:
+    """A 512 MB table with Keras' Constant initializer (ones times the value:
     two temporaries of the table's size, then TF's copy into the variable)
-    raises its ps' peak RSS by little more than the table."""
-    size_mb = _blockwise_init.BLOCKWISE_MIN_BYTES / 2**20
+    raises its ps' peak RSS by little more than the table (made whole: 2.1x;
+    the bound leaves room for the ps' other allocations in the meantime)."""
+    size_mb = 2 * _blockwise_init.BLOCKWISE_MIN_BYTES / 2**20
     rows = int(size_mb * 2**20) // (64 * 4)
     with strategy.scope():
         probe = keras.layers.Embedding(8, 64)
@@ -212,4 +213,4 @@ def test_large_variable_costs_its_ps_one_copy(cluster, strategy):
     head = layer.embeddings.value[:2].numpy()
     np.testing.assert_allclose(head, np.full((2, 64), 0.1, np.float32))
     del layer
-    assert growth <= 1.25 * size_mb, (growth, size_mb)
+    assert growth <= 1.5 * size_mb, (growth, size_mb)
