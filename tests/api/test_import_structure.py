@@ -7,8 +7,10 @@ only `keras_ps.cluster.MembershipWatcher`.
 """
 
 import ast
+import functools
 import json
 import os
+import pickle
 import subprocess
 import sys
 
@@ -64,9 +66,28 @@ def _modules():
     return found
 
 
+_PARSE = ("import ast, pickle, sys; sys.stdout.buffer.write(pickle.dumps("
+          "{p: ast.parse(open(p).read()) for p in sys.argv[1:]}))")
+
+
+@functools.lru_cache(maxsize=None)
+def _trees():
+    """{path: syntax tree} of every module, parsed in a fresh process.
+
+    Python 3.11's AST constructor keeps one recursion counter for all
+    threads: a parse in another thread (TF's autograph parses the source of
+    the functions it converts, in the coordinator's threads left by earlier
+    tests) can make a parse here fail with "AST constructor recursion depth
+    mismatch"."""
+    paths = sorted(_modules().values())
+    out = subprocess.run([sys.executable, "-c", _PARSE, *paths],
+                         capture_output=True, check=True)
+    return pickle.loads(out.stdout)
+
+
 def _imports(path, modules):
     """(top-level imports, in-function imports) of keras_ps modules."""
-    tree = ast.parse(open(path).read())
+    tree = _trees()[path]
     top, lazy = set(), set()
     parents = {}
     for node in ast.walk(tree):
