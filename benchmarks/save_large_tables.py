@@ -112,6 +112,12 @@ def main():
                      else DIM * 4 * 2)
         results["table_and_slots_gb"] = args.rows * row_bytes / 2**30
         results["rss_after_build_gb"] = {k: status_gb(p, "VmRSS") for k, p in pids.items()}
+        # Each process' peak since it started: the build and one training step.
+        results["peak_after_build_gb"] = {k: status_gb(p, "VmHWM") for k, p in pids.items()}
+        print("build and one step: peak RSS " + ", ".join(
+            f"{k} {v:.2f} GB" for k, v in results["peak_after_build_gb"].items())
+            + f" (table + slots {results['table_and_slots_gb']:.2f} GB, "
+            f"{results['table_and_slots_gb'] / 2:.2f} GB per ps)", flush=True)
         checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
         prefix = os.path.join(out_dir, "ckpt", "c")
         probe = np.random.default_rng(0).integers(0, args.rows, (1024, 4))
