@@ -80,9 +80,9 @@ def _batch_size(batch):
     return tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
 
-def _run(step_fn, batch):
-    step_fn(batch)
-    return tf.constant(True)
+def _ran(op):
+    with tf.control_dependencies([op]):
+        return tf.constant(True)
 
 
 class _ShardsOnCluster:
@@ -93,15 +93,15 @@ class _ShardsOnCluster:
         self.coordinator = coordinator
         n = sharded_input.num_shards
         with tf.device(_PS_DEVICE):
-            self.progress = tf.Variable(tf.zeros([n], tf.int64),
-                                        name="keras_ps_shard_progress",
-                                        trainable=False)
+            self.applied = tf.Variable(tf.zeros([n], tf.int64),
+                                       name="keras_ps_shard_applied",
+                                       trainable=False)
             self.lease = tf.Variable(tf.zeros([n], tf.int64),
                                      name="keras_ps_shard_lease",
                                      trainable=False)
-            self.started = tf.Variable(tf.zeros([n], tf.int64),
-                                       name="keras_ps_shard_started",
-                                       trainable=False)
+            self.late = tf.Variable(tf.zeros([n], tf.int64),
+                                    name="keras_ps_shard_late",
+                                    trainable=False)
         self._functions = {}
         self.current = None
 
@@ -115,7 +115,7 @@ class _ShardsOnCluster:
                 f"epoch {self.current.epoch} are still running. Call "
                 "coordinator.join() first.")
         n = self.input.num_shards
-        for variable in (self.progress, self.lease, self.started):
+        for variable in (self.applied, self.lease, self.late):
             variable.assign(tf.zeros([n], tf.int64))
         if ledger is None:
             ledger = ShardLedger(self.input.descriptions,
@@ -141,8 +141,8 @@ class _ShardsOnCluster:
         return fn
 
     def _build(self, step_fn, steps_per_execution):
-        data, progress, lease = self.input, self.progress, self.lease
-        started = self.started
+        data, applied, lease, late = (self.input, self.applied, self.lease,
+                                      self.late)
         # As keras_ps' own step functions: traced as written, not converted.
         step_fn = tf.autograph.experimental.do_not_convert(step_fn)
         batch_size = data.batch_size
@@ -155,76 +155,75 @@ class _ShardsOnCluster:
                 resource=lease.handle, indices=one,
                 updates=tf.reshape(token, [1]))
             with tf.control_dependencies([claim]):
-                start = tf.reshape(progress.sparse_read(one), [])
-                marked = tf.reshape(started.sparse_read(one), [])
-            # Batches an earlier attempt had started and not finished: it
-            # may have applied them, and this attempt trains them again.
-            retrained = tf.maximum(marked - start, 0)
+                start = tf.reshape(applied.sparse_read(one), [])
             batches = data.records(index, seed).skip(start).batch(batch_size)
             iterator = iter(batches.with_options(_shard_options()))
 
-            def owned():
-                return tf.equal(tf.reshape(lease.sparse_read(one), []), token)
+            def read():
+                # The next execution's batches, then the lease: a call given
+                # up as hung while it read applies none of them.
+                optionals = [iterator.get_next_as_optional()
+                             for _ in range(steps_per_execution)]
+                flags = [o.has_value() for o in optionals]
+                with tf.control_dependencies(flags):
+                    keep = tf.equal(
+                        tf.reshape(lease.sparse_read(one), []), token)
+                return optionals, keep
 
-            def write_progress(done):
-                return tf.raw_ops.ResourceScatterUpdate(
-                    resource=progress.handle, indices=one,
-                    updates=tf.reshape(start + done, [1]))
+            def step(batch, i, marks, sizes):
+                # The step, then on the ps, after every stateful op of the
+                # step: its records are applied; and if the call no longer
+                # owns the shard (a retry may train them too), counted late.
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
+                step_fn(batch)
+                ops = [op for op in graph.get_operations()[first:]
+                       if op.op_def.is_stateful]
+                with tf.device(_PS_DEVICE):
+                    with tf.control_dependencies(ops):
+                        mark = tf.raw_ops.ResourceScatterMax(
+                            resource=applied.handle, indices=one,
+                            updates=marks[i:i + 1])
+                    with tf.control_dependencies([mark]):
+                        mine = tf.equal(
+                            tf.reshape(lease.sparse_read(one), []), token)
+                        return tf.raw_ops.ResourceScatterAdd(
+                            resource=late.handle, indices=one,
+                            updates=tf.where(mine, tf.zeros([1], tf.int64),
+                                             sizes[i:i + 1]))
 
-            def execution(done):
-                # Reads the next `steps_per_execution` batches, marks them
-                # started, checks the lease, then runs the steps. `done`
-                # counts only finished steps: the loop variables of an
-                # iteration wait for all of its stateful ops. Progress,
-                # marker and lease cost a few ps ops per execution, which
-                # keeps the per-step cost of dynamic shards low.
-                with tf.control_dependencies([write_progress(done)]):
-                    optionals = [iterator.get_next_as_optional()]
-                for _ in range(steps_per_execution - 1):
-                    optionals.append(iterator.get_next_as_optional())
-                sizes = [tf.cond(o.has_value(),
-                                 lambda o=o: _batch_size(o.get_value()),
-                                 lambda: tf.constant(0, tf.int64))
-                         for o in optionals]
-                total = tf.add_n(sizes)
-                # Marked before the lease check: a call that loses the lease
-                # after this has its batches counted by the next attempt
-                # (maybe trained twice); one that lost it before applies
-                # nothing. Monotonic (max), so a late call cannot lower it.
-                mark = tf.raw_ops.ResourceScatterMax(
-                    resource=started.handle, indices=one,
-                    updates=tf.reshape(start + done + total, [1]))
-                with tf.control_dependencies([mark]):
-                    keep = owned()
+            def run(optionals, done, tail):
+                sizes = tf.stack([
+                    tf.cond(o.has_value(),
+                            lambda o=o: _batch_size(o.get_value()),
+                            lambda: tf.constant(0, tf.int64))
+                    for o in optionals])
+                marks = start + done + tf.cumsum(sizes)
+                for i, o in enumerate(optionals):
+                    if tail:  # the shard's last execution: maybe fewer steps
+                        tf.cond(o.has_value(), lambda i=i, o=o: _ran(
+                            step(o.get_value(), i, marks, sizes)),
+                            lambda: tf.constant(False))
+                    else:
+                        step(o.get_value(), i, marks, sizes)
+                return done + tf.reduce_sum(sizes)
 
-                def run_steps():
-                    for o in optionals:
-                        tf.cond(o.has_value(),
-                                lambda o=o: _run(step_fn, o.get_value()),
-                                lambda: tf.constant(False))
-                    return done + total, optionals[-1].has_value()
+            def full(done, optionals, keep):
+                del done
+                return tf.logical_and(keep, optionals[-1].has_value())
 
-                return tf.cond(keep, run_steps,
-                               lambda: (tf.identity(done), tf.constant(False)))
+            def body(done, optionals, keep):
+                done = run(optionals, done, tail=False)
+                return (done,) + read()
 
-            def body(done, _):
-                return execution(done)
-
-            done, _ = tf.while_loop(
-                lambda done, running: running, body,
-                (tf.constant(0, tf.int64), tf.constant(True)),
+            # Executions of `steps_per_execution` full steps run without a
+            # condition on the ps; the last, shorter one runs after the loop.
+            done, optionals, keep = tf.while_loop(
+                full, body, (tf.constant(0, tf.int64),) + read(),
                 parallel_iterations=1)
-
-            # Only the owner reports its progress (a call given up as hung
-            # that continues later has lost the lease).
-            def report():
-                with tf.control_dependencies([write_progress(done)]):
-                    return tf.constant(True)
-
-            final = tf.cond(owned(), report, lambda: tf.constant(False))
-            with tf.control_dependencies([final]):
-                return (tf.identity(start), tf.identity(done),
-                        tf.identity(retrained))
+            done = tf.cond(keep, lambda: run(optionals, done, tail=True),
+                           lambda: tf.identity(done))
+            return tf.identity(start), done
 
         train_shard.__name__ = (
             f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
@@ -266,10 +265,17 @@ class ShardedEpoch:
         self._abandoned = True
 
     def summary(self):
+        self._count_retrained()
         return self.ledger.summary()
 
     def snapshot(self):
+        self._count_retrained()
         return dict(self.ledger.snapshot(), seed=self._state.input.seed)
+
+    def _count_retrained(self):
+        # The ps counts of this epoch (a later epoch resets them).
+        if self._state.current is self:
+            self.ledger.set_retrained(self._state.late.numpy())
 
 
 class _ShardTicket(ScheduledShard):
@@ -310,8 +316,8 @@ class _ShardListener(ClosureListener):
         self._ledger.hand_out(self.index, worker)
 
     def finished(self, worker, output):
-        start, done, retrained = (int(t.numpy()) for t in output)
-        self._ledger.finish(self.index, worker, start, done, retrained)
+        start, done = (int(t.numpy()) for t in output)
+        self._ledger.finish(self.index, worker, start, done)
 
     def requeued(self, reason="its worker failed"):
         """The closure goes back to the queue (its worker failed, hung or
