@@ -2,9 +2,12 @@
 
 Every record carries its id (column 0 of x). The model's train_step adds 1
 to `counts[id]`, a non-trainable weight on a ps, with one atomic scatter_add
-per step; a callback reads and clears the counts at each epoch end. So the
-test sees, per epoch, how many times each record was trained by a step that
-ran, and compares that with the shard ledger's own figures.
+per step, after every other update of the step: a record is counted when
+its step completed. A callback reads and clears the counts at each epoch
+end. So the test sees, per epoch, how many times each record was trained by
+a step that completed, and compares that with the shard ledger's figures.
+The model runs STEPS_PER_EXECUTION steps per execution, so a shard is one
+full execution and one shorter one.
 
 Usage:
   python tests/_shards_job.py MODE DATA_DIR [CLUSTER_SPEC_JSON BACKUP_DIR]
@@ -34,6 +37,7 @@ from _results import say
 from keras_ps import _tf_adapter
 
 FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
+STEPS_PER_EXECUTION = 3
 READ_SLEEP_US = 2500  # per record: a shard takes about 0.2 s
 
 
@@ -93,10 +97,18 @@ class CountingModel(keras.Model):
     def train_step(self, data):
         x, _ = data
         ids = tf.cast(x[:, 0], tf.int32)
-        # One atomic op on the ps: counts[ids] += 1.
-        tf.raw_ops.ResourceScatterAdd(resource=self.counts._value.handle,
-                                      indices=ids, updates=tf.ones_like(ids))
-        return super().train_step(data)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        logs = super().train_step(data)
+        updates = [op for op in graph.get_operations()[first:]
+                   if op.op_def.is_stateful]
+        # One atomic op on the ps, after the step's other updates:
+        # counts[ids] += 1.
+        with tf.control_dependencies(updates):
+            tf.raw_ops.ResourceScatterAdd(
+                resource=self.counts._value.handle, indices=ids,
+                updates=tf.ones_like(ids))
+        return logs
 
 
 def build(strategy):
@@ -104,7 +116,8 @@ def build(strategy):
     with strategy.scope():
         model = CountingModel(FILES * RECORDS_PER_FILE)
         model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
-                      metrics=["accuracy"])
+                      metrics=["accuracy"],
+                      steps_per_execution=STEPS_PER_EXECUTION)
     return model
 
 

@@ -134,9 +134,6 @@ class _ShardsOnCluster:
             # a map with Python control flow) are converted as they are in
             # a dataset_fn; the step itself runs unconverted (see _build).
             fn = tf.function(self._build(step_fn, steps_per_execution))
-            # Read by the shard's listener: a lost attempt may have applied
-            # up to this many steps that its retry runs again.
-            fn._keras_ps_steps_per_execution = steps_per_execution
             self._functions[key] = fn
         return fn
 
@@ -293,8 +290,8 @@ class _ShardTicket(ScheduledShard):
         return self._args
 
     def listener(self, fn):
-        return _ShardListener(self._epoch, self.index, getattr(
-            fn, "_keras_ps_steps_per_execution", 1))
+        del fn  # every shard function reports the same way
+        return _ShardListener(self._epoch, self.index)
 
     def __repr__(self):
         return (f"<shard {self.index} of epoch {self._epoch.epoch}: "
@@ -305,11 +302,10 @@ class _ShardListener(ClosureListener):
     """Told by the coordinator's worker threads what happens to one shard's
     closure; moves the shard in the ledger."""
 
-    def __init__(self, epoch, index, steps_per_execution):
+    def __init__(self, epoch, index):
         self._epoch = epoch
         self._ledger = epoch.ledger
         self.index = index
-        self.steps_per_execution = steps_per_execution
         self._max_attempts = epoch._state.input.max_attempts
 
     def started(self, worker):
@@ -321,7 +317,7 @@ class _ShardListener(ClosureListener):
 
     def requeued(self, reason="its worker failed"):
         """The closure goes back to the queue (its worker failed, hung or
-        left). The retry counts what the lost attempt may have applied."""
+        left). The retry resumes after the steps the lost attempt applied."""
         if self._ledger.state(self.index) is not ShardState.HANDED_OUT:
             return  # put back before it ran: nothing was in flight
         self._ledger.lose(self.index, reason)
