@@ -12,8 +12,10 @@ full execution and one shorter one.
 Usage:
   python tests/_shards_job.py MODE DATA_DIR [CLUSTER_SPEC_JSON BACKUP_DIR]
     plain    3 workers, 2 epochs, nothing happens
-    kill     SIGKILL worker 1 mid-epoch 0 and restart it at once
-    stop     SIGSTOP worker 1 mid-epoch 0 past the hang timeout, then SIGCONT
+    kill     SIGKILL worker 1 mid-epoch 0, between two steps of an
+             execution, and restart it at once
+    stop     SIGSTOP worker 1 mid-epoch 0, between two steps of an
+             execution, past the hang timeout, then SIGCONT
     chaos    a kill and a stop in epoch 0, a kill in epoch 1
     elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
              leaves (SIGTERM to its agent) once it trained 2 shards
@@ -201,6 +203,31 @@ def on_local_cluster(mode, data_dir):
         data = sharded_input(paths)
         events = {}
 
+        def between_steps(index=1, timeout=30):
+            """Waits until worker `index` is inside an execution: some of
+            its steps applied, not all (read from the shard's progress on
+            the ps), so a kill or stop lands where a step may be in flight.
+            True once seen; False at the deadline."""
+            state = keras_ps.shards.epoch.state_for(data, coordinator)
+            ledger = state.current.ledger
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                mine = [i for i in range(len(ledger))
+                        if ledger.state(i).value == "handed_out"
+                        and ledger.workers_tried(i)[-1] == index]
+                applied = state.applied.numpy()
+                if any(applied[i] < RECORDS_PER_FILE and
+                       applied[i] % (BATCH * STEPS_PER_EXECUTION)
+                       for i in mine):
+                    return True
+            return False
+
+        def in_background(action):
+            def run():
+                events["between_steps"] = between_steps()
+                action()
+            return lambda: threading.Thread(target=run, daemon=True).start()
+
         def kill(index=1, key=""):
             worker = coordinator.workers[index]
             cluster.kill("worker", index)
@@ -229,8 +256,8 @@ def on_local_cluster(mode, data_dir):
             threading.Thread(target=resume, daemon=True).start()
 
         callbacks = {
-            "plain": [], "kill": [AtShard(6, kill)],
-            "stop": [AtShard(6, stop)],
+            "plain": [], "kill": [AtShard(6, in_background(kill))],
+            "stop": [AtShard(6, in_background(stop))],
             # The long variant: a kill and a stop in epoch 0, a kill in 1.
             "chaos": [AtShard(4, lambda: kill(1, "_0")),
                       AtShard(14, lambda: stop(2, "_0")),
