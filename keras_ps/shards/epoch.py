@@ -3,25 +3,35 @@ that trains one shard on a worker, and the epoch whose ledger its closures
 report to.
 
 One scheduled closure trains one shard: a tf.function on the worker that
-builds the shard's dataset and runs the step on each batch in a loop. Two
-int64 variables on a ps, one entry per shard, make a retry exact:
+builds the shard's dataset and runs the step on each batch in a loop, in
+executions of `steps_per_execution` steps. Three int64 variables on a ps,
+one entry per shard:
 
-- `progress[shard]`: records trained by completed steps. Written before each
-  execution of `steps_per_execution` steps (covering the executions before
-  it, all finished) and at the end. A retry skips that many records of the
-  (deterministically shuffled) shard.
+- `applied[shard]`: records of the shard's applied steps. After each step,
+  an op on the ps with a control dependency on every stateful op of the
+  step raises it (a max, so a late call cannot lower it). A retry resumes
+  there (the shard's order is deterministic).
 - `lease[shard]`: the call that owns the shard. A call claims it when it
-  starts and checks it before running each execution's steps, so a worker
-  that was given up as hung and continues later applies at most the
-  execution it had started.
-- `started[shard]`: records of the executions a call has started (marked
-  before its lease check). The next attempt counts `started - progress`:
-  the records a lost attempt may have applied, which it trains again.
+  starts and checks it after reading each execution's batches, before
+  running their steps, so a worker that was given up as hung and continues
+  later applies at most the rest of the execution it was in.
+- `late[shard]`: records of steps applied by a call that no longer owned
+  the shard (read on the ps right after the step's `applied` op). The retry
+  had started before they were applied, so it trained them too: these are
+  the records trained twice, and the epoch's `records_retrained`.
 
-So a record is trained twice only when its step was in flight on a worker
-that failed: at most one execution per lost attempt, counted in the
-ledger (`records_retrained_max`: an upper bound, exact unless a worker dies
-between marking an execution and applying it).
+The remaining window: a worker that dies inside a step, after some of the
+step's updates were applied but before its `applied` op ran (the op waits
+for all of them, those on the worker included). The retry trains that step
+again, uncounted. A retry that claims the shard between a late step's
+`applied` op and its lease read counts a step it did not train again (two
+adjacent ps ops).
+
+A full execution runs its steps unconditionally (the loop's condition
+checks that all its batches were read and the lease held); the shard's
+last, shorter execution runs after the loop, each step under a condition.
+The progress values of an execution are sent to the ps once and sliced
+there, so the per-step ops need nothing from the worker but the step.
 """
 
 import itertools
