@@ -165,6 +165,8 @@ class _ShardsOnCluster:
                 start = tf.reshape(applied.sparse_read(one), [])
             batches = data.records(index, seed).skip(start).batch(batch_size)
             iterator = iter(batches.with_options(_shard_options()))
+            with tf.device(_PS_DEVICE):  # sent to the ps once, not per step
+                ps_one, ps_token = tf.identity(one), tf.identity(token)
 
             def read():
                 # The next execution's batches, then the lease: a call given
@@ -177,10 +179,12 @@ class _ShardsOnCluster:
                         tf.reshape(lease.sparse_read(one), []), token)
                 return optionals, keep
 
-            def step(batch, i, marks, sizes):
+            def step(batch, i, progress):
                 # The step, then on the ps, after every stateful op of the
                 # step: its records are applied; and if the call no longer
                 # owns the shard (a retry may train them too), counted late.
+                # `progress` holds the execution's marks and batch sizes: one
+                # tensor sent to the ps per execution, sliced there.
                 graph = tf.compat.v1.get_default_graph()
                 first = len(graph.get_operations())
                 step_fn(batch)
@@ -189,30 +193,31 @@ class _ShardsOnCluster:
                 with tf.device(_PS_DEVICE):
                     with tf.control_dependencies(ops):
                         mark = tf.raw_ops.ResourceScatterMax(
-                            resource=applied.handle, indices=one,
-                            updates=marks[i:i + 1])
+                            resource=applied.handle, indices=ps_one,
+                            updates=progress[0, i:i + 1])
                     with tf.control_dependencies([mark]):
-                        mine = tf.equal(
-                            tf.reshape(lease.sparse_read(one), []), token)
+                        mine = tf.equal(tf.reshape(
+                            lease.sparse_read(ps_one), []), ps_token)
                         return tf.raw_ops.ResourceScatterAdd(
-                            resource=late.handle, indices=one,
+                            resource=late.handle, indices=ps_one,
                             updates=tf.where(mine, tf.zeros([1], tf.int64),
-                                             sizes[i:i + 1]))
+                                             progress[1, i:i + 1]))
 
             def run(optionals, done, tail):
+                # In the shard's last execution some batches may be missing.
                 sizes = tf.stack([
                     tf.cond(o.has_value(),
                             lambda o=o: _batch_size(o.get_value()),
-                            lambda: tf.constant(0, tf.int64))
-                    for o in optionals])
-                marks = start + done + tf.cumsum(sizes)
+                            lambda: tf.constant(0, tf.int64)) if tail
+                    else _batch_size(o.get_value()) for o in optionals])
+                progress = tf.stack([start + done + tf.cumsum(sizes), sizes])
                 for i, o in enumerate(optionals):
-                    if tail:  # the shard's last execution: maybe fewer steps
+                    if tail:
                         tf.cond(o.has_value(), lambda i=i, o=o: _ran(
-                            step(o.get_value(), i, marks, sizes)),
+                            step(o.get_value(), i, progress)),
                             lambda: tf.constant(False))
                     else:
-                        step(o.get_value(), i, marks, sizes)
+                        step(o.get_value(), i, progress)
                 return done + tf.reduce_sum(sizes)
 
             def full(done, optionals, keep):
@@ -230,7 +235,8 @@ class _ShardsOnCluster:
                 parallel_iterations=1)
             done = tf.cond(keep, lambda: run(optionals, done, tail=True),
                            lambda: tf.identity(done))
-            return tf.identity(start), done
+            # One output: one copy back to the coordinator.
+            return tf.stack([start, done])
 
         train_shard.__name__ = (
             f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
@@ -322,7 +328,7 @@ class _ShardListener(ClosureListener):
         self._ledger.hand_out(self.index, worker)
 
     def finished(self, worker, output):
-        start, done = (int(t.numpy()) for t in output)
+        start, done = (int(n) for n in output.numpy())
         self._ledger.finish(self.index, worker, start, done)
 
     def requeued(self, reason="its worker failed"):

@@ -167,8 +167,7 @@ def test_queue_hooks_move_the_ledger_with_fakes():
     batch[0].listener.started(worker=1)
     # The retry resumed at record 40, after the steps the lost attempt
     # applied, and trained the other 24.
-    batch[0].listener.finished(1, (tf.constant(40, tf.int64),
-                                   tf.constant(24, tf.int64)))
+    batch[0].listener.finished(1, tf.constant([40, 24], tf.int64))
     queue.mark_finished(1)
     assert ledger.state(0) is ShardState.DONE and ledger.records(0) == 64
 
