@@ -8,24 +8,23 @@ executions of `steps_per_execution` steps. Three int64 variables on a ps,
 one entry per shard:
 
 - `applied[shard]`: records of the shard's applied steps. After each step,
-  an op on the ps with a control dependency on every stateful op of the
-  step raises it (a max, so a late call cannot lower it). A retry resumes
-  there (the shard's order is deterministic).
+  ops on the ps with a control dependency on every stateful op of the step
+  read the lease and, if the call still owns the shard, raise it (a max).
+  A retry resumes there (the shard's order is deterministic).
 - `lease[shard]`: the call that owns the shard. A call claims it when it
   starts and checks it after reading each execution's batches, before
   running their steps, so a worker that was given up as hung and continues
   later applies at most the rest of the execution it was in.
 - `late[shard]`: records of steps applied by a call that no longer owned
-  the shard (read on the ps right after the step's `applied` op). The retry
-  had started before they were applied, so it trained them too: these are
-  the records trained twice, and the epoch's `records_retrained`.
+  the shard (the same lease read). The retry had started before they were
+  applied, so it trained them too: these are the records trained twice, and
+  the epoch's `records_retrained`.
 
 The remaining window: a worker that dies inside a step, after some of the
-step's updates were applied but before its `applied` op ran (the op waits
-for all of them, those on the worker included). The retry trains that step
-again, uncounted. A retry that claims the shard between a late step's
-`applied` op and its lease read counts a step it did not train again (two
-adjacent ps ops).
+step's updates were applied but before its lease read ran (the read waits
+for all of them, those on the worker included): the retry trains that step
+again, uncounted. Likewise a retry that claims the shard between an owner's
+lease read and its `applied` op (two adjacent ops on the ps).
 
 A full execution runs its steps unconditionally (the loop's condition
 checks that all its batches were read and the lease held); the shard's
@@ -192,16 +191,18 @@ class _ShardsOnCluster:
                        if op.op_def.is_stateful]
                 with tf.device(_PS_DEVICE):
                     with tf.control_dependencies(ops):
-                        mark = tf.raw_ops.ResourceScatterMax(
-                            resource=applied.handle, indices=ps_one,
-                            updates=progress[0, i:i + 1])
-                    with tf.control_dependencies([mark]):
                         mine = tf.equal(tf.reshape(
                             lease.sparse_read(ps_one), []), ps_token)
-                        return tf.raw_ops.ResourceScatterAdd(
-                            resource=late.handle, indices=ps_one,
-                            updates=tf.where(mine, tf.zeros([1], tf.int64),
-                                             progress[1, i:i + 1]))
+                    none = tf.zeros([1], tf.int64)
+                    # A late step leaves `applied` to the owner (in a later
+                    # epoch, raising it would skip that epoch's records).
+                    mark = tf.raw_ops.ResourceScatterMax(
+                        resource=applied.handle, indices=ps_one,
+                        updates=tf.where(mine, progress[0, i:i + 1], none))
+                    count = tf.raw_ops.ResourceScatterAdd(
+                        resource=late.handle, indices=ps_one,
+                        updates=tf.where(mine, none, progress[1, i:i + 1]))
+                    return tf.group(mark, count)
 
             def run(optionals, done, tail):
                 # In the shard's last execution some batches may be missing.
