@@ -180,10 +180,11 @@ class _ShardsOnCluster:
 
             def step(batch, i, progress):
                 # The step, then on the ps, after every stateful op of the
-                # step: its records are applied; and if the call no longer
-                # owns the shard (a retry may train them too), counted late.
-                # `progress` holds the execution's marks and batch sizes: one
-                # tensor sent to the ps per execution, sliced there.
+                # step, the lease: the owner's step raises `applied`; a step
+                # of a call that lost the shard (its retry trains these
+                # records too) is counted in `late`. `progress` holds the
+                # execution's marks and batch sizes: one tensor sent to the
+                # ps per execution, sliced there.
                 graph = tf.compat.v1.get_default_graph()
                 first = len(graph.get_operations())
                 step_fn(batch)
