@@ -16,10 +16,21 @@ Workloads (each measurement in its own process):
              (3 fast workers + one at 1/3 speed). Target: dynamic <= 1.15x
              the ideal.
   tiny       (in-process cluster, 2 workers, 2 ps) ctl_dispatch.py's tiny
-             step `v.assign_add(x)`: today's per-worker iterator (`next(it)`,
-             packed closures) vs shard-driven input (a ShardedInput of 4000
-             ones, batch_size=1, 16 shards, steps_per_execution=16, each
-             closure one shard). Target: shards >= 0.9x the iterator.
+             step `v.assign_add(sum(x))`, TINY_STEPS steps: today's
+             per-worker iterator (`next(it)`, packed closures) vs
+             shard-driven input (a ShardedInput of ones, each closure one
+             shard), in each variant of TINY_VARIANTS:
+               spe16    steps_per_execution=16, 16 shards of 250 steps,
+                        batch_size=1 (the first measurement)
+               spe4     steps_per_execution=4
+               spe1     steps_per_execution=1
+               shards80 steps_per_execution=16, 80 shards of 50 steps
+               batch32  steps_per_execution=16, 16 shards, batch_size=32
+                        (the iterator's batches hold 32 ones too)
+             Target: shards >= 0.9x the iterator in every variant.
+
+    .venv/bin/python benchmarks/dynamic_shards.py --workload tiny \
+        --variants spe4,batch32 --repeats 3
 """
 
 import argparse
@@ -46,6 +57,10 @@ RECORDS_PER_SHARD = 4
 RECORDS = SHARDS * RECORDS_PER_SHARD
 STEPS_PER_EXECUTION = 4
 TINY_STEPS = 4000
+# name: (steps_per_execution, steps per shard, batch_size)
+TINY_VARIANTS = {"spe16": (16, 250, 1), "spe4": (4, 250, 1),
+                 "spe1": (1, 250, 1), "shards80": (16, 50, 1),
+                 "batch32": (16, 250, 32)}
 
 
 def _ideal_seconds():
@@ -147,12 +162,13 @@ def run_straggler(mode):
     return result
 
 
-def run_tiny(mode, steps=TINY_STEPS):
+def run_tiny(mode, steps=TINY_STEPS, variant="spe16"):
     import numpy as np
     import tensorflow as tf
 
     import keras_ps
 
+    per_execution, steps_per_shard, batch = TINY_VARIANTS[variant]
     resolver = keras_ps.create_in_process_cluster(2, 2)
     strategy = keras_ps.ParameterServerStrategy(resolver)
     coordinator = keras_ps.ClusterCoordinator(strategy)
@@ -160,25 +176,26 @@ def run_tiny(mode, steps=TINY_STEPS):
         v = tf.Variable(0.0)
     if mode == "iterator":
         iterator = iter(coordinator.create_per_worker_dataset(
-            lambda: tf.data.Dataset.from_tensors(1.0).repeat()))
+            lambda: tf.data.Dataset.from_tensors(tf.ones([batch])).repeat()))
 
         @tf.function
         def step(it):
-            v.assign_add(next(it))
+            v.assign_add(tf.reduce_sum(next(it)))
 
         def run(n):
             for _ in range(n):
                 coordinator.schedule(step, args=(iterator,))
             coordinator.join()
     else:
-        data = keras_ps.ShardedInput(np.ones(steps, np.float32), batch_size=1,
-                                     shuffle=False, records_per_shard=250)
+        data = keras_ps.ShardedInput(
+            np.ones(steps * batch, np.float32), batch_size=batch,
+            shuffle=False, records_per_shard=steps_per_shard * batch)
 
         def shard_step(x):
             v.assign_add(tf.reduce_sum(x))
 
-        train_shard = data.shard_function(coordinator, shard_step,
-                                          steps_per_execution=16)
+        train_shard = data.shard_function(
+            coordinator, shard_step, steps_per_execution=per_execution)
         epochs = iter(range(10))
 
         def run(n):
@@ -190,6 +207,7 @@ def run_tiny(mode, steps=TINY_STEPS):
     start = time.perf_counter()
     run(steps)
     elapsed = time.perf_counter() - start
+    assert v.numpy() == 2 * steps * batch or mode == "iterator", v.numpy()
     return {"steps_per_s": steps / elapsed}
 
 
@@ -200,10 +218,11 @@ def _quick():
     RECORDS = SHARDS * RECORDS_PER_SHARD
 
 
-def _child(workload, mode, quick=False):
+def _child(workload, mode, quick=False, variant="spe16"):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     out = subprocess.run([sys.executable, os.path.abspath(__file__),
-                          "--_child", workload, mode, str(int(quick))],
+                          "--_child", workload, mode, str(int(quick)),
+                          variant],
                          capture_output=True,
                          text=True, env=env, timeout=900)
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
@@ -214,16 +233,25 @@ def _child(workload, mode, quick=False):
 
 
 def measure(workloads=("straggler", "tiny"), repeats=1, log=print,
-            quick=False):
-    """{workload: {mode: [result per repeat]}}, modes alternating."""
-    modes = {"straggler": ("dynamic", "static"), "tiny": ("iterator", "shards")}
-    report = {w: {m: [] for m in modes[w]} for w in workloads}
+            quick=False, variants=tuple(TINY_VARIANTS)):
+    """{"straggler": {mode: [result per repeat]}, "tiny": {variant: {mode:
+    [result per repeat]}}}; within a repeat the two modes run back to back."""
+    report = {}
+    if "straggler" in workloads:
+        report["straggler"] = {"dynamic": [], "static": []}
+    if "tiny" in workloads:
+        report["tiny"] = {v: {"iterator": [], "shards": []} for v in variants}
     for r in range(repeats):
         for workload in workloads:
-            for mode in modes[workload]:
-                result = _child(workload, mode, quick)
-                report[workload][mode].append(result)
-                log(f"{workload:9s} {mode:8s} run {r}: {json.dumps(result)}")
+            runs = [(workload, m, "-", report[workload][m])
+                    for m in ("dynamic", "static")] if workload == "straggler" \
+                else [(workload, m, v, report[workload][v][m])
+                      for v in variants for m in ("iterator", "shards")]
+            for _, mode, variant, results in runs:
+                result = _child(workload, mode, quick, variant)
+                results.append(result)
+                log(f"{workload:9s} {variant:8s} {mode:8s} run {r}: "
+                    f"{json.dumps(result)}")
     return report
 
 
@@ -248,13 +276,17 @@ def summarize(report):
             "dynamic_over_measured_ideal": _spread(measured),
             "met": statistics.median(dyn) <= 1.15}
     if "tiny" in report:
-        it = [r["steps_per_s"] for r in report["tiny"]["iterator"]]
-        sh = [r["steps_per_s"] for r in report["tiny"]["shards"]]
-        ratios = [s / i for s, i in zip(sh, it)]
-        out["tiny"] = {"iterator_steps_per_s": _spread(it),
-                       "shards_steps_per_s": _spread(sh),
-                       "shards_over_iterator": _spread(ratios),
-                       "met": statistics.median(ratios) >= 0.9}
+        out["tiny"] = {}
+        for variant, runs in report["tiny"].items():
+            it = [r["steps_per_s"] for r in runs["iterator"]]
+            sh = [r["steps_per_s"] for r in runs["shards"]]
+            ratios = [s / i for s, i in zip(sh, it)]
+            out["tiny"][variant] = {
+                "iterator_steps_per_s": _spread(it),
+                "shards_steps_per_s": _spread(sh),
+                "shards_over_iterator": _spread(ratios),
+                "met": statistics.median(ratios) >= 0.9,
+                "min_met": min(ratios) >= 0.9}
     return out
 
 
@@ -271,21 +303,29 @@ def main():
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--quick", action="store_true",
                         help="small runs (a smoke test, not a measurement)")
-    parser.add_argument("--_child", nargs=3)
+    parser.add_argument("--variants", default=",".join(TINY_VARIANTS),
+                        help="tiny variants, comma-separated (default: all "
+                        f"of {', '.join(TINY_VARIANTS)})")
+    parser.add_argument("--_child", nargs=4)
     args = parser.parse_args()
     if args._child:
-        workload, mode, quick = args._child
+        workload, mode, quick, variant = args._child
         if quick == "1":
             _quick()
-        fn = run_straggler if workload == "straggler" else run_tiny
-        result = fn(mode) if workload == "straggler" else fn(mode, TINY_STEPS)
+        result = run_straggler(mode) if workload == "straggler" else \
+            run_tiny(mode, TINY_STEPS, variant)
         print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)
     workloads = ["straggler", "tiny"] if args.workload == "all" \
         else [args.workload]
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json \
         else print
-    report = measure(workloads, args.repeats, log, args.quick)
+    variants = tuple(v for v in args.variants.split(",") if v)
+    unknown = set(variants) - set(TINY_VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)}; known: "
+                     f"{sorted(TINY_VARIANTS)}")
+    report = measure(workloads, args.repeats, log, args.quick, variants)
     summary = summarize(report)
     if args.json:
         print(json.dumps({"runs": report, "summary": summary}))

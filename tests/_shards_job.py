@@ -2,15 +2,20 @@
 
 Every record carries its id (column 0 of x). The model's train_step adds 1
 to `counts[id]`, a non-trainable weight on a ps, with one atomic scatter_add
-per step; a callback reads and clears the counts at each epoch end. So the
-test sees, per epoch, how many times each record was trained by a step that
-ran, and compares that with the shard ledger's own figures.
+per step, after every other update of the step: a record is counted when
+its step completed. A callback reads and clears the counts at each epoch
+end. So the test sees, per epoch, how many times each record was trained by
+a step that completed, and compares that with the shard ledger's figures.
+The model runs STEPS_PER_EXECUTION steps per execution, so a shard is one
+full execution and one shorter one.
 
 Usage:
   python tests/_shards_job.py MODE DATA_DIR [CLUSTER_SPEC_JSON BACKUP_DIR]
     plain    3 workers, 2 epochs, nothing happens
-    kill     SIGKILL worker 1 mid-epoch 0 and restart it at once
-    stop     SIGSTOP worker 1 mid-epoch 0 past the hang timeout, then SIGCONT
+    kill     SIGKILL worker 1 mid-epoch 0, between two steps of an
+             execution, and restart it at once
+    stop     SIGSTOP worker 1 mid-epoch 0, between two steps of an
+             execution, past the hang timeout, then SIGCONT
     chaos    a kill and a stop in epoch 0, a kill in epoch 1
     elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
              leaves (SIGTERM to its agent) once it trained 2 shards
@@ -34,6 +39,7 @@ from _results import say
 from keras_ps import _tf_adapter
 
 FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
+STEPS_PER_EXECUTION = 3
 READ_SLEEP_US = 2500  # per record: a shard takes about 0.2 s
 
 
@@ -93,10 +99,18 @@ class CountingModel(keras.Model):
     def train_step(self, data):
         x, _ = data
         ids = tf.cast(x[:, 0], tf.int32)
-        # One atomic op on the ps: counts[ids] += 1.
-        tf.raw_ops.ResourceScatterAdd(resource=self.counts._value.handle,
-                                      indices=ids, updates=tf.ones_like(ids))
-        return super().train_step(data)
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        logs = super().train_step(data)
+        updates = [op for op in graph.get_operations()[first:]
+                   if op.op_def.is_stateful]
+        # One atomic op on the ps, after the step's other updates:
+        # counts[ids] += 1.
+        with tf.control_dependencies(updates):
+            tf.raw_ops.ResourceScatterAdd(
+                resource=self.counts._value.handle, indices=ids,
+                updates=tf.ones_like(ids))
+        return logs
 
 
 def build(strategy):
@@ -104,7 +118,8 @@ def build(strategy):
     with strategy.scope():
         model = CountingModel(FILES * RECORDS_PER_FILE)
         model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
-                      metrics=["accuracy"])
+                      metrics=["accuracy"],
+                      steps_per_execution=STEPS_PER_EXECUTION)
     return model
 
 
@@ -188,6 +203,31 @@ def on_local_cluster(mode, data_dir):
         data = sharded_input(paths)
         events = {}
 
+        def between_steps(index=1, timeout=30):
+            """Waits until worker `index` is inside an execution: some of
+            its steps applied, not all (read from the shard's progress on
+            the ps), so a kill or stop lands where a step may be in flight.
+            True once seen; False at the deadline."""
+            state = keras_ps.shards.epoch.state_for(data, coordinator)
+            ledger = state.current.ledger
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                mine = [i for i in range(len(ledger))
+                        if ledger.state(i).value == "handed_out"
+                        and ledger.workers_tried(i)[-1] == index]
+                applied = state.applied.numpy()
+                if any(applied[i] < RECORDS_PER_FILE and
+                       applied[i] % (BATCH * STEPS_PER_EXECUTION)
+                       for i in mine):
+                    return True
+            return False
+
+        def in_background(action):
+            def run():
+                events["between_steps"] = between_steps()
+                action()
+            return lambda: threading.Thread(target=run, daemon=True).start()
+
         def kill(index=1, key=""):
             worker = coordinator.workers[index]
             cluster.kill("worker", index)
@@ -216,8 +256,8 @@ def on_local_cluster(mode, data_dir):
             threading.Thread(target=resume, daemon=True).start()
 
         callbacks = {
-            "plain": [], "kill": [AtShard(6, kill)],
-            "stop": [AtShard(6, stop)],
+            "plain": [], "kill": [AtShard(6, in_background(kill))],
+            "stop": [AtShard(6, in_background(stop))],
             # The long variant: a kill and a stop in epoch 0, a kill in 1.
             "chaos": [AtShard(4, lambda: kill(1, "_0")),
                       AtShard(14, lambda: stop(2, "_0")),

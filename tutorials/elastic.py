@@ -262,7 +262,8 @@ def main(argv=None):
         if args.input == "shards":
             result.update(
                 records_trained=history.history["records_trained"],
-                records_retrained_max=history.history["records_retrained_max"])
+                records_retrained=history.history["records_retrained"],
+                shards_lost=history.history["shards_lost"])
         coordinator.shutdown()
         resolver.close()
         print("RESULT " + json.dumps(result), flush=True)

@@ -271,8 +271,8 @@ def train(args, resolver):
         # Each epoch's logs count the shards and records it trained.
         print(f"Records trained per epoch: "
               f"{[int(n) for n in history.history['records_trained']]} "
-              f"({int(history.history['shards'][-1])} files); at most "
-              f"{int(sum(history.history['records_retrained_max']))} trained "
+              f"({int(history.history['shards'][-1])} files); "
+              f"{int(sum(history.history['records_retrained']))} trained "
               "twice")
     else:
         history = model.fit(keras_ps.DatasetCreator(dataset_fn),

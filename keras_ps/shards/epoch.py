@@ -3,25 +3,34 @@ that trains one shard on a worker, and the epoch whose ledger its closures
 report to.
 
 One scheduled closure trains one shard: a tf.function on the worker that
-builds the shard's dataset and runs the step on each batch in a loop. Two
-int64 variables on a ps, one entry per shard, make a retry exact:
+builds the shard's dataset and runs the step on each batch in a loop, in
+executions of `steps_per_execution` steps. Three int64 variables on a ps,
+one entry per shard:
 
-- `progress[shard]`: records trained by completed steps. Written before each
-  execution of `steps_per_execution` steps (covering the executions before
-  it, all finished) and at the end. A retry skips that many records of the
-  (deterministically shuffled) shard.
+- `applied[shard]`: records of the shard's applied steps. After each step,
+  ops on the ps with a control dependency on every stateful op of the step
+  read the lease and, if the call still owns the shard, raise it (a max).
+  A retry resumes there (the shard's order is deterministic).
 - `lease[shard]`: the call that owns the shard. A call claims it when it
-  starts and checks it before running each execution's steps, so a worker
-  that was given up as hung and continues later applies at most the
-  execution it had started.
-- `started[shard]`: records of the executions a call has started (marked
-  before its lease check). The next attempt counts `started - progress`:
-  the records a lost attempt may have applied, which it trains again.
+  starts and checks it after reading each execution's batches, before
+  running their steps, so a worker that was given up as hung and continues
+  later applies at most the rest of the execution it was in.
+- `late[shard]`: records of steps applied by a call that no longer owned
+  the shard (the same lease read). The retry had started before they were
+  applied, so it trained them too: these are the records trained twice, and
+  the epoch's `records_retrained`.
 
-So a record is trained twice only when its step was in flight on a worker
-that failed: at most one execution per lost attempt, counted in the
-ledger (`records_retrained_max`: an upper bound, exact unless a worker dies
-between marking an execution and applying it).
+The remaining window: a worker that dies inside a step, after some of the
+step's updates were applied but before its lease read ran (the read waits
+for all of them, those on the worker included): the retry trains that step
+again, uncounted. Likewise a retry that claims the shard between an owner's
+lease read and its `applied` op (two adjacent ops on the ps).
+
+A full execution runs its steps unconditionally (the loop's condition
+checks that all its batches were read and the lease held); the shard's
+last, shorter execution runs after the loop, each step under a condition.
+The progress values of an execution are sent to the ps once and sliced
+there, so the per-step ops need nothing from the worker but the step.
 """
 
 import itertools
@@ -80,9 +89,9 @@ def _batch_size(batch):
     return tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
 
-def _run(step_fn, batch):
-    step_fn(batch)
-    return tf.constant(True)
+def _ran(op):
+    with tf.control_dependencies([op]):
+        return tf.constant(True)
 
 
 class _ShardsOnCluster:
@@ -93,15 +102,15 @@ class _ShardsOnCluster:
         self.coordinator = coordinator
         n = sharded_input.num_shards
         with tf.device(_PS_DEVICE):
-            self.progress = tf.Variable(tf.zeros([n], tf.int64),
-                                        name="keras_ps_shard_progress",
-                                        trainable=False)
+            self.applied = tf.Variable(tf.zeros([n], tf.int64),
+                                       name="keras_ps_shard_applied",
+                                       trainable=False)
             self.lease = tf.Variable(tf.zeros([n], tf.int64),
                                      name="keras_ps_shard_lease",
                                      trainable=False)
-            self.started = tf.Variable(tf.zeros([n], tf.int64),
-                                       name="keras_ps_shard_started",
-                                       trainable=False)
+            self.late = tf.Variable(tf.zeros([n], tf.int64),
+                                    name="keras_ps_shard_late",
+                                    trainable=False)
         self._functions = {}
         self.current = None
 
@@ -115,7 +124,7 @@ class _ShardsOnCluster:
                 f"epoch {self.current.epoch} are still running. Call "
                 "coordinator.join() first.")
         n = self.input.num_shards
-        for variable in (self.progress, self.lease, self.started):
+        for variable in (self.applied, self.lease, self.late):
             variable.assign(tf.zeros([n], tf.int64))
         if ledger is None:
             ledger = ShardLedger(self.input.descriptions,
@@ -134,15 +143,12 @@ class _ShardsOnCluster:
             # a map with Python control flow) are converted as they are in
             # a dataset_fn; the step itself runs unconverted (see _build).
             fn = tf.function(self._build(step_fn, steps_per_execution))
-            # Read by the shard's listener: a lost attempt may have applied
-            # up to this many steps that its retry runs again.
-            fn._keras_ps_steps_per_execution = steps_per_execution
             self._functions[key] = fn
         return fn
 
     def _build(self, step_fn, steps_per_execution):
-        data, progress, lease = self.input, self.progress, self.lease
-        started = self.started
+        data, applied, lease, late = (self.input, self.applied, self.lease,
+                                      self.late)
         # As keras_ps' own step functions: traced as written, not converted.
         step_fn = tf.autograph.experimental.do_not_convert(step_fn)
         batch_size = data.batch_size
@@ -155,76 +161,84 @@ class _ShardsOnCluster:
                 resource=lease.handle, indices=one,
                 updates=tf.reshape(token, [1]))
             with tf.control_dependencies([claim]):
-                start = tf.reshape(progress.sparse_read(one), [])
-                marked = tf.reshape(started.sparse_read(one), [])
-            # Batches an earlier attempt had started and not finished: it
-            # may have applied them, and this attempt trains them again.
-            retrained = tf.maximum(marked - start, 0)
+                start = tf.reshape(applied.sparse_read(one), [])
             batches = data.records(index, seed).skip(start).batch(batch_size)
             iterator = iter(batches.with_options(_shard_options()))
+            with tf.device(_PS_DEVICE):  # sent to the ps once, not per step
+                ps_one, ps_token = tf.identity(one), tf.identity(token)
 
-            def owned():
-                return tf.equal(tf.reshape(lease.sparse_read(one), []), token)
+            def read():
+                # The next execution's batches, then the lease: a call given
+                # up as hung while it read applies none of them.
+                optionals = [iterator.get_next_as_optional()
+                             for _ in range(steps_per_execution)]
+                flags = [o.has_value() for o in optionals]
+                with tf.control_dependencies(flags):
+                    keep = tf.equal(
+                        tf.reshape(lease.sparse_read(one), []), token)
+                return optionals, keep
 
-            def write_progress(done):
-                return tf.raw_ops.ResourceScatterUpdate(
-                    resource=progress.handle, indices=one,
-                    updates=tf.reshape(start + done, [1]))
+            def step(batch, i, progress):
+                # The step, then on the ps, after every stateful op of the
+                # step, the lease: the owner's step raises `applied`; a step
+                # of a call that lost the shard (its retry trains these
+                # records too) is counted in `late`. `progress` holds the
+                # execution's marks and batch sizes: one tensor sent to the
+                # ps per execution, sliced there.
+                graph = tf.compat.v1.get_default_graph()
+                first = len(graph.get_operations())
+                step_fn(batch)
+                ops = [op for op in graph.get_operations()[first:]
+                       if op.op_def.is_stateful]
+                with tf.device(_PS_DEVICE):
+                    with tf.control_dependencies(ops):
+                        mine = tf.equal(tf.reshape(
+                            lease.sparse_read(ps_one), []), ps_token)
+                    none = tf.zeros([1], tf.int64)
+                    # A late step leaves `applied` to the owner (in a later
+                    # epoch, raising it would skip that epoch's records).
+                    mark = tf.raw_ops.ResourceScatterMax(
+                        resource=applied.handle, indices=ps_one,
+                        updates=tf.where(mine, progress[0, i:i + 1], none))
+                    count = tf.raw_ops.ResourceScatterAdd(
+                        resource=late.handle, indices=ps_one,
+                        updates=tf.where(mine, none, progress[1, i:i + 1]))
+                    return tf.group(mark, count)
 
-            def execution(done):
-                # Reads the next `steps_per_execution` batches, marks them
-                # started, checks the lease, then runs the steps. `done`
-                # counts only finished steps: the loop variables of an
-                # iteration wait for all of its stateful ops. Progress,
-                # marker and lease cost a few ps ops per execution, which
-                # keeps the per-step cost of dynamic shards low.
-                with tf.control_dependencies([write_progress(done)]):
-                    optionals = [iterator.get_next_as_optional()]
-                for _ in range(steps_per_execution - 1):
-                    optionals.append(iterator.get_next_as_optional())
-                sizes = [tf.cond(o.has_value(),
-                                 lambda o=o: _batch_size(o.get_value()),
-                                 lambda: tf.constant(0, tf.int64))
-                         for o in optionals]
-                total = tf.add_n(sizes)
-                # Marked before the lease check: a call that loses the lease
-                # after this has its batches counted by the next attempt
-                # (maybe trained twice); one that lost it before applies
-                # nothing. Monotonic (max), so a late call cannot lower it.
-                mark = tf.raw_ops.ResourceScatterMax(
-                    resource=started.handle, indices=one,
-                    updates=tf.reshape(start + done + total, [1]))
-                with tf.control_dependencies([mark]):
-                    keep = owned()
+            def run(optionals, done, tail):
+                # In the shard's last execution some batches may be missing.
+                sizes = tf.stack([
+                    tf.cond(o.has_value(),
+                            lambda o=o: _batch_size(o.get_value()),
+                            lambda: tf.constant(0, tf.int64)) if tail
+                    else _batch_size(o.get_value()) for o in optionals])
+                progress = tf.stack([start + done + tf.cumsum(sizes), sizes])
+                for i, o in enumerate(optionals):
+                    if tail:
+                        tf.cond(o.has_value(), lambda i=i, o=o: _ran(
+                            step(o.get_value(), i, progress)),
+                            lambda: tf.constant(False))
+                    else:
+                        step(o.get_value(), i, progress)
+                return done + tf.reduce_sum(sizes)
 
-                def run_steps():
-                    for o in optionals:
-                        tf.cond(o.has_value(),
-                                lambda o=o: _run(step_fn, o.get_value()),
-                                lambda: tf.constant(False))
-                    return done + total, optionals[-1].has_value()
+            def full(done, optionals, keep):
+                del done
+                return tf.logical_and(keep, optionals[-1].has_value())
 
-                return tf.cond(keep, run_steps,
-                               lambda: (tf.identity(done), tf.constant(False)))
+            def body(done, optionals, keep):
+                done = run(optionals, done, tail=False)
+                return (done,) + read()
 
-            def body(done, _):
-                return execution(done)
-
-            done, _ = tf.while_loop(
-                lambda done, running: running, body,
-                (tf.constant(0, tf.int64), tf.constant(True)),
+            # Executions of `steps_per_execution` full steps run without a
+            # condition on the ps; the last, shorter one runs after the loop.
+            done, optionals, keep = tf.while_loop(
+                full, body, (tf.constant(0, tf.int64),) + read(),
                 parallel_iterations=1)
-
-            # Only the owner reports its progress (a call given up as hung
-            # that continues later has lost the lease).
-            def report():
-                with tf.control_dependencies([write_progress(done)]):
-                    return tf.constant(True)
-
-            final = tf.cond(owned(), report, lambda: tf.constant(False))
-            with tf.control_dependencies([final]):
-                return (tf.identity(start), tf.identity(done),
-                        tf.identity(retrained))
+            done = tf.cond(keep, lambda: run(optionals, done, tail=True),
+                           lambda: tf.identity(done))
+            # One output: one copy back to the coordinator.
+            return tf.stack([start, done])
 
         train_shard.__name__ = (
             f"keras_ps_train_shard_{getattr(step_fn, '__name__', 'step')}"
@@ -266,10 +280,17 @@ class ShardedEpoch:
         self._abandoned = True
 
     def summary(self):
+        self._count_retrained()
         return self.ledger.summary()
 
     def snapshot(self):
+        self._count_retrained()
         return dict(self.ledger.snapshot(), seed=self._state.input.seed)
+
+    def _count_retrained(self):
+        # The ps counts of this epoch (a later epoch resets them).
+        if self._state.current is self:
+            self.ledger.set_retrained(self._state.late.numpy())
 
 
 class _ShardTicket(ScheduledShard):
@@ -287,8 +308,8 @@ class _ShardTicket(ScheduledShard):
         return self._args
 
     def listener(self, fn):
-        return _ShardListener(self._epoch, self.index, getattr(
-            fn, "_keras_ps_steps_per_execution", 1))
+        del fn  # every shard function reports the same way
+        return _ShardListener(self._epoch, self.index)
 
     def __repr__(self):
         return (f"<shard {self.index} of epoch {self._epoch.epoch}: "
@@ -299,23 +320,22 @@ class _ShardListener(ClosureListener):
     """Told by the coordinator's worker threads what happens to one shard's
     closure; moves the shard in the ledger."""
 
-    def __init__(self, epoch, index, steps_per_execution):
+    def __init__(self, epoch, index):
         self._epoch = epoch
         self._ledger = epoch.ledger
         self.index = index
-        self.steps_per_execution = steps_per_execution
         self._max_attempts = epoch._state.input.max_attempts
 
     def started(self, worker):
         self._ledger.hand_out(self.index, worker)
 
     def finished(self, worker, output):
-        start, done, retrained = (int(t.numpy()) for t in output)
-        self._ledger.finish(self.index, worker, start, done, retrained)
+        start, done = (int(n) for n in output.numpy())
+        self._ledger.finish(self.index, worker, start, done)
 
     def requeued(self, reason="its worker failed"):
         """The closure goes back to the queue (its worker failed, hung or
-        left). The retry counts what the lost attempt may have applied."""
+        left). The retry resumes after the steps the lost attempt applied."""
         if self._ledger.state(self.index) is not ShardState.HANDED_OUT:
             return  # put back before it ran: nothing was in flight
         self._ledger.lose(self.index, reason)

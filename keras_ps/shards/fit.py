@@ -101,10 +101,10 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                 "[chief] epoch %d: %d shard(s) had no records: %s", epoch_index,
                 len(empty), [epoch.ledger.description(i) for i in empty[:5]])
         logger.info("[chief] epoch %d: %d of %d shards, %d records; %d shard "
-                    "attempts lost, at most %d records trained twice",
+                    "attempts lost, %d records trained twice",
                     epoch_index, summary["shards_done"], summary["shards"],
                     summary["records_trained"], summary["shards_lost"],
-                    summary["records_retrained_max"])
+                    summary["records_retrained"])
         if validation_data is not None and should_validate(
                 epoch_index, validation_freq):
             epoch_logs.update(_fit_epochs.validation_logs(

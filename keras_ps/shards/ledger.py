@@ -10,9 +10,9 @@ only place a state changes, checks the move against `ALLOWED`, and logs it.
                              LOST ┘        HANDED_OUT ──fail──> FAILED
 
 A LOST shard is back in the queue (its worker failed, hung, or left); its
-retry resumes after the records its earlier attempts trained, and reports
-the records the lost attempt had started and may have applied: the only
-records that can be trained twice, which the ledger counts.
+retry resumes after the records whose steps its earlier attempts applied.
+Records trained twice (by a step a lost attempt applied after its retry
+had started) are counted on the ps and set here with `set_retrained`.
 """
 
 import enum
@@ -86,7 +86,8 @@ class ShardLedger:
             raise ValueError(
                 "order must list every shard index once. Received: "
                 f"order={self.order!r} for {len(self._shards)} shards.")
-        self.in_flight_records_lost = 0  # records possibly trained twice
+        self._retrained = [0] * len(self._shards)  # per shard, from the ps
+        self._retrained_before = 0  # by earlier runs (a restored backup)
         self.losses = 0
         self._cv = threading.Condition()
         self._changes = 0
@@ -124,22 +125,32 @@ class ShardLedger:
         self.transition(index, ShardState.HANDED_OUT, f"attempt {attempt}",
                         worker)
 
-    def finish(self, index, worker, trained_before, trained_now,
-               retrained=0):
+    def finish(self, index, worker, trained_before, trained_now):
         """The shard's last step completed: it started `trained_before`
-        records in (skipped, trained by earlier attempts), trained
-        `trained_now` more, of which `retrained` a lost attempt had started
-        (possibly trained twice: nobody can tell whether a step in flight on
-        a dead worker was applied)."""
+        records in (skipped, applied by earlier attempts) and trained
+        `trained_now` more."""
         with self._cv:
             shard = self._shards[index]
             shard.trained = trained_before + trained_now
             shard.records = shard.trained
-            self.in_flight_records_lost += retrained
         self.transition(index, ShardState.DONE,
                         f"{trained_now} records trained, {trained_before} by "
-                        f"earlier attempts, {retrained} possibly twice",
-                        worker)
+                        f"earlier attempts", worker)
+
+    def set_retrained(self, per_shard):
+        """The records of each shard trained twice so far this epoch (steps
+        a lost attempt applied after its retry had started)."""
+        per_shard = [int(n) for n in per_shard]
+        if len(per_shard) != len(self._shards):
+            raise ValueError(
+                "One count per shard is needed. Received: "
+                f"{len(per_shard)} counts for {len(self._shards)} shards.")
+        with self._cv:
+            self._retrained = per_shard
+
+    def records_retrained(self):
+        with self._cv:
+            return self._retrained_before + sum(self._retrained)
 
     def lose(self, index, reason):
         """The shard's worker failed, hung or left: queue it again."""
@@ -231,7 +242,8 @@ class ShardLedger:
                 "shards": len(self._shards),
                 "records_trained": sum(s.trained for s in done),
                 "shards_lost": self.losses,
-                "records_retrained_max": self.in_flight_records_lost,
+                "records_retrained": self._retrained_before +
+                sum(self._retrained),
             }
 
     # -- backups ------------------------------------------------------------------
@@ -245,7 +257,8 @@ class ShardLedger:
                 "done": [s.index for s in self._shards
                          if s.state is ShardState.DONE],
                 "records": [s.records for s in self._shards],
-                "in_flight_records_lost": self.in_flight_records_lost,
+                "records_retrained": self._retrained_before +
+                sum(self._retrained),
                 "losses": self.losses,
             }
 
@@ -270,7 +283,7 @@ class ShardLedger:
             shard = ledger._shards[index]
             shard.state = ShardState.DONE
             shard.trained = records[index] or 0
-        ledger.in_flight_records_lost = snapshot.get("in_flight_records_lost", 0)
+        ledger._retrained_before = snapshot.get("records_retrained", 0)
         ledger.losses = snapshot.get("losses", 0)
         logger.info("[chief] epoch %d shard ledger restored: %d of %d shards "
                     "already done", ledger.epoch, len(snapshot["done"]),

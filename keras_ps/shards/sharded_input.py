@@ -37,10 +37,12 @@ class ShardedInput:
     coordinator keeps a ledger of the epoch's shards (handed out, done or
     lost), gives the next shard to whichever worker is free, and queues a
     shard again when its worker fails, hangs or leaves; the retry resumes
-    after the records already trained. A record is trained twice only when
-    its step was in flight on a worker that failed (the epoch's logs count
-    these records in `records_retrained_max`, an upper bound). The epoch
-    ends when every shard is done, so `fit` needs no `steps_per_epoch`.
+    after the last step whose updates were all applied. A record is trained
+    twice only when its step was in flight on a worker that failed; the
+    epoch's logs count these records in `records_retrained`, exactly but for
+    a worker that dies inside a step after some of its updates reached the
+    ps (that step is trained again, uncounted). The epoch ends when every
+    shard is done, so `fit` needs no `steps_per_epoch`.
 
     Args:
         data: one of
@@ -260,10 +262,12 @@ class ShardedInput:
         """A tf.function that runs `step_fn(batch)` on every batch of one
         shard; schedule it with each shard of `self.epoch(...)`.
 
-        The shard's progress (kept on a ps, so a retry resumes after it) is
-        recorded every `steps_per_execution` steps: more steps per execution
-        cost less per step, and a worker lost mid-shard may have applied up
-        to that many steps that its retry runs again.
+        The shard's progress is kept on a ps after every step, so a retry
+        resumes after the last applied step. The lease is checked once per
+        `steps_per_execution` steps: more steps per execution cost less per
+        step, and a worker given up as hung that continues may apply up to
+        that many steps that its retry runs too (counted in the summary's
+        `records_retrained`).
 
         Example:
         ```python

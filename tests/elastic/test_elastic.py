@@ -181,11 +181,14 @@ def test_elastic_tutorial_smoke():
 def test_elastic_tutorial_with_dynamic_shards():
     result = run_tutorial("--epochs", "2", "--input", "shards", timeout=280)
     # The third worker joined, trained shards and left; every epoch trained
-    # each of the 4096 records (the step in flight on the leaving worker
-    # may run again: counted in records_retrained_max).
+    # each of the 4096 records. Steps run twice: those counted in
+    # records_retrained, and at most one step per lost attempt that the
+    # leaving worker left half applied (its optimizer step counted, not the
+    # shard's progress marker).
     assert result["third_ran"] >= 2, result
     assert result["states"] == ["healthy", "healthy", "left"], result
     assert result["records_trained"] == [4096, 4096], result
-    slack = sum(result["records_retrained_max"]) // 32
+    slack = sum(result["records_retrained"]) // 32 + \
+        int(sum(result["shards_lost"]))
     assert result["planned"] <= result["iterations"] <= \
         result["planned"] + slack, result

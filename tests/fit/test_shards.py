@@ -43,7 +43,7 @@ def test_ledger_happy_path_and_summary():
     assert ledger.complete()
     assert ledger.summary() == {"shards_done": 3, "shards": 3,
                                 "records_trained": 25, "shards_lost": 0,
-                                "records_retrained_max": 0}
+                                "records_retrained": 0}
 
 
 @pytest.mark.timeout(10)
@@ -55,12 +55,15 @@ def test_ledger_lost_shard_is_handed_out_again_and_counted():
     assert ledger.lost_shards() == [0]
     ledger.hand_out(0, worker=2)
     assert ledger.workers_tried(0) == [1, 2] and ledger.attempts(0) == 2
-    # The retry skipped the 32 records done; the lost attempt had started
-    # 16 more, which the retry trains again.
-    ledger.finish(0, 2, trained_before=32, trained_now=32, retrained=16)
+    # The retry skipped the 32 records applied; the lost attempt applied 16
+    # more after the retry started (it had hung), which the ps counted.
+    ledger.finish(0, 2, trained_before=32, trained_now=32)
+    ledger.set_retrained([16, 0])
     assert ledger.records(0) == 64
-    assert ledger.summary()["records_retrained_max"] == 16
+    assert ledger.summary()["records_retrained"] == 16
     assert ledger.summary()["shards_lost"] == 1
+    with pytest.raises(ValueError, match="One count per shard"):
+        ledger.set_retrained([16])
 
 
 @pytest.mark.timeout(10)
@@ -86,10 +89,14 @@ def test_ledger_snapshot_restores_done_shards_only():
     ledger = ShardLedger(["a", "b", "c"], [4, 4, 4], epoch=2, order=[2, 0, 1])
     ledger.hand_out(2, 0)
     ledger.finish(2, 0, 0, 4)
+    ledger.set_retrained([0, 0, 3])
     ledger.hand_out(0, 1)  # in flight at the snapshot: not done
     snapshot = json.loads(json.dumps(ledger.snapshot()))
     restored = ShardLedger.restore(snapshot, ["a", "b", "c"])
     assert restored.epoch == 2
+    # The rerun's counts start at zero; the earlier run's are kept.
+    restored.set_retrained([2, 0, 0])
+    assert restored.records_retrained() == 5
     assert restored.state(2) is ShardState.DONE
     assert restored.todo() == [0, 1]  # the saved order, done shards skipped
     with pytest.raises(ValueError, match="different number of shards"):
@@ -131,7 +138,6 @@ class _FakeEpoch:
 
 class _FakeFunction:
     __name__ = "fake_shard_function"
-    _keras_ps_steps_per_execution = 2
 
 
 @pytest.mark.timeout(10)
@@ -148,8 +154,7 @@ def test_queue_hooks_move_the_ledger_with_fakes():
     epoch = _FakeEpoch(ledger)
     queue = ClosureQueue()
     fn = _FakeFunction()
-    listeners = [_ShardListener(epoch, i, fn._keras_ps_steps_per_execution)
-                 for i in range(2)]
+    listeners = [_ShardListener(epoch, i) for i in range(2)]
     for listener in listeners:
         queue.put(Closure(fn, (), {}, False, listener))
 
@@ -160,14 +165,11 @@ def test_queue_hooks_move_the_ledger_with_fakes():
     assert ledger.state(0) is ShardState.LOST
     batch = queue.take(max_pack=16, num_takers=1)
     batch[0].listener.started(worker=1)
-    # The retry resumed at record 40 and found 16 records started by the
-    # lost attempt (maybe applied): trained again, counted.
-    batch[0].listener.finished(1, (tf.constant(40, tf.int64),
-                                   tf.constant(24, tf.int64),
-                                   tf.constant(16, tf.int64)))
+    # The retry resumed at record 40, after the steps the lost attempt
+    # applied, and trained the other 24.
+    batch[0].listener.finished(1, tf.constant([40, 24], tf.int64))
     queue.mark_finished(1)
     assert ledger.state(0) is ShardState.DONE and ledger.records(0) == 64
-    assert ledger.summary()["records_retrained_max"] == 16
 
     error = tf.errors.NotFoundError(None, None, "b: No such file or directory")
     second = queue.take(max_pack=16, num_takers=1)[0].listener
@@ -212,8 +214,8 @@ def _run(mode, data_dir, timeout, **env):
 
 
 def _check_epoch(epoch, exactly_once):
-    """Every id trained; duplicates only in shards lost with a step in
-    flight, and no more than the count the epoch's logs report."""
+    """Every id trained; duplicates only in lost shards, exactly as many as
+    the epoch's logs report."""
     logs = epoch["logs"]
     assert epoch["missing"] == [], epoch
     assert logs["shards_done"] == logs["shards"] == 24, logs
@@ -223,9 +225,9 @@ def _check_epoch(epoch, exactly_once):
         return
     assert set(epoch["twice"]) <= set(epoch["lost_ids"]), epoch
     assert epoch["max_count"] <= 2, epoch
-    assert epoch["extra"] <= logs["records_retrained_max"], epoch
-    # At most one step (16 records) per lost attempt.
-    assert logs["records_retrained_max"] <= 16 * logs["shards_lost"], logs
+    assert epoch["extra"] == logs["records_retrained"], epoch
+    # At most one execution (3 steps of 16 records) per lost attempt.
+    assert logs["records_retrained"] <= 3 * 16 * logs["shards_lost"], logs
 
 
 @pytest.mark.timeout(200)
@@ -241,7 +243,10 @@ def test_fit_three_workers_two_epochs_every_id_exactly_once(tmp_path):
 @pytest.mark.timeout(200)
 def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
     result = _run("kill", tmp_path, 180)
-    assert result["events"] == {"killed": True, "restarted": True}, result
+    # Killed inside an execution, some of its steps applied: the retry
+    # resumes after them (a per-execution progress would train them again).
+    assert result["events"] == {"between_steps": True, "killed": True,
+                                "restarted": True}, result
     first = result["epochs"]["0"]
     assert first["logs"]["shards_lost"] >= 1, first
     _check_epoch(first, exactly_once=False)
@@ -252,11 +257,13 @@ def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
 @pytest.mark.timeout(200)
 def test_fit_worker_sigstopped_past_hang_timeout(tmp_path):
     result = _run("stop", tmp_path, 180, KERAS_PS_HANG_TIMEOUT="3")
-    assert result["events"] == {"stopped": True, "continued": True}, result
+    assert result["events"] == {"between_steps": True, "stopped": True,
+                                "continued": True}, result
     first = result["epochs"]["0"]
     assert first["logs"]["shards_lost"] >= 1, first
-    # The stopped worker finishes the step it was running when it continues,
-    # and no more: the shard's lease moved to the retry.
+    # Stopped inside an execution: when it continues, the worker applies
+    # the rest of that execution and no more (the shard's lease moved to the
+    # retry); those late steps are the records trained twice, counted.
     _check_epoch(first, exactly_once=False)
     _check_epoch(result["epochs"]["1"], exactly_once=False)
 
