@@ -4,7 +4,8 @@ report to.
 
 One scheduled closure trains one shard: a tf.function on the worker that
 builds the shard's dataset and runs the step on each batch in a loop, in
-executions of `steps_per_execution` steps. Three int64 variables on a ps,
+executions of `max(steps_per_execution, MIN_STEPS_PER_EXECUTION)` steps.
+Three int64 variables on a ps,
 one entry per shard:
 
 - `applied[shard]`: records of the shard's applied steps. After each step,
@@ -48,6 +49,8 @@ from keras_ps.shards.ledger import ShardLedger, ShardState
 logger = logging.getLogger(__name__)
 
 _PS_DEVICE = "/job:ps/replica:0/task:0/device:CPU:0"
+# Fewest steps between two lease checks (see ShardedInput.shard_function).
+MIN_STEPS_PER_EXECUTION = 4
 _tokens = itertools.count(1)
 _states = weakref.WeakKeyDictionary()  # ShardedInput -> {coordinator id: state}
 
@@ -136,6 +139,10 @@ class _ShardsOnCluster:
         return self.current
 
     def shard_function(self, step_fn, steps_per_execution=1):
+        # Each execution costs a lease read and a turn of a loop whose frame
+        # spans the worker and the ps, more than a tiny step: at least
+        # MIN_STEPS_PER_EXECUTION steps run between two lease checks.
+        steps_per_execution = max(steps_per_execution, MIN_STEPS_PER_EXECUTION)
         key = (step_fn, steps_per_execution)
         fn = self._functions.get(key)
         if fn is None:

@@ -264,10 +264,13 @@ class ShardedInput:
 
         The shard's progress is kept on a ps after every step, so a retry
         resumes after the last applied step. The lease is checked once per
-        `steps_per_execution` steps: more steps per execution cost less per
-        step, and a worker given up as hung that continues may apply up to
-        that many steps that its retry runs too (counted in the summary's
-        `records_retrained`).
+        `max(steps_per_execution, 4)` steps (a shard is one remote call
+        whatever this is; below 4 steps the checks would cost more than tiny
+        steps): more steps per execution cost less per step, and a worker
+        given up as hung that continues may apply up to that many steps that
+        its retry runs too (counted in the summary's `records_retrained`).
+        `Model.fit` uses the model's `steps_per_execution`, with the same
+        floor.
 
         Example:
         ```python
