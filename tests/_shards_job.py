@@ -6,8 +6,8 @@ per step, after every other update of the step: a record is counted when
 its step completed. A callback reads and clears the counts at each epoch
 end. So the test sees, per epoch, how many times each record was trained by
 a step that completed, and compares that with the shard ledger's figures.
-The model runs STEPS_PER_EXECUTION steps per execution, so a shard is one
-full execution and one shorter one.
+The model runs STEPS_PER_EXECUTION steps per execution (the shard
+function's minimum), so a shard of 4 batches is one full execution.
 
 Usage:
   python tests/_shards_job.py MODE DATA_DIR [CLUSTER_SPEC_JSON BACKUP_DIR]
@@ -39,7 +39,7 @@ from _results import say
 from keras_ps import _tf_adapter
 
 FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
-STEPS_PER_EXECUTION = 3
+STEPS_PER_EXECUTION = 4
 READ_SLEEP_US = 2500  # per record: a shard takes about 0.2 s
 
 
