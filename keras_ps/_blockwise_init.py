@@ -20,6 +20,8 @@ is in keras_ps._keras.sharding.
 
 import tensorflow as tf
 
+from keras_ps import _row_chunks
+
 # Variables from this size are made in blocks; smaller ones as TF does.
 BLOCKWISE_MIN_BYTES = 256 * 2**20
 BLOCK_BYTES = 16 * 2**20
@@ -75,10 +77,6 @@ def create(next_creator, kwargs):
         for index, start in enumerate(range(0, shape[0], rows_per_block)):
             stop = min(start + rows_per_block, shape[0])
             block = tf.cast(value.block(index, stop - start), dtype)
-            begin = [start] + [0] * (shape.rank - 1)
-            end = [stop] + shape.as_list()[1:]
-            tf.raw_ops.ResourceStridedSliceAssign(
-                ref=variable.handle, begin=begin, end=end,
-                strides=[1] * shape.rank, value=block)
+            _row_chunks.assign_rows(variable, start, block)
             del block  # the block's buffer is freed before the next one
     return variable

@@ -55,9 +55,11 @@ def read_rows(variable, start, stop):
 
 
 def assign_rows(variable, start, value):
-    """Writes `value` into rows [start, start + len(value)) of `variable`, on
-    the variable's device."""
-    value = np.asarray(value, dtype=variable.dtype.as_numpy_dtype)
+    """Writes `value` (an array, or a tensor of the variable's dtype, which
+    may already be on the variable's device) into rows
+    [start, start + len(value)) of `variable`, on the variable's device."""
+    if not isinstance(value, tf.Tensor):
+        value = np.asarray(value, dtype=variable.dtype.as_numpy_dtype)
     rest = list(variable.shape[1:])
     with tf.device(variable.device):
         tf.raw_ops.ResourceStridedSliceAssign(
