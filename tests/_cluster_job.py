@@ -109,6 +109,32 @@ def dataset_while_down():
             per_worker=[w.closures_run for w in coordinator.workers])
 
 
+def dataset_no_worker():
+    """A per-worker dataset made while its only worker is down (as right
+    after a coordinator restart): asking for its element_spec waits for the
+    worker to be re-admitted, and names the timeout when it is not."""
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            tf.Variable(0.0)  # the model is built before the data
+        cluster.kill("worker", 0)
+        dataset = coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(tf.ones([3])).repeat())
+        os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "2"
+        start = time.monotonic()
+        try:
+            dataset.element_spec
+            timed_out = None
+        except RuntimeError as error:
+            timed_out = {"message": str(error),
+                         "seconds": time.monotonic() - start}
+        os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "60"
+        cluster.restart("worker", 0)
+        spec = dataset.element_spec
+        say(timed_out=timed_out, spec=[spec.shape.as_list(), spec.dtype.name])
+
+
 def second_cluster():
     """Clusters one after another in one process, as a notebook makes them."""
     runs, old = [], None
@@ -129,4 +155,5 @@ def second_cluster():
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     {"connect": connect, "dataset_while_down": dataset_while_down,
+     "dataset_no_worker": dataset_no_worker,
      "second_cluster": second_cluster}[sys.argv[1]]()

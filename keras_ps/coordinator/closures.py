@@ -100,17 +100,25 @@ class ClosureQueue:
         # replaced then, so later closures are not cancelled.
         self._cancellation = _tf_adapter.new_cancellation_manager()
 
+    def wake(self):
+        """Makes every blocked `take` check its `interrupted` again."""
+        with self._cv:
+            self._cv.notify_all()
+
     def put(self, closure):
         with self._cv:
             self._raise_if_error_locked()
             self._pending.append(closure)
             self._cv.notify()
 
-    def take(self, max_pack, num_takers):
-        """Blocks for work; returns a list of closures of one function, or None
-        when the queue stops."""
+    def take(self, max_pack, num_takers, interrupted=None):
+        """Blocks for work; returns a list of closures of one function, None
+        when the queue stops, or [] when `interrupted()` (checked at each
+        `wake`) turns true while there is no work."""
         with self._cv:
             while not self._pending and not self._stopped:
+                if interrupted is not None and interrupted():
+                    return []
                 self._cv.wait()
             if self._stopped:
                 return None

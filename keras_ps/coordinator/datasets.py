@@ -2,9 +2,11 @@
 
 import inspect
 import logging
+import time
 
 import tensorflow as tf
 
+from keras_ps import _constants
 from keras_ps._per_worker import PerWorkerValues
 from keras_ps._per_worker import dispatch_scope
 from keras_ps._per_worker import worker_device
@@ -127,11 +129,28 @@ class PerWorkerDataset:
 
     @property
     def element_spec(self):
-        """The structure of the dataset's elements (same on every worker)."""
-        for dataset in self._datasets:
-            if dataset is not None:
-                return dataset.element_spec
-        raise RuntimeError("No worker is in the cluster to build the dataset on.")
+        """The structure of the dataset's elements (same on every worker).
+
+        When no worker holds the dataset yet (every one failed its first
+        call: right after a coordinator restarts, the workers may still be
+        dropping the old coordinator's state), waits up to
+        KERAS_PS_CONNECT_TIMEOUT seconds for one to be re-admitted, which
+        makes its dataset."""
+        timeout = _constants.env_float(_constants.CONNECT_TIMEOUT_ENV_VAR,
+                                       _constants.DEFAULT_CONNECT_TIMEOUT)
+        deadline = time.monotonic() + timeout
+        while True:
+            for dataset in list(self._datasets):
+                if dataset is not None:
+                    return dataset.element_spec
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"No worker could build the dataset within {timeout:g} s "
+                    f"(KERAS_PS_CONNECT_TIMEOUT): none of the "
+                    f"{len(self._datasets)} workers answered. Check that the "
+                    "worker tasks are running and reachable from this "
+                    "process, or raise KERAS_PS_CONNECT_TIMEOUT.")
+            time.sleep(0.1)
 
     def _unless_unreachable(self, index, make, *args):
         """`make(*args)`, or None when worker `index` does not answer."""

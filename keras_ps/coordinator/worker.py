@@ -147,6 +147,10 @@ class Worker:
             self._state_changed.notify_all()
         logger.info("[worker:%d] %s -> %s (%s)", self.index, old.value,
                     new_state.value, reason)
+        if new_state not in RUNNABLE and self._services is not None:
+            # An idle worker thread waits for closures: it must start
+            # recovering now (e.g. marked failed while a dataset was made).
+            self._services.queue.wake()
         return True
 
     def wait_for_state(self, states, timeout):
@@ -182,12 +186,14 @@ class Worker:
             if self.state not in RUNNABLE:
                 self._recover()
                 continue
-            batch = queue.take(self._services.config.max_pack,
-                               self._services.num_healthy())
+            batch = queue.take(
+                self._services.config.max_pack, self._services.num_healthy(),
+                interrupted=lambda: self.state not in RUNNABLE)
             if batch is None:
                 return
             if self.state not in RUNNABLE:
-                queue.put_back(batch)
+                if batch:
+                    queue.put_back(batch)
                 continue
             self._process(batch)
 

@@ -47,6 +47,16 @@ def test_per_worker_dataset_made_while_a_worker_is_down():
 
 
 @pytest.mark.timeout(200)
+def test_element_spec_waits_for_a_worker_to_return():
+    result = run_job("dataset_no_worker", timeout=180)
+    # With the only worker down, the wait ends at the timeout, named.
+    assert "KERAS_PS_CONNECT_TIMEOUT" in result["timed_out"]["message"]
+    assert result["timed_out"]["seconds"] >= 2
+    # Once it is back, the dataset is made on it and its structure read.
+    assert result["spec"] == [[3], "float32"]
+
+
+@pytest.mark.timeout(200)
 def test_clusters_one_after_another_in_one_process():
     result = run_job("second_cluster", timeout=180)
     assert result["runs"] == [40.0] * 4

@@ -201,3 +201,24 @@ def test_coordinator_config_validates_and_reads_the_environment(monkeypatch):
         CoordinatorConfig.from_env()
     with pytest.raises(ValueError, match="probe_timeout=0"):
         CoordinatorConfig(probe_timeout=0)
+
+
+def test_idle_take_returns_when_its_worker_stops_being_runnable():
+    """A worker thread waiting for closures must notice that its worker was
+    marked failed from elsewhere (a dataset it could not make), so it goes
+    on to recover it instead of waiting for the next closure."""
+    queue = ClosureQueue()
+    failed = threading.Event()
+    got = []
+    taker = threading.Thread(target=lambda: got.append(
+        queue.take(8, 1, interrupted=failed.is_set)))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive()  # nothing to take, still runnable: it waits
+    failed.set()
+    queue.wake()
+    taker.join(10)
+    assert not taker.is_alive() and got == [[]]
+    # Work queued meanwhile is still handed out when it asks again.
+    queue.put(Closure(lambda: None, (), {}, per_worker=False))
+    assert len(queue.take(8, 1, interrupted=failed.is_set)) == 1
