@@ -15,13 +15,6 @@ Y = np.linspace(-1, 1, 4 * 3 * 2).reshape(4, 3, 2).astype(np.float32)
 
 
 @pytest.fixture(scope="module")
-def two_shards(cluster, strategy):
-    # Same cluster as the shared strategy: the connection is reused.
-    return keras_ps.ParameterServerStrategy(
-        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
-
-
-@pytest.fixture(scope="module")
 def three_shards(cluster, strategy):
     return keras_ps.ParameterServerStrategy(
         cluster.resolver, variable_partitioner=FixedShardsPartitioner(3))

@@ -21,12 +21,6 @@ pytestmark = pytest.mark.timeout(240)
 
 
 @pytest.fixture(scope="module")
-def two_shards(cluster, strategy):
-    return keras_ps.ParameterServerStrategy(
-        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
-
-
-@pytest.fixture(scope="module")
 def three_shards(cluster, strategy):
     return keras_ps.ParameterServerStrategy(
         cluster.resolver, variable_partitioner=FixedShardsPartitioner(3))

@@ -16,7 +16,6 @@ import keras
 import keras_ps
 from keras_ps import _rowwise
 from keras_ps._keras import optimizers as hooks
-from keras_ps.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -31,13 +30,6 @@ BATCHES = [
 ]
 TARGETS = np.linspace(-1.0, 1.0, 2).reshape(2, 1).astype("float32")
 UNTOUCHED = [0, 8]
-
-
-@pytest.fixture(scope="module")
-def two_shards(cluster, strategy):
-    # Same cluster as the shared strategy: the connection is reused.
-    return keras_ps.ParameterServerStrategy(
-        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
 
 
 def make_model(make_optimizer):

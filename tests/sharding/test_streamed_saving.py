@@ -17,19 +17,12 @@ import keras
 import keras_ps
 from keras_ps import _sharded_weights
 from keras_ps import sharded_variable
-from keras_ps.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(240)
 
 ROWS, DIM = 40, 4
 BLOCK = 64  # bytes: 4 rows of the table, so each shard is 5 blocks
 X = np.array([[1, 2, 39], [0, 25, 5]], np.int32)
-
-
-@pytest.fixture(scope="module")
-def two_shards(cluster, strategy):
-    return keras_ps.ParameterServerStrategy(
-        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
 
 
 @pytest.fixture
