@@ -67,6 +67,12 @@ class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
         super().__init__(None, None, message)
 
 
+class RepeatedFailureError(KerasPSError, RuntimeError):
+    """Scheduled functions fail on a worker right after each of its
+    re-admissions with the same kind of error: retrying cannot help, so the
+    failure is raised instead of retried forever."""
+
+
 class SidecarTimeoutError(KerasPSError, TimeoutError):
     """No new checkpoint appeared within the evaluator's `timeout`."""
 

@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from keras_ps import _blockwise_init
 from keras_ps import _connection
+from keras_ps import _ps_state
 from keras_ps import _sharded_variable_ops
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
@@ -39,10 +40,6 @@ logger = logging.getLogger(__name__)
 
 COORDINATOR_JOB = _connection.COORDINATOR_JOB
 WORKER_DEVICE_FILTERS = _connection.WORKER_DEVICE_FILTERS
-
-
-def _ps_device(index):
-    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
 
 
 class ParameterServerStrategy(tf.distribute.Strategy):
@@ -115,6 +112,7 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         extended = _Extended(self, spec, variable_partitioner)
         super().__init__(extended)
         self._connection = _connection.connect(spec)
+        self._ps_markers = _ps_state.PsMarkers(len(spec["ps"]))
         logger.info("[chief] connected to %d ps and %d workers",
                     len(spec["ps"]), len(spec["worker"]))
 
@@ -133,6 +131,16 @@ class ParameterServerStrategy(tf.distribute.Strategy):
                 f"{self._cluster_spec['ps']}. Create a new strategy (and "
                 "model) for the cluster you want to train on, or run each "
                 "cluster's coordinator in its own process.")
+
+    def ps_holds_state(self, index):
+        """Whether ps `index` still holds this strategy's variables: False
+        when it cannot be reached, and when it answers but was restarted
+        (its variables are gone)."""
+        return self._ps_markers.holds_state(index)
+
+    def variables_on_ps(self, index):
+        """The live variables this strategy placed on ps `index`."""
+        return self.extended.placed.on_ps(index)
 
     def on_disconnect(self, callback):
         """Calls `callback()` when another cluster's connection replaces this one."""
@@ -249,11 +257,12 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         self._partitioner = variable_partitioner
         self._next_ps = itertools.count()
         self._lock = threading.Lock()
+        self.placed = _ps_state.PlacedVariables()
 
     # -- variable placement --------------------------------------------------
     def _next_ps_device(self):
         with self._lock:
-            return _ps_device(next(self._next_ps) % self._num_ps)
+            return _ps_state.ps_device(next(self._next_ps) % self._num_ps)
 
     def _create_variable(self, next_creator, **kwargs):
         if kwargs.pop("per_worker_variable", False):
@@ -267,18 +276,24 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
         if colocate_with is not None:
             # Optimizer slots and the like: same ps as their variable, never split.
             with tf.device(colocate_with.device):
-                return _blockwise_init.create(next_creator, kwargs)
+                return self._place(next_creator, kwargs)
         if self._partitioner is not None:
             created = _sharded_variable_ops.maybe_create_sharded(
                 self, next_creator, self._partitioner, kwargs)
             if created is not None:
                 return created
         with tf.device(self._next_ps_device()):
-            return _blockwise_init.create(next_creator, kwargs)
+            return self._place(next_creator, kwargs)
 
     def _create_shard(self, next_creator, kwargs):
         with tf.device(self._next_ps_device()):
-            return _blockwise_init.create(next_creator, kwargs)
+            return self._place(next_creator, kwargs)
+
+    def _place(self, next_creator, kwargs):
+        """Creates one variable on the device in scope and records it."""
+        variable = _blockwise_init.create(next_creator, kwargs)
+        self.placed.add(variable)
+        return variable
 
     def _allow_variable_partition(self):
         return True
@@ -345,7 +360,7 @@ class _Extended(tf.compat.v1.distribute.StrategyExtended):
 
     @property
     def parameter_devices(self):
-        return tuple(_ps_device(i) for i in range(self._num_ps))
+        return tuple(_ps_state.ps_device(i) for i in range(self._num_ps))
 
     def non_slot_devices(self, var_list):
         return min(var_list, key=lambda x: x.name)

@@ -1,6 +1,6 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
-Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart
+Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart|worker_state_lost
 """
 
 import sys
@@ -77,6 +77,44 @@ def main(mode):
             say(**first, readmitted=back, after_restart=ran,
                 built_on=built_on, total_after=float(total.numpy()),
                 states_after=[w.state.value for w in coordinator.workers])
+        elif mode == "worker_state_lost":
+            # Each closure reads a variable the user placed on its worker:
+            # a restarted worker has lost it, so every call after its
+            # re-admission fails the same way. That must end in an error.
+            from keras_ps._per_worker import PerWorkerValues
+            scales = []
+            for i in range(2):
+                with tf.device(f"/job:worker/replica:0/task:{i}/device:CPU:0"):
+                    scales.append(tf.Variable(1.0))
+
+            @tf.function
+            def scaled_step(it, scale):
+                total.assign_add(next(it) * scale)
+
+            scale = PerWorkerValues(scales)
+            for _ in range(200):
+                coordinator.schedule(scaled_step, args=(iterator, scale))
+            coordinator.join()
+            cluster.kill("worker", 1)
+            worker = coordinator.workers[1]
+            start = time.monotonic()
+            try:
+                for _ in range(100):
+                    coordinator.schedule(scaled_step, args=(iterator, scale))
+                # Worker 1 is seen failed, then comes back.
+                if not worker.wait_for_state(
+                        keras_ps.coordinator.WorkerState.FAILED, 60):
+                    raise RuntimeError("worker 1 was never seen failed")
+                cluster.restart("worker", 1)
+                deadline = time.monotonic() + 120
+                while time.monotonic() < deadline:
+                    coordinator.schedule(scaled_step, args=(iterator, scale))
+                    coordinator.join()
+                say(error=None)
+            except Exception as e:  # what the user sees
+                say(error=type(e).__name__, seconds=time.monotonic() - start,
+                    message=str(e), is_keras_ps=isinstance(
+                        e, keras_ps.errors.KerasPSError))
         else:
             for _ in range(20):
                 coordinator.schedule(step, args=(iterator,))

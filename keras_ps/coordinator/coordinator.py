@@ -298,24 +298,15 @@ class ClusterCoordinator:
     def _dead_ps(self):
         """{index: address} of the ps whose variables are lost: those that do
         not answer a probe, and those that answer but were restarted (a
-        restart policy can bring a ps back before any probe sees it gone)."""
+        restart policy can bring a ps back before any probe sees it gone):
+        the marker variable the strategy keeps on each ps cannot be read."""
         return {i: address for i, address in enumerate(self._ps_addresses)
                 if not probe(address, self.config.probe_timeout)
-                or not self._ps_holds_context(i)}
+                or not self._ps_holds_state(i)}
 
-    def _ps_holds_context(self, index):
-        """Whether ps `index` still serves this process' eager context: a
-        trivial op run there. A restarted ps has a new server that knows no
-        context of ours and refuses it."""
-        try:
-            with self._gate.shared():
-                with tf.device(f"/job:ps/replica:0/task:{index}/device:CPU:0"):
-                    tf.identity(tf.constant(0)).numpy()
-            return True
-        except tf.errors.OpError as error:
-            logger.info("[ps:%d] answers but refuses this job's context (%s): "
-                        "restarted", index, type(error).__name__)
-            return False
+    def _ps_holds_state(self, index):
+        with self._gate.shared():
+            return self.strategy.ps_holds_state(index)
 
     def _unreachable(self, index):
         self._workers[index].transition(

@@ -31,12 +31,18 @@ _CONNECTIVITY_ERRORS = (
 )
 
 MAX_TRANSIENT_RETRIES = 3
+# Failures in a row, each on the first call after the worker was (re)admitted,
+# with an error that is not about connectivity: the same failure on every
+# fresh start of a worker comes from outside it, and retrying cannot end.
+MAX_FAILED_READMISSIONS = 3
 
 
 class Decision(enum.Enum):
     RETRY_ELSEWHERE = "retry_elsewhere"  # worker lost: requeue, recover worker
     RETRY = "retry"  # transient error on a live worker: requeue, stay healthy
     RAISE_PS_FAILURE = "raise_ps_failure"  # a ps is gone: fatal for the job
+    # Fails on every re-admission: fatal, with the likely cause named.
+    RAISE_REPEATED = "raise_repeated"
     RAISE = "raise"  # the user's function failed
 
 
@@ -45,7 +51,7 @@ def is_connectivity_error(error):
 
 
 def decide(error, worker_alive, dead_ps, context_lost=False,
-           consecutive_failures=1):
+           consecutive_failures=1, failed_readmissions=0):
     """Returns the Decision for a closure that raised `error`.
 
     Args:
@@ -56,10 +62,17 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
             restarted); its state must be rebuilt before it runs again.
         consecutive_failures: failures of this worker in a row, this one
             included.
+        failed_readmissions: failures of this worker in a row that came
+            right after a (re)admission with an error that is not about
+            connectivity, this one included.
     """
     if dead_ps:
         return Decision.RAISE_PS_FAILURE
-    if not worker_alive or context_lost:
+    if not worker_alive:
+        return Decision.RETRY_ELSEWHERE
+    if context_lost:
+        if failed_readmissions > MAX_FAILED_READMISSIONS:
+            return Decision.RAISE_REPEATED
         return Decision.RETRY_ELSEWHERE
     if is_connectivity_error(error):
         # A live worker with a connection error: a blip, or a restart that

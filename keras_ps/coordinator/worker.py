@@ -27,6 +27,7 @@ from keras_ps.coordinator.failure_handling import Readmission
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
 from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.errors import RepeatedFailureError
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class Worker:
         self.state = state
         self.closures_run = 0
         self._consecutive_failures = 0
+        self._failed_readmissions = 0
         self._in_flight = None  # the _Call running now
         self._services = services
         self._state_lock = threading.Lock()
@@ -257,6 +259,7 @@ class Worker:
             closure.remote_value._set_values(output)
         self.closures_run += len(batch)
         self._consecutive_failures = 0
+        self._failed_readmissions = 0
         services.queue.mark_finished(len(batch))
 
     def _finish_call(self, call):
@@ -332,17 +335,19 @@ class Worker:
             return
         worker_alive = probe(
             self.address, services.config.probe_timeout)
-        dead_ps = {}
-        # A restarted ps fails calls with connectivity errors first, then,
-        # once workers are rebuilt, with others: look at the ps in both cases.
-        if failure_handling.is_connectivity_error(error) or not worker_alive \
-                or self.state is WorkerState.READMITTED or stale:
-            dead_ps = services.dead_ps()
+        # Any error may come from a lost ps: a restarted ps fails calls with
+        # connectivity errors first, then, once workers are rebuilt, with
+        # others (its variables are gone), so the ps are always looked at.
+        dead_ps = services.dead_ps()
+        context_lost = self.state is WorkerState.READMITTED or stale
         self._consecutive_failures += 1
+        if context_lost and worker_alive and \
+                not failure_handling.is_connectivity_error(error):
+            self._failed_readmissions += 1
         decision = failure_handling.decide(
-            error, worker_alive, dead_ps,
-            context_lost=self.state is WorkerState.READMITTED or stale,
-            consecutive_failures=self._consecutive_failures)
+            error, worker_alive, dead_ps, context_lost=context_lost,
+            consecutive_failures=self._consecutive_failures,
+            failed_readmissions=self._failed_readmissions)
         logger.info("[worker:%d] closure failed with %s; worker %s, dead ps %s "
                     "-> %s", self.index, type(error).__name__,
                     "answers" if worker_alive else "unreachable", sorted(dead_ps),
@@ -360,6 +365,23 @@ class Worker:
                 "included) and resume from the last checkpoint, e.g. with "
                 "keras_ps.callbacks.BackupAndRestore. Cause: "
                 f"{type(error).__name__}")
+            for c in batch:
+                c.remote_value._set_error(fatal)
+            queue.mark_fatal(len(batch), fatal)
+        elif decision is Decision.RAISE_REPEATED:
+            first_line = (str(error).strip().splitlines() or [""])[0][:300]
+            fatal = RepeatedFailureError(
+                f"Scheduled functions failed on worker {self.index} "
+                f"({self.address}) right after each of its last "
+                f"{self._failed_readmissions} re-admissions, with "
+                f"{type(error).__name__}: {first_line}. The same failure on "
+                "every fresh start of a worker comes from outside it; the "
+                "likely cause is a parameter server that was restarted and "
+                "lost the variables this job placed there, or a function "
+                "that needs state only the first run of the worker had. "
+                "Restart the job and resume from the last checkpoint (e.g. "
+                "keras_ps.callbacks.BackupAndRestore).")
+            fatal.__cause__ = error
             for c in batch:
                 c.remote_value._set_error(fatal)
             queue.mark_fatal(len(batch), fatal)

@@ -35,6 +35,23 @@ def test_context_lost_is_never_blamed_on_the_user():
         is Decision.RETRY_ELSEWHERE
 
 
+def test_a_failure_after_every_readmission_is_bounded():
+    # A restarted ps that lost its variables (or any state outside the
+    # worker) fails the first call after each re-admission: after a few
+    # rounds that is raised, never retried forever.
+    limit = failure_handling.MAX_FAILED_READMISSIONS
+    decisions = [failure_handling.decide(APP, True, [], context_lost=True,
+                                         consecutive_failures=n,
+                                         failed_readmissions=n)
+                 for n in range(1, limit + 2)]
+    assert decisions[:limit] == [Decision.RETRY_ELSEWHERE] * limit
+    assert decisions[limit] is Decision.RAISE_REPEATED
+    # An unreachable worker (killed again) is waited for, not raised.
+    assert failure_handling.decide(APP, False, [], context_lost=True,
+                                   failed_readmissions=limit + 1) \
+        is Decision.RETRY_ELSEWHERE
+
+
 def _closures(fn, n):
     return [Closure(fn, (), {}, False) for _ in range(n)]
 

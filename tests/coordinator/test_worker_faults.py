@@ -62,6 +62,19 @@ def test_ps_restarted_at_once_raises_within_10s():
 
 
 @pytest.mark.timeout(240)
+def test_failure_after_every_readmission_is_raised_not_retried_forever():
+    # Closures read a variable the user placed on their worker; a restarted
+    # worker lost it, so each call after its re-admission fails the same
+    # way. A few rounds, then a clear error, never an endless retry.
+    result = run_job("worker_state_lost", timeout=220)
+    assert result["error"] == "RepeatedFailureError", result
+    assert result["is_keras_ps"] is True
+    assert "worker 1" in result["message"]
+    assert "re-admissions" in result["message"]
+    assert "parameter server that was restarted" in result["message"]
+
+
+@pytest.mark.timeout(240)
 def test_worker_stopped_does_not_hang_training():
     # SIGSTOP: the process is alive, its port accepts TCP, its call never
     # returns. The watchdog gives the call up after the hang timeout.
