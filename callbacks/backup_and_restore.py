@@ -38,6 +38,16 @@ class BackupAndRestore(ResumableCallback):
         save_freq: `"epoch"` (at each epoch end) or an integer `N` (every `N`
             steps, and at each epoch end).
         delete_checkpoint: delete `backup_dir` when training finishes.
+        recover_ps: True (default): when a parameter server is lost during
+            `fit` (killed and brought back on its address by a restart
+            policy, or replaced), `fit` waits for it to answer again, gives
+            it back the variables it held, restores every ps from the
+            newest backup and goes on from the backup's epoch and step: the
+            same `fit` call finishes. Steps since that backup are trained
+            again (the epoch logs count them as `steps_rolled_back`, and the
+            recoveries as `ps_recoveries`). Without a backup yet, or with
+            False, a lost ps ends `fit` with
+            `keras_ps.errors.ParameterServerUnavailableError`.
 
     Example:
     ```python
@@ -47,8 +57,13 @@ class BackupAndRestore(ResumableCallback):
     ```
     """
 
-    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True):
-        super().__init__()
+    def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True,
+                 recover_ps=True):
+        if not isinstance(recover_ps, bool):
+            raise TypeError(
+                "recover_ps must be True or False. Received: "
+                f"recover_ps={recover_ps!r}.")
+        super().__init__(recover_ps=recover_ps)
         if not backup_dir:
             raise ValueError(
                 "BackupAndRestore needs a backup directory. Received: "
@@ -84,9 +99,24 @@ class BackupAndRestore(ResumableCallback):
         os.makedirs(self.backup_dir, exist_ok=True)
         self._resume = None
         self.restored_state = None
+        self.restore_latest()
+
+    def restore_latest(self):
+        """Loads the newest backup into the model and its optimizer.
+
+        `fit` calls it at its start, and again after it gave a lost
+        parameter server its variables back.
+
+        Returns:
+            (epoch, step within the epoch) of the backup, or None when there
+            is none.
+
+        Raises:
+            ValueError: the backup was written by a different model.
+        """
         state = self._read_state()
         if state is None:
-            return
+            return None
         weights = os.path.join(self.backup_dir, state["weights"])
         try:
             self.model.load_weights(weights)
@@ -106,6 +136,7 @@ class BackupAndRestore(ResumableCallback):
         self.restored_state = state.get("extra", {})
         logger.info("[chief] restored backup %s: epoch %d, step %d",
                     weights, state["epoch"], state["step"])
+        return self._resume
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

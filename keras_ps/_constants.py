@@ -53,6 +53,11 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 HANG_TIMEOUT_ENV_VAR = "KERAS_PS_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 10.0
 
+# Seconds a recovery waits for a lost parameter server to answer again on
+# its address (a restart policy, a replacement machine) before giving up.
+PS_RECOVERY_TIMEOUT_ENV_VAR = "KERAS_PS_PS_RECOVERY_TIMEOUT"
+DEFAULT_PS_RECOVERY_TIMEOUT = 300.0
+
 
 def env_float(name, default):
     """Reads a float knob; a malformed value is an error that names it."""

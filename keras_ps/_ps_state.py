@@ -10,7 +10,7 @@ what this job placed there.
 
 The strategy also records every variable it places on a ps (weakly), by
 device, so that a ps that lost its state can be given its variables back in
-place (keras_ps/_ps_recovery.py).
+place (`recreate`).
 """
 
 import logging
@@ -19,6 +19,9 @@ import threading
 import weakref
 
 import tensorflow as tf
+
+from keras_ps import _blockwise_init
+from keras_ps import _tf_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,9 @@ class PsMarkers:
 
     def _create(self, index):
         with tf.device(ps_device(index)):
-            return tf.Variable(self._incarnation, dtype=tf.int64,
-                               trainable=False, name=f"keras_ps_marker_ps{index}")
+            return _tf_adapter.plain_variable(
+                initial_value=self._incarnation, dtype=tf.int64,
+                trainable=False, name=f"keras_ps_marker_ps{index}")
 
     def holds_state(self, index):
         """Whether ps `index` still holds this job's variables (one read of
@@ -92,3 +96,29 @@ class PlacedVariables:
         """The live variables placed on ps `index`."""
         with self._lock:
             return list(self._by_ps.get(index, {}).values())
+
+
+def _zeros(shape, dtype):
+    """Zeros of `shape`, made in row blocks on the ps when large."""
+    shape = tf.TensorShape(shape)
+    return _blockwise_init.BlockInitialValue(
+        full=lambda: tf.zeros(shape, dtype),
+        block=lambda index, rows: tf.zeros([rows] + shape[1:].as_list(), dtype),
+        shape=shape, dtype=dtype)
+
+
+def recreate(variables):
+    """Gives each variable a new resource of its shape and dtype, filled with
+    zeros, on its own device (a ps that was restarted and lost them).
+
+    The Python objects stay what layers, optimizers and checkpoints hold;
+    a checkpoint restored next fills them. A large variable is made in row
+    blocks, so the ps peaks at the variable plus one block.
+    """
+    for variable in variables:
+        with tf.device(variable.device):
+            donor = _blockwise_init.create(_tf_adapter.plain_variable, dict(
+                initial_value=_zeros(variable.shape, variable.dtype),
+                dtype=variable.dtype, trainable=variable.trainable,
+                name=variable.name.split(":")[0]))
+        _tf_adapter.rebind_variable(variable, donor)

@@ -152,3 +152,43 @@ def sleep_dataset(microseconds):
     from tensorflow.python.data.experimental.ops import testing
 
     return testing.sleep(microseconds)
+
+
+def plain_variable(**kwargs):
+    """A tf.Variable made on the device in scope, past every variable
+    creator in scope (a strategy's scope included): TF has no public way to
+    skip the creator stack, and `ResourceVariable`'s own constructor is it."""
+    from tensorflow.python.ops import resource_variable_ops
+    return resource_variable_ops.ResourceVariable(**kwargs)
+
+
+def rebind_variable(variable, donor):
+    """Points `variable` at `donor`'s resource, in place.
+
+    A ps that was restarted lost the resources behind its variables; the
+    Python objects (held by layers, optimizers, checkpoints) stay, and are
+    given a new resource of the same shape made on the same ps. There is no
+    public API for it: a resource variable keeps its resource in `_handle`
+    and a cached read in `_cached_value`. The donor can be dropped after:
+    the resource lives as long as a handle to it does.
+    """
+    variable._handle = donor._handle
+    variable._cached_value = None
+
+
+def retrace_all_functions():
+    """Drops the traced graphs of every `tf.function` of this process, so
+    each traces again at its next call.
+
+    A traced graph holds the resource handles it captured; after
+    `rebind_variable` those are stale. No public API clears a function's
+    traces: `tf.function` keeps them in `_function_cache`.
+    """
+    import gc
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+    cleared = 0
+    for obj in gc.get_objects():
+        if isinstance(obj, polymorphic_function.Function):
+            obj._function_cache.clear()
+            cleared += 1
+    return cleared

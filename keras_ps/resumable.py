@@ -15,12 +15,20 @@ class ResumableCallback(keras.callbacks.Callback):
             epoch's shard ledger here).
         restored_state: the values restored with the newest backup (a dict),
             or None.
+        recover_ps: whether `fit` gives a lost parameter server its
+            variables back and continues from `restore_latest()` (instead
+            of raising `ParameterServerUnavailableError`).
     """
 
-    def __init__(self):
+    def __init__(self, recover_ps=False):
         super().__init__()
         self.state_providers = {}
         self.restored_state = None
+        self.recover_ps = recover_ps
+
+    def restore_latest(self):
+        """Loads the newest backup; returns its (epoch, step) or None."""
+        return None
 
     def resume_position(self):
         """(epoch, step within the epoch) to resume at, or None (fresh start)."""

@@ -142,6 +142,19 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         """The live variables this strategy placed on ps `index`."""
         return self.extended.placed.on_ps(index)
 
+    def recreate_ps_variables(self, index):
+        """Gives ps `index`, restarted and empty, every variable this strategy
+        placed there again (same shapes, dtypes and shards; zeros), in place.
+        The caller restores their values from a checkpoint next.
+
+        Returns:
+            How many variables were made again.
+        """
+        variables = self.variables_on_ps(index)
+        _ps_state.recreate(variables)
+        self._ps_markers.renew(index)
+        return len(variables)
+
     def on_disconnect(self, callback):
         """Calls `callback()` when another cluster's connection replaces this one."""
         self._connection.on_replace(callback)

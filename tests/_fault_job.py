@@ -77,6 +77,38 @@ def main(mode):
             say(**first, readmitted=back, after_restart=ran,
                 built_on=built_on, total_after=float(total.numpy()),
                 states_after=[w.state.value for w in coordinator.workers])
+        elif mode == "ps_recover":
+            # A custom loop that survives a ps loss: catch the error, bring
+            # the ps back, recover, restore the checkpoint, go on.
+            import tempfile
+            checkpoint = tf.train.Checkpoint(total=total)
+            for _ in range(20):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            path = checkpoint.write(tempfile.mkdtemp() + "/ckpt")
+            for _ in range(30):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            cluster.kill("ps", 0)
+            start = time.monotonic()
+            try:
+                for _ in range(100):
+                    coordinator.schedule(step, args=(iterator,))
+                coordinator.join()
+                raise RuntimeError("the ps loss was not seen")
+            except keras_ps.errors.ParameterServerUnavailableError as e:
+                seen = time.monotonic() - start
+            cluster.restart("ps", 0)
+            recovery = coordinator.recover_parameter_servers(timeout=60)
+            checkpoint.read(path).assert_consumed()
+            restored = float(total.numpy())
+            for _ in range(100):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            say(seen=seen, lost=list(recovery.lost),
+                variables=recovery.variables, restored=restored,
+                total=float(total.numpy()),
+                states=[w.state.value for w in coordinator.workers])
         elif mode == "worker_state_lost":
             # Each closure reads a variable the user placed on its worker:
             # a restarted worker has lost it, so every call after its

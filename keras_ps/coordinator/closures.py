@@ -4,6 +4,7 @@ import abc
 import collections
 import logging
 import threading
+import time
 
 from keras_ps import _tf_adapter
 from keras_ps.coordinator import packing
@@ -201,6 +202,26 @@ class ClosureQueue:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def clear_after_fatal(self, timeout):
+        """Waits until no closure is in flight, then forgets the errors, so
+        the queue takes work again (after the lost ps was given its
+        variables back). Closures pending at the failure were cancelled.
+
+        Returns:
+            False when calls were still in flight after `timeout` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._inflight > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cv.wait(remaining)
+            self._fatal = None
+            self._error = None
+            self._generation += 1
+            return True
 
     def done(self):
         with self._cv:

@@ -21,6 +21,7 @@ class CoordinatorConfig:
         no_worker_timeout: seconds `join` tolerates no healthy worker (0: forever).
         hang_timeout: seconds a call may run before its worker is probed and,
             if it does not answer, declared failed (0: no hang watchdog).
+        ps_recovery_timeout: seconds a recovery waits for a lost ps to answer.
     """
 
     max_pack: int = _constants.DEFAULT_MAX_PACK
@@ -30,6 +31,7 @@ class CoordinatorConfig:
     readmit_workers: bool = bool(_constants.DEFAULT_READMIT_WORKERS)
     no_worker_timeout: float = _constants.DEFAULT_NO_WORKER_TIMEOUT
     hang_timeout: float = _constants.DEFAULT_HANG_TIMEOUT
+    ps_recovery_timeout: float = _constants.DEFAULT_PS_RECOVERY_TIMEOUT
     # Where max_pack came from, for error messages.
     max_pack_source: str = dataclasses.field(default="max_pack", compare=False)
 
@@ -46,7 +48,8 @@ class CoordinatorConfig:
                 raise ValueError(
                     f"{name} must be a positive number of seconds. Received: "
                     f"{name}={value!r}.")
-        for name in ("rebuild_retry_delay", "no_worker_timeout", "hang_timeout"):
+        for name in ("rebuild_retry_delay", "no_worker_timeout", "hang_timeout",
+                     "ps_recovery_timeout"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(
@@ -79,4 +82,7 @@ class CoordinatorConfig:
             hang_timeout=_constants.env_float(
                 _constants.HANG_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_HANG_TIMEOUT),
+            ps_recovery_timeout=_constants.env_float(
+                _constants.PS_RECOVERY_TIMEOUT_ENV_VAR,
+                _constants.DEFAULT_PS_RECOVERY_TIMEOUT),
         )

@@ -1,5 +1,6 @@
 """ClusterCoordinator: schedules tf.functions on workers, asynchronously."""
 
+import dataclasses
 import logging
 import threading
 import time
@@ -21,7 +22,10 @@ from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
 from keras_ps.coordinator.values import RemoteValue
+from keras_ps import _network
+from keras_ps import _tf_adapter
 from keras_ps.errors import NoWorkersAvailableError
+from keras_ps.errors import ParameterServerUnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +33,26 @@ logger = logging.getLogger(__name__)
 # of worker threads and one watchdog.
 _by_strategy = weakref.WeakKeyDictionary()
 _by_strategy_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class PsRecovery:
+    """What `recover_parameter_servers` did, and how long each part took.
+
+    Attributes:
+        lost: indices of the ps that had lost their variables.
+        variables: how many variables were made again on them.
+        waiting_seconds: waiting for calls in flight and for the lost ps
+            to answer.
+        reconnect_seconds: pushing the cluster to every task again.
+        recreate_seconds: making the variables again.
+    """
+
+    lost: tuple
+    variables: int = 0
+    waiting_seconds: float = 0.0
+    reconnect_seconds: float = 0.0
+    recreate_seconds: float = 0.0
 
 
 def _is_tf_function(fn):
@@ -225,6 +249,90 @@ class ClusterCoordinator:
                                        self._members, self._unreachable)
             self._datasets.add(dataset)
         return dataset
+
+    def lost_parameter_servers(self):
+        """{index: address} of the ps that do not hold this job's variables
+        now: unreachable, or answering after a restart with nothing on them."""
+        return self._dead_ps()
+
+    def recover_parameter_servers(self, timeout=None):
+        """Gives parameter servers that lost their variables those variables
+        back, and makes the coordinator take work again.
+
+        For a custom loop after `ParameterServerUnavailableError`: this waits
+        for every lost ps to answer on its address (a restart policy, a
+        replacement machine), pushes the cluster to every task again,
+        re-creates each variable the strategy placed on those ps in place
+        (same objects, shapes, dtypes and shards; zeros) and retraces the
+        functions that had captured the old ones. Workers and their
+        datasets are kept. The values are not: restore a checkpoint next,
+        before scheduling again.
+
+        ```python
+        try:
+            train(coordinator)
+        except keras_ps.errors.ParameterServerUnavailableError:
+            coordinator.recover_parameter_servers()
+            checkpoint.restore(manager.latest_checkpoint)
+            train(coordinator)  # from the checkpoint's step
+        ```
+
+        Args:
+            timeout: seconds to wait for a lost ps to answer (default from
+                `KERAS_PS_PS_RECOVERY_TIMEOUT`, 300).
+
+        Returns:
+            A `PsRecovery` (its `lost` is empty when no ps was lost; the
+            coordinator's earlier errors are cleared either way).
+
+        Raises:
+            ParameterServerUnavailableError: a lost ps did not answer within
+                `timeout`, or calls in flight did not end.
+        """
+        if timeout is None:
+            timeout = self.config.ps_recovery_timeout
+        started = time.monotonic()
+        deadline = started + timeout
+        if not self._queue.clear_after_fatal(timeout):
+            raise ParameterServerUnavailableError(
+                f"Calls in flight did not end within {timeout:g}s of a "
+                "parameter server's loss, so its variables cannot be made "
+                "again safely. Restart the job and resume from the last "
+                "checkpoint.")
+        lost = self._dead_ps()
+        if not lost:
+            return PsRecovery(lost=())
+        logger.info("[chief] ps %s lost their variables; waiting for them to "
+                    "answer", sorted(lost))
+        for index, address in sorted(lost.items()):
+            remaining = max(0.0, deadline - time.monotonic())
+            if not _network.wait_until_answers(address, remaining):
+                raise ParameterServerUnavailableError(
+                    f"Parameter server {index} at {address} lost its "
+                    f"variables and did not answer again within {timeout:g}s. "
+                    "Bring it back on the same address (a restart policy "
+                    "does), or restart the job and resume from the last "
+                    "checkpoint; raise KERAS_PS_PS_RECOVERY_TIMEOUT to wait "
+                    "longer.")
+        answered = time.monotonic()
+        with self._gate.exclusive():
+            self._readmission.reconnect()
+            connected = time.monotonic()
+            count = sum(self.strategy.recreate_ps_variables(index)
+                        for index in sorted(lost))
+        retraced = _tf_adapter.retrace_all_functions()
+        recovery = PsRecovery(
+            lost=tuple(sorted(lost)), variables=count,
+            waiting_seconds=answered - started,
+            reconnect_seconds=connected - answered,
+            recreate_seconds=time.monotonic() - connected)
+        logger.info("[chief] ps %s given %d variables back in %.2fs (%.2fs "
+                    "waiting, %.2fs reconnecting, %.2fs re-creating; %d "
+                    "functions to retrace)", list(recovery.lost), count,
+                    time.monotonic() - started, recovery.waiting_seconds,
+                    recovery.reconnect_seconds, recovery.recreate_seconds,
+                    retraced)
+        return recovery
 
     def update_workers(self, addresses):
         """Follows a new worker membership while training runs.

@@ -143,9 +143,8 @@ class Readmission:
         started = time.monotonic()
         with self._gate.exclusive():
             gate = time.monotonic()
-            _tf_adapter.update_server_def(self.membership_def())
+            self.reconnect()
             connected = time.monotonic()
-            self.generation += 1
             for dataset in self._datasets():
                 dataset.rebuild(index, self._num_workers())
         logger.info(
@@ -153,6 +152,13 @@ class Readmission:
             "%.2fs server def, %.2fs datasets", index,
             time.monotonic() - started, gate - started, connected - gate,
             time.monotonic() - connected)
+
+    def reconnect(self):
+        """Pushes the cluster to every task again, under the caller's
+        exclusive gate: a restarted ps gets this job's context back (its
+        variables are not). The other tasks keep theirs."""
+        _tf_adapter.update_server_def(self.membership_def())
+        self.generation += 1
 
     def membership_def(self):
         """The connected server def with the worker job reduced to the

@@ -61,6 +61,21 @@ def test_ps_restarted_at_once_raises_within_10s():
     assert "Restart the job" in result["message"]
 
 
+@pytest.mark.timeout(180)
+def test_custom_loop_recovers_a_killed_ps_from_its_checkpoint():
+    # The ps is SIGKILLed mid-loop and started again on its address; the
+    # loop catches the error, recovers the ps in place, restores its
+    # checkpoint (total = 20) and goes on with the same coordinator,
+    # workers and iterators.
+    result = run_job("ps_recover", timeout=160)
+    assert result["seen"] < 10
+    assert result["lost"] == [0]
+    assert result["variables"] == 1
+    assert result["restored"] == 20.0
+    assert result["total"] == 120.0
+    assert result["states"] == ["healthy", "healthy"]
+
+
 @pytest.mark.timeout(240)
 def test_failure_after_every_readmission_is_raised_not_retried_forever():
     # Closures read a variable the user placed on their worker; a restarted
