@@ -8,6 +8,7 @@ import shutil
 
 from keras_ps import _files
 from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.resumable import ResumableCallback
 
 logger = logging.getLogger(__name__)
@@ -121,6 +122,9 @@ class BackupAndRestore(ResumableCallback):
         try:
             self.model.load_weights(weights)
         except ValueError as error:
+            # Keras reports every failed assignment as a ValueError, a lost
+            # ps' among them: that one is the ps' loss, not a wrong model.
+            self._raise_if_ps_lost(error)
             detail = " ".join(str(error).split())
             if len(detail) > 300:
                 detail = detail[:300] + "..."
@@ -137,6 +141,22 @@ class BackupAndRestore(ResumableCallback):
         logger.info("[chief] restored backup %s: epoch %d, step %d",
                     weights, state["epoch"], state["step"])
         return self._resume
+
+    def _raise_if_ps_lost(self, error):
+        coordinator = ClusterCoordinator(self.model.distribute_strategy)
+        lost = coordinator.lost_parameter_servers()
+        if lost:
+            raise ParameterServerUnavailableError(
+                f"Parameter server(s) {sorted(lost)} at "
+                f"{[lost[i] for i in sorted(lost)]} were lost while the backup "
+                "was being restored.") from error
+
+    def has_backup(self):
+        return self._read_state() is not None
+
+    def describe(self):
+        return (f"BackupAndRestore(backup_dir={self.backup_dir!r}, "
+                f"save_freq={self.save_freq!r})")
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch

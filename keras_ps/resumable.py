@@ -30,6 +30,14 @@ class ResumableCallback(keras.callbacks.Callback):
         """Loads the newest backup; returns its (epoch, step) or None."""
         return None
 
+    def has_backup(self):
+        """Whether a backup exists to restore from."""
+        return False
+
+    def describe(self):
+        """Where the backups are, for error messages."""
+        return type(self).__name__
+
     def resume_position(self):
         """(epoch, step within the epoch) to resume at, or None (fresh start)."""
         return None

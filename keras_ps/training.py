@@ -165,33 +165,46 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     if (start_epoch, start_step) != (initial_epoch, 0):
         logger.info("[chief] resuming at epoch %d, step %d", start_epoch,
                     start_step)
-    training_logs = None
-    for epoch in range(start_epoch, epochs):
-        tracker = StepLogsTracker()
-        model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
-        first_step = start_step if epoch == start_epoch else 0
-        for begin, count in _executions(steps_per_epoch, per_execution):
-            if begin + count <= first_step:
-                continue
-            callback_list.on_train_batch_begin(begin)
-            remote = coordinator.schedule(steps_fn.get(count), args=(iterator,))
-            logs = StepLogs(remote, tracker)
-            _batch_end(callback_list, begin + count - 1, logs,
-                       "on_train_batch_end")
+    progress = _fit_epochs.Progress(
+        steps_per_epoch, _fit_epochs.recovering_callback(callback_list) is not None)
+
+    def train_from(position):
+        start_epoch, start_step = position
+        training_logs = None
+        for epoch in range(start_epoch, epochs):
+            tracker = StepLogsTracker()
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch)
+            first_step = start_step if epoch == start_epoch else 0
+            for begin, count in _executions(steps_per_epoch, per_execution):
+                if begin + count <= first_step:
+                    continue
+                callback_list.on_train_batch_begin(begin)
+                remote = coordinator.schedule(steps_fn.get(count),
+                                              args=(iterator,))
+                progress.reached = progress.at(epoch, begin + count)
+                logs = StepLogs(remote, tracker)
+                _batch_end(callback_list, begin + count - 1, logs,
+                           "on_train_batch_end")
+                if model.stop_training:
+                    break
+            coordinator.join()
+            epoch_logs = python_logs(model.get_metrics_result())
+            epoch_logs.update(progress.epoch_logs())
+            if validation_data is not None and inputs.should_validate(
+                    epoch, validation_freq):
+                epoch_logs.update(_fit_epochs.validation_logs(
+                    model, validation_data, validation_batch_size or batch_size,
+                    validation_steps))
+            callback_list.on_epoch_end(epoch, epoch_logs)
+            training_logs = epoch_logs
             if model.stop_training:
                 break
-        coordinator.join()
-        epoch_logs = python_logs(model.get_metrics_result())
-        if validation_data is not None and inputs.should_validate(epoch,
-                                                            validation_freq):
-            epoch_logs.update(_fit_epochs.validation_logs(
-                model, validation_data, validation_batch_size or batch_size,
-                validation_steps))
-        callback_list.on_epoch_end(epoch, epoch_logs)
-        training_logs = epoch_logs
-        if model.stop_training:
-            break
+        return training_logs
+
+    training_logs = _fit_epochs.train_with_ps_recovery(
+        coordinator, _fit_epochs.recovering_callback(callback_list),
+        train_from, (start_epoch, start_step), progress)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
 

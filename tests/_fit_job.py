@@ -16,6 +16,14 @@ Usage:
       fit(epochs=4, steps_per_epoch=4) with Keras' own
       keras.callbacks.BackupAndRestore; with 1, SIGKILL this process at the
       end of epoch 1 (after the callback saved); with 0, run to the end.
+  python tests/_fit_job.py ps_recover BACKUP_DIR KILLS [IN_RESTORE]
+      fit with BackupAndRestore(save_freq=4) on its own LocalCluster;
+      KILLS is a JSON list of [epoch, batch, [ps indices]]: at the end of
+      that batch (first time seen, before the backup of that batch) those
+      ps are SIGKILLed and started again on their addresses at once, as a
+      restart policy does; [] runs undisturbed. With IN_RESTORE (a ps
+      index), that ps is killed and restarted while the first recovery
+      reads the backup. Reports iterations, accuracy and the recovery logs.
   python tests/_fit_job.py grow_shrink
       fit starts on 2 of 3 running workers; the third joins in epoch 0 and
       leaves in epoch 2 (coordinator.update_workers), nobody restarts.
@@ -26,6 +34,7 @@ import logging
 import os
 import signal
 import sys
+import time
 
 import keras
 import numpy as np
@@ -159,7 +168,6 @@ class _Membership(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         import threading
-        import time
 
         if (self._epoch, batch) == (0, 9):
             start = time.monotonic()
@@ -187,7 +195,6 @@ class _KillPs(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        import time
 
         if self._epoch == 1 and batch >= STEPS // 2 and self.killed_at is None:
             self.cluster.kill("ps", 0)
@@ -196,12 +203,11 @@ class _KillPs(keras.callbacks.Callback):
 
 
 def ps_restart(backup_dir, kill):
-    import time
-
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model = build(strategy)
-        backup_cb = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=4)
+        backup_cb = keras_ps.callbacks.BackupAndRestore(
+            backup_dir, save_freq=4, recover_ps=False)
         killer = _KillPs(cluster)
         callbacks = [backup_cb, _Progress()] + ([killer] if kill else [])
         try:
@@ -217,6 +223,74 @@ def ps_restart(backup_dir, kill):
         say(iterations=int(model.optimizer.iterations.numpy()),
             planned=EPOCHS * STEPS, epochs=history.epoch,
             resumed=backup_cb.resume_position())
+
+
+class _KillAndRestartPs(keras.callbacks.Callback):
+    """SIGKILLs ps tasks at given (epoch, batch) and starts them again at
+    once: a restart policy brings them back before anyone notices."""
+
+    def __init__(self, cluster, kills):
+        super().__init__()
+        self.cluster = cluster
+        self.kills = {(epoch, batch): indices for epoch, batch, indices in kills}
+        self.done = []
+        self.killed_at = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        key = (self._epoch, batch)
+        if key in self.kills and key not in self.done:
+            self.done.append(key)
+            self.killed_at = time.monotonic()
+            for index in self.kills[key]:
+                self.cluster.kill("ps", index)
+            for index in self.kills[key]:
+                self.cluster.restart("ps", index)
+            print(f"KILLED AND RESTARTED ps {self.kills[key]} at {key}",
+                  flush=True)
+
+
+class _KillInRestore(keras_ps.callbacks.BackupAndRestore):
+    """Kills and restarts ps `index` as the first recovery reads the backup:
+    a ps lost while a recovery is under way."""
+
+    def __init__(self, cluster, index, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster, self.index, self.restores = cluster, index, 0
+
+    def restore_latest(self):
+        self.restores += 1
+        if self.restores == 2 and self.index is not None:  # 1: train begin
+            self.cluster.kill("ps", self.index)
+            self.cluster.restart("ps", self.index)
+            print(f"KILLED AND RESTARTED ps {self.index} in the restore",
+                  flush=True)
+        return super().restore_latest()
+
+
+def ps_recover(backup_dir, kills, in_restore=None):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        killer = _KillAndRestartPs(cluster, kills)
+        backup = _KillInRestore(cluster, in_restore, backup_dir, save_freq=4)
+        try:
+            history = model.fit(
+                dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
+                callbacks=[killer, backup], verbose=0)
+        except Exception as error:  # what the user sees, reported to the test
+            say(error=type(error).__name__, message=str(error),
+                seconds=time.monotonic() - killer.killed_at)
+            sys.exit(1)
+        x, y = data(seed=1, n=1024)
+        _, accuracy = model.evaluate(x, y, batch_size=128, verbose=0)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch, kills=killer.done,
+            accuracy=float(accuracy), restores=backup.restores,
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"))
 
 
 def grow_shrink():
@@ -250,6 +324,9 @@ if __name__ == "__main__":
         ps_restart(sys.argv[2], sys.argv[3] == "1")
     elif sys.argv[1] == "keras_backup":
         keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
+    elif sys.argv[1] == "ps_recover":
+        ps_recover(sys.argv[2], json.loads(sys.argv[3]),
+                   int(sys.argv[4]) if len(sys.argv) > 4 else None)
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

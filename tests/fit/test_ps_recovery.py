@@ -1,0 +1,85 @@
+"""Model.fit through the loss of a parameter server, for real: ps tasks
+SIGKILLed mid-epoch and started again on their addresses at once (what a
+restart policy does), with keras_ps' BackupAndRestore. The same `fit` call
+gives the ps its variables back, restores the newest backup and finishes
+(tests/_fit_job.py ps_recover)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _paths import TESTS
+from _results import last_report
+
+JOB = os.path.join(TESTS, "_fit_job.py")
+PER_EXECUTION = 2  # the job's steps_per_execution
+BACKUP_EVERY = 4  # the job's save_freq
+
+
+def run(tmp_path, kills, in_restore=None):
+    args = [sys.executable, JOB, "ps_recover", str(tmp_path / "backup"),
+            json.dumps(kills)] + ([str(in_restore)] if in_restore is not None
+                                  else [])
+    out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=240,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return out.returncode, out.stdout, last_report(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory):
+    code, output, result = run(tmp_path_factory.mktemp("undisturbed"), [])
+    assert code == 0, output[-3000:]
+    assert result["recoveries"] == [0, 0, 0]
+    return result
+
+
+KILLS = {
+    "once": ([[1, 21, [0]]], None),
+    "twice_in_one_epoch": ([[1, 13, [0]], [1, 29, [1]]], None),
+    "both_ps_at_once": ([[1, 21, [0, 1]]], None),
+    # Killed at the end of a batch whose backup comes next: the backup
+    # fails and the previous one is restored.
+    "during_a_backup": ([[1, 23, [1]]], None),
+    # ps 1 is killed while the recovery of ps 0 reads the backup.
+    "during_a_recovery": ([[1, 21, [0]]], 1),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", sorted(KILLS))
+def test_fit_recovers_a_lost_ps_in_the_same_call(case, tmp_path, undisturbed):
+    kills, in_restore = KILLS[case]
+    code, output, result = run(tmp_path, kills, in_restore)
+    assert code == 0, output[-4000:]
+    assert "KILLED AND RESTARTED" in output
+    assert result["kills"] == [k[:2] for k in kills]
+    assert result["epochs"] == [0, 1, 2]
+    # Restored to a backup: the steps after it are trained again, so the
+    # optimizer's count ends at the plan; at most one packed execution per
+    # worker may run twice (at-least-once), as without a ps loss.
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + 2 * PER_EXECUTION, output[-3000:]
+    # Every loss was recovered and reported in the epoch it happened in.
+    assert sum(result["recoveries"]) == len(kills)
+    assert result["recoveries"][1] == len(kills)
+    rolled_back = result["rolled_back"][1]
+    assert 0 < rolled_back <= len(kills) * (BACKUP_EVERY + 2 * PER_EXECUTION)
+    assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.02, \
+        (result["accuracy"], undisturbed["accuracy"])
+
+
+@pytest.mark.timeout(200)
+def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(tmp_path):
+    # Killed at step 2, before the first backup (step 4): nothing to give
+    # the ps its variables back from.
+    code, output, result = run(tmp_path, [[0, 1, [0]]])
+    assert code == 1, output[-3000:]
+    assert result["error"] == "ParameterServerUnavailableError"
+    assert result["seconds"] < 10
+    assert "ps 0 (localhost:" in result["message"]
+    assert "no backup yet" in result["message"]
+    assert "Restart the job" in result["message"]
