@@ -28,11 +28,14 @@ class _TFErrorMixin(KerasPSError):
 
 
 class ParameterServerUnavailableError(_TFErrorMixin, tf.errors.UnavailableError):
-    """A parameter server cannot be reached; training cannot go on.
+    """A parameter server was lost (unreachable, or restarted without the
+    variables this job placed there).
 
-    PS tasks hold the model's state, so keras_ps never retries around them:
-    restart the job and restore from the last checkpoint (see
-    `keras_ps.callbacks.BackupAndRestore`).
+    PS tasks hold the model's state, so no step is retried around them.
+    `Model.fit` with `keras_ps.callbacks.BackupAndRestore` recovers in the
+    same call once the ps answers again; a custom loop calls
+    `coordinator.recover_parameter_servers()` and restores its checkpoint.
+    Otherwise restart the job and resume from the last checkpoint.
     """
 
     def __init__(self, message):
