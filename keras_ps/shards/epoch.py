@@ -5,27 +5,29 @@ report to.
 One scheduled closure trains one shard: a tf.function on the worker that
 builds the shard's dataset and runs the step on each batch in a loop, in
 executions of `max(steps_per_execution, MIN_STEPS_PER_EXECUTION)` steps.
-Three int64 variables on a ps,
-one entry per shard:
+Three int64 variables on a ps, one entry per shard:
 
-- `applied[shard]`: records of the shard's applied steps. After each step,
+- `begun[shard]`: records of every step of the shard that began, on any
+  attempt (a late one too). A step begins with one op on the ps that the
+  step's final updates wait for, and which runs once everything those
+  updates consume is on their device (keras_ps/shards/step_order.py): from
+  then on the ps applies them whatever happens to the worker, so a step
+  counted is a step applied. Every record of a shard is begun at least once;
+  the records begun beyond the shard's size are the records trained twice,
+  the epoch's `records_retrained`.
+- `applied[shard]`: records of the owner's applied steps. After each step,
   ops on the ps with a control dependency on every stateful op of the step
   read the lease and, if the call still owns the shard, raise it (a max).
   A retry resumes there (the shard's order is deterministic).
 - `lease[shard]`: the call that owns the shard. A call claims it when it
   starts and checks it after reading each execution's batches, before
   running their steps, so a worker that was given up as hung and continues
-  later applies at most the rest of the execution it was in.
-- `late[shard]`: records of steps applied by a call that no longer owned
-  the shard (the same lease read). The retry had started before they were
-  applied, so it trained them too: these are the records trained twice, and
-  the epoch's `records_retrained`.
+  later applies at most the rest of the execution it was in (each of those
+  steps counted when it begins).
 
-The remaining window: a worker that dies inside a step, after some of the
-step's updates were applied but before its lease read ran (the read waits
-for all of them, those on the worker included): the retry trains that step
-again, uncounted. Likewise a retry that claims the shard between an owner's
-lease read and its `applied` op (two adjacent ops on the ps).
+A step of a lost attempt that began but was not marked applied (its worker
+died or left inside the step, or a retry claimed the shard first) is
+trained again by the retry, and counted twice in `begun`.
 
 A full execution runs its steps unconditionally (the loop's condition
 checks that all its batches were read and the lease held); the shard's
@@ -44,6 +46,7 @@ from keras_ps import _tf_adapter
 from keras_ps.coordinator.closures import ClosureListener
 from keras_ps.coordinator.closures import ScheduledShard
 from keras_ps.errors import KerasPSError
+from keras_ps.shards import step_order
 from keras_ps.shards.ledger import ShardLedger, ShardState
 
 logger = logging.getLogger(__name__)
@@ -98,7 +101,8 @@ def _ran(op):
 
 
 class _ShardsOnCluster:
-    """The progress and lease variables of one ShardedInput on a ps."""
+    """The progress, lease and begun-step variables of one ShardedInput on
+    a ps."""
 
     def __init__(self, sharded_input, coordinator):
         self.input = sharded_input
@@ -111,9 +115,9 @@ class _ShardsOnCluster:
             self.lease = tf.Variable(tf.zeros([n], tf.int64),
                                      name="keras_ps_shard_lease",
                                      trainable=False)
-            self.late = tf.Variable(tf.zeros([n], tf.int64),
-                                    name="keras_ps_shard_late",
-                                    trainable=False)
+            self.begun = tf.Variable(tf.zeros([n], tf.int64),
+                                     name="keras_ps_shard_begun",
+                                     trainable=False)
         self._functions = {}
         self.current = None
 
@@ -127,7 +131,7 @@ class _ShardsOnCluster:
                 f"epoch {self.current.epoch} are still running. Call "
                 "coordinator.join() first.")
         n = self.input.num_shards
-        for variable in (self.applied, self.lease, self.late):
+        for variable in (self.applied, self.lease, self.begun):
             variable.assign(tf.zeros([n], tf.int64))
         if ledger is None:
             ledger = ShardLedger(self.input.descriptions,
@@ -154,8 +158,8 @@ class _ShardsOnCluster:
         return fn
 
     def _build(self, step_fn, steps_per_execution):
-        data, applied, lease, late = (self.input, self.applied, self.lease,
-                                      self.late)
+        data, applied, lease, begun = (self.input, self.applied, self.lease,
+                                       self.begun)
         # As keras_ps' own step functions: traced as written, not converted.
         step_fn = tf.autograph.experimental.do_not_convert(step_fn)
         batch_size = data.batch_size
@@ -186,31 +190,36 @@ class _ShardsOnCluster:
                 return optionals, keep
 
             def step(batch, i, progress):
-                # The step, then on the ps, after every stateful op of the
-                # step, the lease: the owner's step raises `applied`; a step
-                # of a call that lost the shard (its retry trains these
-                # records too) is counted in `late`. `progress` holds the
-                # execution's marks and batch sizes: one tensor sent to the
-                # ps per execution, sliced there.
+                # The step; then, on the ps, once what its final updates
+                # consume is there, `begin` counts its records in `begun`
+                # and lets those updates run; after every stateful op of the
+                # step, the lease: the owner's step raises `applied` (a step
+                # of a call that lost the shard leaves it to the owner).
+                # `progress` holds the execution's marks and batch sizes: one
+                # tensor sent to the ps per execution, sliced there.
                 graph = tf.compat.v1.get_default_graph()
                 first = len(graph.get_operations())
                 step_fn(batch)
-                ops = [op for op in graph.get_operations()[first:]
-                       if op.op_def.is_stateful]
+                ops = graph.get_operations()[first:]
+                stateful = [op for op in ops if op.op_def.is_stateful]
+
+                def count_begin():
+                    with tf.device(_PS_DEVICE):
+                        return tf.raw_ops.ResourceScatterAdd(
+                            resource=begun.handle, indices=ps_one,
+                            updates=progress[1, i:i + 1])
+
+                begin = step_order.order_step(ops, count_begin)
                 with tf.device(_PS_DEVICE):
-                    with tf.control_dependencies(ops):
+                    with tf.control_dependencies(stateful + [begin]):
                         mine = tf.equal(tf.reshape(
                             lease.sparse_read(ps_one), []), ps_token)
-                    none = tf.zeros([1], tf.int64)
                     # A late step leaves `applied` to the owner (in a later
                     # epoch, raising it would skip that epoch's records).
-                    mark = tf.raw_ops.ResourceScatterMax(
+                    return tf.raw_ops.ResourceScatterMax(
                         resource=applied.handle, indices=ps_one,
-                        updates=tf.where(mine, progress[0, i:i + 1], none))
-                    count = tf.raw_ops.ResourceScatterAdd(
-                        resource=late.handle, indices=ps_one,
-                        updates=tf.where(mine, none, progress[1, i:i + 1]))
-                    return tf.group(mark, count)
+                        updates=tf.where(mine, progress[0, i:i + 1],
+                                         tf.zeros([1], tf.int64)))
 
             def run(optionals, done, tail):
                 # In the shard's last execution some batches may be missing.
@@ -297,7 +306,8 @@ class ShardedEpoch:
     def _count_retrained(self):
         # The ps counts of this epoch (a later epoch resets them).
         if self._state.current is self:
-            self.ledger.set_retrained(self._state.late.numpy())
+            self.ledger.set_begun(self._state.begun.numpy(),
+                                  self._state.applied.numpy())
 
 
 class _ShardTicket(ScheduledShard):

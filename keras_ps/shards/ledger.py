@@ -11,8 +11,9 @@ only place a state changes, checks the move against `ALLOWED`, and logs it.
 
 A LOST shard is back in the queue (its worker failed, hung, or left); its
 retry resumes after the records whose steps its earlier attempts applied.
-Records trained twice (by a step a lost attempt applied after its retry
-had started) are counted on the ps and set here with `set_retrained`.
+Records trained twice (steps of a lost attempt that its retry runs again)
+follow from the ps' count of the records of every step begun, set here with
+`set_begun`.
 """
 
 import enum
@@ -138,8 +139,7 @@ class ShardLedger:
                         f"earlier attempts", worker)
 
     def set_retrained(self, per_shard):
-        """The records of each shard trained twice so far this epoch (steps
-        a lost attempt applied after its retry had started)."""
+        """The records of each shard trained twice so far this epoch."""
         per_shard = [int(n) for n in per_shard]
         if len(per_shard) != len(self._shards):
             raise ValueError(
@@ -147,6 +147,28 @@ class ShardLedger:
                 f"{len(per_shard)} counts for {len(self._shards)} shards.")
         with self._cv:
             self._retrained = per_shard
+
+    def set_begun(self, begun, applied):
+        """Sets the records trained twice from the ps' counts of this epoch.
+
+        `begun[i]` holds the records of every step of shard i that began (on
+        any attempt; a step that begins is applied), `applied[i]` its owner's
+        progress. The attempts of a shard cover its records from the start,
+        each at least once: all of them once it is done, its applied
+        progress before. The records begun beyond those were trained twice
+        (while a step is in flight, it counts here until it is marked).
+        """
+        begun, applied = list(begun), list(applied)
+        if not len(begun) == len(applied) == len(self._shards):
+            raise ValueError(
+                "One count per shard is needed. Received: "
+                f"{len(begun)} begun and {len(applied)} applied counts for "
+                f"{len(self._shards)} shards.")
+        with self._cv:
+            covered = [s.trained if s.state is ShardState.DONE else int(a)
+                       for s, a in zip(self._shards, applied)]
+            retrained = [max(0, int(b) - c) for b, c in zip(begun, covered)]
+        self.set_retrained(retrained)
 
     def records_retrained(self):
         with self._cv:
