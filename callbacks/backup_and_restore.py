@@ -9,6 +9,7 @@ import shutil
 from keras_ps import _files
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.resumable import ResumableCallback
 
 logger = logging.getLogger(__name__)
@@ -143,8 +144,10 @@ class BackupAndRestore(ResumableCallback):
         return self._resume
 
     def _raise_if_ps_lost(self, error):
-        coordinator = ClusterCoordinator(self.model.distribute_strategy)
-        lost = coordinator.lost_parameter_servers()
+        strategy = self.model.distribute_strategy
+        if not isinstance(strategy, ParameterServerStrategy):
+            return  # a model outside keras_ps: no ps to lose
+        lost = ClusterCoordinator(strategy).lost_parameter_servers()
         if lost:
             raise ParameterServerUnavailableError(
                 f"Parameter server(s) {sorted(lost)} at "

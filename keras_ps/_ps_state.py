@@ -13,6 +13,7 @@ device, so that a ps that lost its state can be given its variables back in
 place (`recreate`).
 """
 
+import dataclasses
 import logging
 import os
 import threading
@@ -36,6 +37,26 @@ def ps_index(device):
     if spec.job != "ps" or spec.task is None:
         return None
     return spec.task
+
+
+@dataclasses.dataclass(frozen=True)
+class PsRecovery:
+    """What `recover_parameter_servers` did, and how long each part took.
+
+    Attributes:
+        lost: indices of the ps that had lost their variables.
+        variables: how many variables were made again on them.
+        waiting_seconds: waiting for calls in flight and for the lost ps
+            to answer.
+        reconnect_seconds: pushing the cluster to every task again.
+        recreate_seconds: making the variables again.
+    """
+
+    lost: tuple
+    variables: int = 0
+    waiting_seconds: float = 0.0
+    reconnect_seconds: float = 0.0
+    recreate_seconds: float = 0.0
 
 
 class PsMarkers:

@@ -1,6 +1,5 @@
 """ClusterCoordinator: schedules tf.functions on workers, asynchronously."""
 
-import dataclasses
 import logging
 import threading
 import time
@@ -8,6 +7,9 @@ import weakref
 
 import tensorflow as tf
 
+from keras_ps import _network
+from keras_ps import _ps_state
+from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps import strategy as strategy_lib
 from keras_ps._network import probe
@@ -22,8 +24,6 @@ from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
 from keras_ps.coordinator.values import RemoteValue
-from keras_ps import _network
-from keras_ps import _tf_adapter
 from keras_ps.errors import NoWorkersAvailableError
 from keras_ps.errors import ParameterServerUnavailableError
 
@@ -33,26 +33,6 @@ logger = logging.getLogger(__name__)
 # of worker threads and one watchdog.
 _by_strategy = weakref.WeakKeyDictionary()
 _by_strategy_lock = threading.Lock()
-
-
-@dataclasses.dataclass(frozen=True)
-class PsRecovery:
-    """What `recover_parameter_servers` did, and how long each part took.
-
-    Attributes:
-        lost: indices of the ps that had lost their variables.
-        variables: how many variables were made again on them.
-        waiting_seconds: waiting for calls in flight and for the lost ps
-            to answer.
-        reconnect_seconds: pushing the cluster to every task again.
-        recreate_seconds: making the variables again.
-    """
-
-    lost: tuple
-    variables: int = 0
-    waiting_seconds: float = 0.0
-    reconnect_seconds: float = 0.0
-    recreate_seconds: float = 0.0
 
 
 def _is_tf_function(fn):
@@ -301,7 +281,7 @@ class ClusterCoordinator:
                 "checkpoint.")
         lost = self._dead_ps()
         if not lost:
-            return PsRecovery(lost=())
+            return _ps_state.PsRecovery(lost=())
         logger.info("[chief] ps %s lost their variables; waiting for them to "
                     "answer", sorted(lost))
         for index, address in sorted(lost.items()):
@@ -320,8 +300,9 @@ class ClusterCoordinator:
             connected = time.monotonic()
             count = sum(self.strategy.recreate_ps_variables(index)
                         for index in sorted(lost))
+            self._packing.clear()
         retraced = _tf_adapter.retrace_all_functions()
-        recovery = PsRecovery(
+        recovery = _ps_state.PsRecovery(
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,
             reconnect_seconds=connected - answered,

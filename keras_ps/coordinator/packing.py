@@ -56,6 +56,12 @@ class PackedFunctions:
         with self._lock:
             return count in self._by_fn.get(fn, {})
 
+    def clear(self):
+        """Forgets every packed function (their traces are stale: a lost ps
+        was given new variables), so `is_traced` tells the truth again."""
+        with self._lock:
+            self._by_fn = weakref.WeakKeyDictionary()
+
     def __len__(self):
         """How many (function, pack size) pairs are held."""
         with self._lock:

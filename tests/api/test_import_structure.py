@@ -27,6 +27,7 @@ LAYERS = {
     "keras_ps._files": 0, "keras_ps.errors": 0, "keras_ps.partitioners": 0,
     "keras_ps._tf_adapter": 0, "keras_ps._network": 0, "keras_ps.cluster": 1,
     "keras_ps._connection": 1, "keras_ps._sharded_variable_ops": 1,
+    "keras_ps._ps_state": 1,
     "keras_ps._sliced_checkpoint": 0, "keras_ps._rowwise": 0,
     "keras_ps._blockwise_init": 0, "keras_ps._row_chunks": 0,
     "keras_ps.optimizers": 5, "keras_ps.shards": 4, "keras_ps.shards.fit": 4,

@@ -42,6 +42,27 @@ def test_tf_internals_still_exist():
     assert _tf_adapter.inside_function() is False
 
 
+def test_tf_internals_of_ps_recovery_still_exist():
+    """A variable given a new resource in place, and traced functions that
+    captured the old one traced again: what a ps recovery relies on."""
+    from keras_ps import _tf_adapter
+    import tensorflow as tf
+
+    with tf.variable_creator_scope(lambda next_creator, **kw: 1 / 0):
+        # Past every creator in scope (this one would fail).
+        variable = _tf_adapter.plain_variable(initial_value=1.0)
+    read = tf.function(lambda: variable.read_value())
+    assert read().numpy() == 1.0
+    _tf_adapter.rebind_variable(
+        variable, _tf_adapter.plain_variable(initial_value=5.0))
+    assert variable.numpy() == 5.0
+    assert read().numpy() == 1.0  # the trace still holds the old resource
+    assert _tf_adapter.retrace_all_functions() >= 1
+    assert read().numpy() == 5.0
+    variable.assign_add(1.0)
+    assert read().numpy() == 6.0
+
+
 def test_every_error_class_is_a_picklable_keras_ps_error():
     import inspect
     import pickle
