@@ -3,9 +3,11 @@
 Every record carries its id (column 0 of x). The model's train_step adds 1
 to `counts[id]`, a non-trainable weight on a ps, with one atomic scatter_add
 per step, after every other update of the step: a record is counted when
-its step completed. A callback reads and clears the counts at each epoch
-end. So the test sees, per epoch, how many times each record was trained by
-a step that completed, and compares that with the shard ledger's figures.
+its step was applied. A callback reads and clears the counts at each epoch
+end, and notes the optimizer's iterations of the epoch. So the test sees,
+per epoch, how many times each record was trained by an applied step and how
+many steps the optimizer ran, and compares both with the shard ledger's
+figures.
 The model runs STEPS_PER_EXECUTION steps per execution (the shard
 function's minimum), so a shard of 4 batches is one full execution.
 
@@ -16,6 +18,10 @@ Usage:
              execution, and restart it at once
     stop     SIGSTOP worker 1 mid-epoch 0, between two steps of an
              execution, past the hang timeout, then SIGCONT
+    kill_in_step
+             SIGKILL worker 1 mid-epoch 0 inside a step, once the step's
+             updates are on the ps and before its progress mark (the step
+             waits PAUSE_US on the worker after its updates), and restart it
     chaos    a kill and a stop in epoch 0, a kill in epoch 1
     elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
              leaves (SIGTERM to its agent) once it trained 2 shards
@@ -41,6 +47,7 @@ from keras_ps import _tf_adapter
 FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
 STEPS_PER_EXECUTION = 4
 READ_SLEEP_US = 2500  # per record: a shard takes about 0.2 s
+PAUSE_US = 3_000_000  # kill_in_step: a step's wait after its updates
 
 
 
@@ -83,15 +90,23 @@ def read_fn(filename):
 
 
 class CountingModel(keras.Model):
-    """Column 0 of x is the record id; the rest are features."""
+    """Column 0 of x is the record id; the rest are features.
 
-    def __init__(self, num_records, **kwargs):
+    With `pause`, each step then waits `pause_us` microseconds (a weight on
+    the ps, 0 until a test sets it) on its worker, after all its updates:
+    the step's progress mark on the ps waits for that wait, so a worker
+    killed meanwhile leaves a step applied and not marked."""
+
+    def __init__(self, num_records, pause=False, **kwargs):
         super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(16, activation="relu")
         self.out = keras.layers.Dense(1, activation="sigmoid")
         self.counts = self.add_weight(shape=(num_records,), initializer="zeros",
                                       trainable=False, dtype="int32",
                                       name="counts")
+        self.pause_us = self.add_weight(
+            shape=(), initializer="zeros", trainable=False, dtype="int64",
+            name="pause_us") if pause else None
 
     def call(self, x):
         return self.out(self.hidden(x[:, 1:]))
@@ -99,6 +114,9 @@ class CountingModel(keras.Model):
     def train_step(self, data):
         x, _ = data
         ids = tf.cast(x[:, 0], tf.int32)
+        # Made before the updates, so the count needs nothing the worker
+        # computes after them: it is applied with the step's other updates.
+        ones = tf.ones_like(ids)
         graph = tf.compat.v1.get_default_graph()
         first = len(graph.get_operations())
         logs = super().train_step(data)
@@ -107,16 +125,26 @@ class CountingModel(keras.Model):
         # One atomic op on the ps, after the step's other updates:
         # counts[ids] += 1.
         with tf.control_dependencies(updates):
-            tf.raw_ops.ResourceScatterAdd(
+            count = tf.raw_ops.ResourceScatterAdd(
                 resource=self.counts._value.handle, indices=ids,
-                updates=tf.ones_like(ids))
+                updates=ones)
+        if self.pause_us is not None:
+            with tf.control_dependencies([count]):
+                _wait_on_worker(tf.convert_to_tensor(self.pause_us))
         return logs
 
 
-def build(strategy):
+def _wait_on_worker(microseconds):
+    """Waits `microseconds` where the step runs (a stateful op, so the
+    step's progress mark waits for it)."""
+    return tf.data.Dataset.from_tensors(tf.constant(0)).apply(
+        _tf_adapter.sleep_dataset(microseconds)).get_single_element()
+
+
+def build(strategy, pause=False):
     keras.utils.set_random_seed(1)
     with strategy.scope():
-        model = CountingModel(FILES * RECORDS_PER_FILE)
+        model = CountingModel(FILES * RECORDS_PER_FILE, pause=pause)
         model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
                       metrics=["accuracy"],
                       steps_per_execution=STEPS_PER_EXECUTION)
@@ -130,10 +158,16 @@ class Counts(keras.callbacks.Callback):
         super().__init__()
         self.data, self.coordinator = data, coordinator
         self.epochs = {}
+        self._iterations = 0  # the optimizer's, when the epoch began
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # After BackupAndRestore's restore: a rerun counts its own steps.
+        self._iterations = self._optimizer_iterations()
 
     def on_epoch_end(self, epoch, logs=None):
         counts = self.model.counts.numpy()
         self.model.counts.assign(np.zeros_like(counts))
+        steps = self._optimizer_iterations() - self._iterations
         ledger = keras_ps.shards.epoch.state_for(
             self.data, self.coordinator).current.ledger
         lost = ledger.lost_shards()
@@ -141,14 +175,18 @@ class Counts(keras.callbacks.Callback):
             missing=[int(i) for i in np.flatnonzero(counts == 0)],
             twice=[int(i) for i in np.flatnonzero(counts > 1)],
             extra=int(np.maximum(counts - 1, 0).sum()),
-            max_count=int(counts.max()), logs={k: v for k, v in logs.items()
-                                          if not isinstance(v, float)
-                                          or k.startswith(("shards", "records"))},
+            max_count=int(counts.max()), steps=steps,
+            logs={k: v for k, v in logs.items()
+                  if not isinstance(v, float)
+                  or k.startswith(("shards", "records"))},
             lost_shards=lost,
             lost_ids=[int(i) for s in lost for i in self.shard_ids(s)],
             handed_out=[i for i in range(len(ledger)) if ledger.attempts(i)])
         print(f"EPOCH {epoch} {json.dumps(self.epochs[epoch]['logs'])}",
               flush=True)
+
+    def _optimizer_iterations(self):
+        return int(self.model.optimizer.iterations.numpy())
 
     def shard_ids(self, shard):
         return range(shard * RECORDS_PER_FILE, (shard + 1) * RECORDS_PER_FILE)
@@ -198,10 +236,15 @@ def on_local_cluster(mode, data_dir):
     paths = write_files(data_dir)
     with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        model = build(strategy)
+        model = build(strategy, pause=mode == "kill_in_step")
         coordinator = keras_ps.ClusterCoordinator(strategy)
         data = sharded_input(paths)
         events = {}
+
+        def shards_of(index, ledger):
+            return [i for i in range(len(ledger))
+                    if ledger.state(i).value == "handed_out"
+                    and ledger.workers_tried(i)[-1] == index]
 
         def between_steps(index=1, timeout=30):
             """Waits until worker `index` is inside an execution: some of
@@ -212,15 +255,41 @@ def on_local_cluster(mode, data_dir):
             ledger = state.current.ledger
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
-                mine = [i for i in range(len(ledger))
-                        if ledger.state(i).value == "handed_out"
-                        and ledger.workers_tried(i)[-1] == index]
+                mine = shards_of(index, ledger)
                 applied = state.applied.numpy()
                 if any(applied[i] < RECORDS_PER_FILE and
                        applied[i] % (BATCH * STEPS_PER_EXECUTION)
                        for i in mine):
                     return True
             return False
+
+        def inside_step(index=1, timeout=60):
+            """Waits until worker `index` is inside a step after its
+            updates: the counts of its shard's records (on the ps) exceed
+            the shard's progress, read after them, so a step of the shard
+            was applied and not marked. True once seen; False at the
+            deadline."""
+            state = keras_ps.shards.epoch.state_for(data, coordinator)
+            ledger = state.current.ledger
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                mine = shards_of(index, ledger)
+                counts = model.counts.numpy()
+                applied = state.applied.numpy()
+                if any(counts[(i * RECORDS_PER_FILE):
+                              (i + 1) * RECORDS_PER_FILE].sum() > applied[i]
+                       for i in mine):
+                    return True
+            return False
+
+        def kill_inside_step():
+            model.pause_us.assign(PAUSE_US)
+
+            def run():
+                events["inside_step"] = inside_step()
+                kill()
+                model.pause_us.assign(0)
+            threading.Thread(target=run, daemon=True).start()
 
         def in_background(action):
             def run():
@@ -258,6 +327,7 @@ def on_local_cluster(mode, data_dir):
         callbacks = {
             "plain": [], "kill": [AtShard(6, in_background(kill))],
             "stop": [AtShard(6, in_background(stop))],
+            "kill_in_step": [AtShard(6, kill_inside_step)],
             # The long variant: a kill and a stop in epoch 0, a kill in 1.
             "chaos": [AtShard(4, lambda: kill(1, "_0")),
                       AtShard(14, lambda: stop(2, "_0")),

@@ -1,9 +1,10 @@
 """Dynamic data shards (keras_ps.ShardedInput): the ledger as pure logic, the
-input's checks, and Model.fit on real clusters counting every record by id
-(tests/_shards_job.py): undisturbed, a worker SIGKILLed and restarted, a
-worker SIGSTOPped past the hang timeout, a worker joining through the
-rendezvous and leaving, and a coordinator SIGKILLed and rerun with
-BackupAndRestore."""
+order of a traced step, the input's checks, and Model.fit on real clusters
+counting every record by id and every optimizer step (tests/_shards_job.py):
+undisturbed, a worker SIGKILLed and restarted (between two steps, and inside
+a step whose updates reached the ps before its progress mark), a worker
+SIGSTOPped past the hang timeout, a worker joining through the rendezvous and
+leaving, and a coordinator SIGKILLed and rerun with BackupAndRestore."""
 
 import json
 import os
@@ -21,7 +22,8 @@ from keras_ps.shards.ledger import (ShardLedger, ShardState,
                                     ShardTransitionError)
 
 JOB = os.path.join(TESTS, "_shards_job.py")
-RECORDS = 24 * 64  # _shards_job.FILES * RECORDS_PER_FILE
+RECORDS_PER_FILE, BATCH = 64, 16  # as in _shards_job
+RECORDS = 24 * RECORDS_PER_FILE  # _shards_job.FILES * RECORDS_PER_FILE
 
 
 # -- the ledger, with no cluster ------------------------------------------------
@@ -64,6 +66,80 @@ def test_ledger_lost_shard_is_handed_out_again_and_counted():
     assert ledger.summary()["shards_lost"] == 1
     with pytest.raises(ValueError, match="One count per shard"):
         ledger.set_retrained([16])
+
+
+@pytest.mark.timeout(10)
+def test_ledger_counts_records_begun_beyond_each_shard_as_retrained():
+    ledger = _ledger(4, [64, 64, 64, 64])
+    for i in range(3):
+        ledger.hand_out(i, worker=0)
+    # Shard 0: its first attempt began 48 records and marked 32 applied
+    # before its worker died; the retry resumed at 32 and trained 32.
+    ledger.lose(0, "worker 0 killed")
+    ledger.hand_out(0, worker=1)
+    ledger.finish(0, 1, trained_before=32, trained_now=32)
+    ledger.finish(1, 0, trained_before=0, trained_now=64)
+    # Shard 2 is still running: 32 applied, a step of 16 in flight;
+    # shard 3 was never handed out.
+    ledger.set_begun([48 + 32, 64, 48, 0], [64, 64, 32, 0])
+    assert ledger.records_retrained() == 16 + 16
+    ledger.finish(2, 0, trained_before=0, trained_now=64)
+    ledger.set_begun([48 + 32, 64, 64, 0], [64, 64, 64, 0])
+    assert ledger.summary()["records_retrained"] == 16
+    with pytest.raises(ValueError, match="One count per shard"):
+        ledger.set_begun([0], [0, 0, 0, 0])
+
+
+@pytest.mark.timeout(60)
+def test_step_order_gates_final_updates_on_begin_after_their_inputs():
+    """A traced step, no cluster: `begin` waits for what the final updates
+    consume (data carried by an Assert on their device) and every final
+    update waits for `begin`; a write the step reads back (a seed) runs
+    before; the step runs, once."""
+    import tensorflow as tf
+
+    from keras_ps.shards import step_order
+
+    seed = tf.Variable(1.0)
+    weight = tf.Variable(10.0)
+    iterations = tf.Variable(0, dtype=tf.int64)
+    done = tf.Variable(0)
+    begun = tf.Variable(tf.zeros([1], tf.int64))
+    seen = {}
+
+    @tf.function
+    def train(x):
+        graph = tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations())
+        writes = {"seed": seed.assign_add(1.0, read_value=False)}
+        gradient = x * seed.read_value()  # reflects the seed's update
+        writes["weight"] = weight.assign_sub(gradient, read_value=False)
+        writes["iterations"] = iterations.assign_add(1, read_value=False)
+        with tf.control_dependencies([writes["weight"],
+                                      writes["iterations"]]):
+            writes["done"] = done.assign_add(1, read_value=False)
+        ops = graph.get_operations()[first:]
+
+        def count_begin():
+            return begun.scatter_add(tf.IndexedSlices(
+                tf.constant([16], tf.int64), tf.constant([0]))).op
+
+        begin = step_order.order_step(ops, count_begin)
+        seen["gated"] = sorted(name for name, op in writes.items()
+                               if begin in op.control_inputs)
+        # Made with begin's inputs, which wait for them.
+        seen["gates"] = [op for op in graph.get_operations()[first + len(ops):]
+                         if op.type == "Assert" and any(
+                             op in t.op.control_inputs for t in begin.inputs)]
+        seen["gradient"] = gradient.name
+        return weight.read_value()
+
+    assert float(train(tf.constant(2.0))) == 10.0 - 2.0 * 2.0
+    assert int(iterations.numpy()) == 1 and int(done.numpy()) == 1
+    assert begun.numpy().tolist() == [16]
+    assert seen["gated"] == ["done", "iterations", "weight"], seen
+    data = [t.name for gate in seen["gates"] for t in gate.inputs[1:]]
+    assert seen["gradient"] in data, (seen, data)
 
 
 @pytest.mark.timeout(10)
@@ -213,22 +289,28 @@ def _run(mode, data_dir, timeout, **env):
     return _result(output)
 
 
-def _check_epoch(epoch, exactly_once):
+def _check_epoch(epoch, exactly_once, steps_in_flight=3):
     """Every id trained; duplicates only in lost shards, exactly as many as
-    the epoch's logs report."""
+    the epoch's logs report, by the records' counts and by the optimizer's
+    steps (one per batch of the shards this run handed out, plus one per
+    batch trained twice)."""
     logs = epoch["logs"]
     assert epoch["missing"] == [], epoch
     assert logs["shards_done"] == logs["shards"] == 24, logs
     assert logs["records_trained"] == RECORDS, logs
+    assert epoch["steps"] == (len(epoch["handed_out"]) * RECORDS_PER_FILE +
+                              logs["records_retrained"]) // BATCH, epoch
     if exactly_once:
         assert epoch["max_count"] == 1 and logs["shards_lost"] == 0, epoch
         return
     assert set(epoch["twice"]) <= set(epoch["lost_ids"]), epoch
     assert epoch["max_count"] <= 2, epoch
     assert epoch["extra"] == logs["records_retrained"], epoch
-    # A kill or stop lands after a step of an execution (4 steps of 16
-    # records): at most the 3 steps left per lost attempt.
-    assert logs["records_retrained"] <= 3 * 16 * logs["shards_lost"], logs
+    # An execution is 4 steps of 16 records. A kill or stop between two of
+    # them leaves at most the 3 after it to train again per lost attempt;
+    # one inside a step, all 4.
+    assert logs["records_retrained"] <= \
+        steps_in_flight * BATCH * logs["shards_lost"], logs
 
 
 @pytest.mark.timeout(200)
@@ -251,6 +333,23 @@ def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
     first = result["epochs"]["0"]
     assert first["logs"]["shards_lost"] >= 1, first
     _check_epoch(first, exactly_once=False)
+    _check_epoch(result["epochs"]["1"], exactly_once=False)
+    assert result["states"] == ["healthy"] * 3, result
+
+
+@pytest.mark.timeout(200)
+def test_fit_worker_sigkilled_inside_a_step_counts_the_step_trained_twice(
+        tmp_path):
+    # Killed after a step's updates reached the ps and before its progress
+    # mark (the step waits on its worker in between): the retry trains the
+    # step again, and the epoch's logs count it, like every step run twice.
+    result = _run("kill_in_step", tmp_path, 180)
+    assert result["events"] == {"inside_step": True, "killed": True,
+                                "restarted": True}, result
+    first = result["epochs"]["0"]
+    assert first["logs"]["shards_lost"] >= 1, first
+    assert first["extra"] >= BATCH, first  # the step was trained twice
+    _check_epoch(first, exactly_once=False, steps_in_flight=4)
     _check_epoch(result["epochs"]["1"], exactly_once=False)
     assert result["states"] == ["healthy"] * 3, result
 
