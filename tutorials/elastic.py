@@ -16,7 +16,9 @@ With `--input shards` the data are a `keras_ps.ShardedInput`: the
 coordinator hands out shards of the data to whichever worker is free, so the
 third worker takes shards as soon as it is admitted, the shards it holds
 when it leaves go back to the queue, and every record is trained once per
-epoch (the result adds the records trained per epoch).
+epoch (the result adds the records trained per epoch, and those trained
+twice: the steps the leaving worker had started, which its shard's retry
+runs again; the optimizer's iterations are the plan plus those steps).
 
 The last line printed is `RESULT {json}`: steps run per worker, optimizer
 iterations against the plan, seconds from the third agent's launch to its

@@ -39,10 +39,10 @@ class ShardedInput:
     shard again when its worker fails, hangs or leaves; the retry resumes
     after the last step whose updates were all applied. A record is trained
     twice only when its step was in flight on a worker that failed; the
-    epoch's logs count these records in `records_retrained`, exactly but for
-    a worker that dies inside a step after some of its updates reached the
-    ps (that step is trained again, uncounted). The epoch ends when every
-    shard is done, so `fit` needs no `steps_per_epoch`.
+    epoch's logs count these records, exactly, in `records_retrained` (a
+    step counts when its updates start on the ps, which is once all they
+    consume is there). The epoch ends when every shard is done, so `fit`
+    needs no `steps_per_epoch`.
 
     Args:
         data: one of
@@ -270,7 +270,11 @@ class ShardedInput:
         given up as hung that continues may apply up to that many steps that
         its retry runs too (counted in the summary's `records_retrained`).
         `Model.fit` uses the model's `steps_per_execution`, with the same
-        floor.
+        floor. The variable updates of `step_fn` wait on the ps for one op
+        that counts the step, which runs once everything they consume is on
+        their device (except a value the step computes on the worker from
+        its own updates, which they wait for after it): a worker that dies
+        inside a step leaves it applied and counted, or not started.
 
         Example:
         ```python
