@@ -49,9 +49,10 @@ def order_step(ops, make_begin):
         That op.
     """
     step = _Step(ops)
-    waits = [_arrival(device, tensors, controls)
-             for device, (tensors, controls) in step.waits_by_device().items()]
-    with tf.control_dependencies(waits + step.unplaced_waits()):
+    by_device, unplaced = step.waits()
+    gates = [_arrival(device, tensors, controls)
+             for device, (tensors, controls) in by_device.items()]
+    with tf.control_dependencies(gates + unplaced):
         begin = make_begin()
     for write in step.final:
         write._add_control_input(begin)  # pylint: disable=protected-access
@@ -74,74 +75,51 @@ def _arrival(device, tensors, controls):
 
 
 class _Step:
-    """The writes of one traced step and what its final writes wait on."""
+    """The writes of one traced step and what its final writes wait on.
+
+    Masks hold one bit per write of the step: for each op, the writes it
+    runs after (`after`) and the writes its value reflects (`holds`)."""
 
     def __init__(self, ops):
         self._writes = []  # in program order
-        self._bit = {}  # write -> its bit in the masks below
+        self._bit = {}  # write -> its bit
         self._written = {}  # write -> the resource tensors it writes
-        self._after = {}  # op -> mask of the writes it runs after
-        self._holds = {}  # op -> mask of the writes its value reflects
+        self._after = {}
+        self._holds = {}
         self._ordered_after = {}  # op -> ops automatic control deps add
-        self._trace(list(ops))
+        order = _ResourceOrder()
+        for op in ops:
+            self._add(op, order)
         early = self._early()
         self.final = [w for w in self._writes if not self._bit[w] & early]
         self._final_ids = {id(w) for w in self.final}
         self._final_mask = 0
         for write in self.final:
             self._final_mask |= self._bit[write]
-        self._unplaced = []
 
-    # -- what runs after what -------------------------------------------------
-    def _trace(self, ops):
-        """Fills the masks, in program order. An op runs after the writes
-        behind its inputs and control inputs and those automatic control
-        dependencies put before it (a resource's last write, and for a write
-        also the reads since; stateful ops without a resource in program
-        order). Its value reflects the writes behind its data inputs and, for
-        a resource it uses, that resource's writes so far."""
-        last_write = {}  # resource -> (after, holds, [op]) of its last write
-        reads = {}  # resource -> (after, ops) of its reads since
-        chain = (0, [])  # the last stateful op without a resource
-        for op in ops:
-            after = holds = 0
-            for tensor in op.inputs:
-                source = self._mask(self._after, tensor.op)
-                after |= source
-                holds |= self._mask(self._holds, tensor.op)
-            for control in op.control_inputs:
-                after |= self._mask(self._after, control)
-            read, written = _resources(op)
-            before = []
-            for key in list(read) + list(written):
-                write_after, write_holds, write_ops = last_write.get(
-                    key, (0, 0, []))
-                after |= write_after
-                holds |= write_holds
-                before += write_ops
-            for key in written:
-                read_after, read_ops = reads.get(key, (0, []))
-                after |= read_after
-                before += read_ops
-            unchained = not read and not written and _acd.op_is_stateful(op)
-            if unchained:
-                after |= chain[0]
-                before += chain[1]
-            if written:
-                self._bit[op] = 1 << len(self._writes)
-                self._writes.append(op)
-                self._written[op] = list(written.values())
-            self._after[op], self._holds[op] = after, holds
-            self._ordered_after[op] = before
-            own = self._bit.get(op, 0)
-            for key in read:
-                read_after, read_ops = reads.get(key, (0, []))
-                reads[key] = (read_after | after | own, read_ops + [op])
-            for key in written:
-                last_write[key] = (after | own, holds | own, [op])
-                reads[key] = (0, [])
-            if unchained:
-                chain = (after | own, [op])
+    def _add(self, op, order):
+        """Records `op` (the next in program order): it runs after the
+        writes behind its inputs and control inputs and the ops automatic
+        control dependencies put before it; its value reflects the writes
+        behind its data inputs and the resources it uses."""
+        after = holds = 0
+        for tensor in op.inputs:
+            after |= self._mask(self._after, tensor.op)
+            holds |= self._mask(self._holds, tensor.op)
+        for control in op.control_inputs:
+            after |= self._mask(self._after, control)
+        read, written = _resources(op)
+        before_after, before_holds, before = order.before(op, read, written)
+        after |= before_after
+        holds |= before_holds
+        if written:
+            self._bit[op] = 1 << len(self._writes)
+            self._writes.append(op)
+            self._written[op] = list(written.values())
+        self._after[op], self._holds[op] = after, holds
+        self._ordered_after[op] = before
+        own = self._bit.get(op, 0)
+        order.record(op, read, written, after | own, holds | own)
 
     def _mask(self, masks, op):
         """`masks[op]` with op's own bit: what comes out of `op` reflects
@@ -170,11 +148,13 @@ class _Step:
             self._after.get(op, 0) & self._final_mask)
 
     # -- what begin waits for ---------------------------------------------------
-    def waits_by_device(self):
-        """{device: (tensors, control ops)} the final writes on that device
-        consume; the waits of a write whose device is not known go to
-        `unplaced_waits` instead."""
-        found = {}
+    def waits(self):
+        """({device: (tensors, control ops)} that the final writes on each
+        device consume, [ops] behind the final writes whose device is not
+        known): `begin` waits for the tensors to be on their device, and
+        for those ops to have run (not exact: a tensor may still be on its
+        way)."""
+        by_device, unplaced = {}, {}
         captures = _Captures()
         for write in self.final:
             tensors = [t for t in write.inputs if t.dtype != tf.resource
@@ -182,22 +162,67 @@ class _Step:
             controls = [c for c in list(write.control_inputs) +
                         self._ordered_after[write]
                         if not self._after_final(c)]
-            device = write.device or _one_device(
-                captures, self._written[write])
+            device = write.device or captures.one_device(
+                self._written[write])
             if device is None:
-                # Ran, not arrived: the one wait that is not exact.
-                self._unplaced += [t.op for t in tensors] + controls
+                for op in [t.op for t in tensors] + controls:
+                    unplaced.setdefault(id(op), op)
                 continue
-            kept_tensors, kept_controls = found.setdefault(device, ({}, {}))
+            kept_tensors, kept_controls = by_device.setdefault(
+                device, ({}, {}))
             for t in tensors:
                 kept_tensors.setdefault(t.ref(), t)
             for c in controls:
                 kept_controls.setdefault(id(c), c)
-        return {device: (list(t.values()), list(c.values()))
-                for device, (t, c) in found.items()}
+        return ({device: (list(t.values()), list(c.values()))
+                 for device, (t, c) in by_device.items()},
+                list(unplaced.values()))
 
-    def unplaced_waits(self):
-        return list({id(op): op for op in self._unplaced}.values())
+
+class _ResourceOrder:
+    """The order automatic control dependencies give the ops of one step:
+    a use of a resource after its last write, a write also after the reads
+    since; stateful ops without a resource in program order. Holds, per
+    resource, the masks (see _Step) of the ops later ones are put after."""
+
+    def __init__(self):
+        self._last_write = {}  # resource -> (after, holds, [op])
+        self._reads = {}  # resource -> (after, [ops]) since its last write
+        self._chain = (0, [])  # the last stateful op without a resource
+
+    def before(self, op, read, written):
+        """(after, holds, ops) that `op` is put after."""
+        after = holds = 0
+        ops = []
+        for key in list(read) + list(written):
+            write_after, write_holds, write_ops = self._last_write.get(
+                key, (0, 0, []))
+            after |= write_after
+            holds |= write_holds
+            ops += write_ops
+        for key in written:
+            read_after, read_ops = self._reads.get(key, (0, []))
+            after |= read_after
+            ops += read_ops
+        if self._chained(op, read, written):
+            after |= self._chain[0]
+            ops += self._chain[1]
+        return after, holds, ops
+
+    def record(self, op, read, written, after, holds):
+        """Notes `op` (with its own bit in `after` and `holds`)."""
+        for key in read:
+            read_after, read_ops = self._reads.get(key, (0, []))
+            self._reads[key] = (read_after | after, read_ops + [op])
+        for key in written:
+            self._last_write[key] = (after, holds, [op])
+            self._reads[key] = (0, [])
+        if self._chained(op, read, written):
+            self._chain = (after, [op])
+
+    @staticmethod
+    def _chained(op, read, written):
+        return not read and not written and _acd.op_is_stateful(op)
 
 
 def _resources(op):
@@ -218,6 +243,7 @@ class _Captures:
         self._by_graph = {}
 
     def device(self, tensor):
+        """The device of the resource handle `tensor`, or None."""
         for _ in range(64):  # nesting depth; a cycle is impossible
             if not tf.is_symbolic_tensor(tensor):
                 return tensor.device or None
@@ -229,6 +255,12 @@ class _Captures:
             tensor = outer
         return None
 
+    def one_device(self, handles):
+        """The device of the resources `handles` stand for, if they share
+        one (else None)."""
+        devices = {self.device(h) for h in handles}
+        return devices.pop() if len(devices) == 1 else None
+
     def _outer(self, graph):
         found = self._by_graph.get(id(graph))
         if found is None:
@@ -236,9 +268,3 @@ class _Captures:
                      for outer, inner in getattr(graph, "captures", ())}
             self._by_graph[id(graph)] = found
         return found
-
-
-def _one_device(captures, handles):
-    """The device of the resources `handles` stand for, if they share one."""
-    devices = {captures.device(h) for h in handles}
-    return devices.pop() if len(devices) == 1 else None
