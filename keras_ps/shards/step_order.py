@@ -27,7 +27,9 @@ Terms, for the ops of one step in program order:
   device, one Assert that always holds takes them as data, so it receives
   the very transfers the writes receive (no extra message per tensor; an
   Identity would be turned into a control edge by Grappler, which waits for
-  the sending op, not for the transfer).
+  the sending op, not for the transfer). A write that runs a function (a
+  cond: Keras' first Ftrl step) receives its inputs through ops made when it
+  is lowered, so for it `begin` waits for the ops that make them.
 """
 
 import tensorflow as tf
@@ -35,6 +37,12 @@ import tensorflow as tf
 # control dependencies see them (the order below must match theirs), and the
 # manager that keeps the Asserts out of their chain of stateful ops.
 from tensorflow.python.framework import auto_control_deps as _acd
+
+
+# Ops that run functions: a cond, a loop, a call.
+_FUNCTIONAL_OPS = frozenset((
+    "If", "StatelessIf", "Case", "StatelessCase", "While", "StatelessWhile",
+    "PartitionedCall", "StatefulPartitionedCall"))
 
 
 def order_step(ops, make_begin):
@@ -152,8 +160,8 @@ class _Step:
         """({device: (tensors, control ops)} that the final writes on each
         device consume, [ops] behind the final writes whose device is not
         known): `begin` waits for the tensors to be on their device, and
-        for those ops to have run (not exact: a tensor may still be on its
-        way)."""
+        for the ops to have run (for an op that makes a tensor, not exact:
+        the tensor may still be on its way)."""
         by_device, unplaced = {}, {}
         captures = _Captures()
         for write in self.final:
@@ -162,6 +170,12 @@ class _Step:
             controls = [c for c in list(write.control_inputs) +
                         self._ordered_after[write]
                         if not self._after_final(c)]
+            if write.type in _FUNCTIONAL_OPS:
+                # Lowered before it runs, it receives its inputs through
+                # Switch ops beside their sources: the Assert would receive
+                # a second copy. Waits for the sources instead (not exact).
+                controls += [t.op for t in tensors]
+                tensors = []
             device = write.device or captures.one_device(
                 self._written[write])
             if device is None:
