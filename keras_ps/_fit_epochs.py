@@ -41,18 +41,21 @@ MAX_RECOVERIES_WITHOUT_PROGRESS = 3
 
 
 class Progress:
-    """Where a fit loop is, in steps since the start of training
-    (epoch * steps per epoch + step), and what was rolled back.
+    """Where a fit loop is, in steps (shards, for a ShardedInput) since the
+    start of training (epoch * steps per epoch + step), and what was rolled
+    back.
 
     Attributes:
-        reached: the end of the last execution scheduled.
-        recoveries, rolled_back: ps recoveries and steps trained again
-            since the last `epoch_logs()`.
+        reached: the end of the last execution scheduled (of the last shard
+            done).
+        recoveries, rolled_back: ps recoveries and steps (shards) trained
+            again since the last `epoch_logs()`.
     """
 
-    def __init__(self, steps_per_epoch, reporting):
+    def __init__(self, steps_per_epoch, reporting, unit="steps"):
         self.steps_per_epoch = steps_per_epoch
         self.reporting = reporting
+        self.unit = unit
         self.reached = 0
         self.recoveries = 0
         self.rolled_back = 0
@@ -61,13 +64,14 @@ class Progress:
         return epoch * self.steps_per_epoch + step
 
     def epoch_logs(self):
-        """The epoch's `ps_recoveries` and `steps_rolled_back` (present in
-        every epoch's logs of a fit that can recover, so History's lists
-        stay aligned), then counted from zero again."""
+        """The epoch's `ps_recoveries` and `steps_rolled_back` (or
+        `shards_rolled_back`), present in every epoch's logs of a fit that
+        can recover, so History's lists stay aligned; then counted from zero
+        again."""
         if not self.reporting:
             return {}
         logs = {"ps_recoveries": self.recoveries,
-                "steps_rolled_back": self.rolled_back}
+                f"{self.unit}_rolled_back": self.rolled_back}
         self.recoveries = self.rolled_back = 0
         return logs
 
@@ -156,9 +160,10 @@ def _recover(coordinator, backup, progress):
     logger.warning(
         "[chief] ps %s recovered in %.2fs (%.2fs waiting for calls and the "
         "ps, %.2fs reconnecting, %.2fs re-creating %d variables, %.2fs "
-        "reading the backup); training again from epoch %d, step %d (%d "
-        "steps rolled back)", list(recovery.lost), time.monotonic() - started,
+        "reading the backup); training again from epoch %d, %s %d (%d %s "
+        "rolled back)", list(recovery.lost), time.monotonic() - started,
         recovery.waiting_seconds, recovery.reconnect_seconds,
         recovery.recreate_seconds, recovery.variables,
-        time.monotonic() - restored_at, position[0], position[1], rolled_back)
+        time.monotonic() - restored_at, position[0], progress.unit[:-1],
+        position[1], rolled_back, progress.unit)
     return position

@@ -142,6 +142,11 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         """The live variables this strategy placed on ps `index`."""
         return self.extended.placed.on_ps(index)
 
+    def track_ps_variable(self, variable):
+        """Records a variable placed on a ps outside `scope()` (keras_ps'
+        own bookkeeping), so that a recovery of that ps makes it again."""
+        self.extended.placed.add(variable)
+
     def recreate_ps_variables(self, index):
         """Gives ps `index`, restarted and empty, every variable this strategy
         placed there again (same shapes, dtypes and shards; zeros), in place.

@@ -27,6 +27,11 @@ Usage:
              leaves (SIGTERM to its agent) once it trained 2 shards
     backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
              the test SIGKILLs this process mid-epoch 1 and runs it again
+    ps_recover
+             1 ps, 3 workers, BackupAndRestore(save_freq=2): the ps (which
+             holds the model, the counts and the shards' progress) is
+             SIGKILLed and started again at once mid-epoch 0; the same fit
+             recovers it from the newest backup
 """
 
 import json
@@ -335,6 +340,31 @@ def on_local_cluster(mode, data_dir):
         fit_and_report(model, data, coordinator, callbacks, events=events)
 
 
+def ps_recover(data_dir, backup_dir):
+    paths = write_files(data_dir)
+    with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        data = sharded_input(paths)
+        events = {}
+
+        def kill_and_restart():
+            cluster.kill("ps", 0)
+            cluster.restart("ps", 0)
+            events["killed_and_restarted"] = True
+
+        counts = Counts(data, coordinator)
+        history = model.fit(
+            data, epochs=EPOCHS, verbose=0, callbacks=[
+                counts, AtShard(9, kill_and_restart),
+                keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+        say(epochs=counts.epochs, history_epochs=history.epoch,
+            recoveries=history.history["ps_recoveries"],
+            rolled_back=history.history["shards_rolled_back"], events=events,
+            states=[w.state.value for w in coordinator.workers])
+
+
 def elastic(data_dir):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), "tutorials"))
@@ -458,5 +488,7 @@ if __name__ == "__main__":
         backup(sys.argv[2], sys.argv[3], sys.argv[4])
     elif mode == "elastic":
         elastic(sys.argv[2])
+    elif mode == "ps_recover":
+        ps_recover(sys.argv[2], sys.argv[3])
     else:
         on_local_cluster(mode, sys.argv[2])

@@ -118,6 +118,10 @@ class _ShardsOnCluster:
             self.begun = tf.Variable(tf.zeros([n], tf.int64),
                                      name="keras_ps_shard_begun",
                                      trainable=False)
+        for variable in (self.applied, self.lease, self.begun):
+            # Made again (zeros) if their ps is lost and recovered; each
+            # epoch, a recovered one included, sets them anew.
+            coordinator.strategy.track_ps_variable(variable)
         self._functions = {}
         self.current = None
 

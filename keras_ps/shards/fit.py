@@ -78,47 +78,61 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
     if resume is not None:
         start_epoch = resume[0]
         logger.info("[chief] resuming at epoch %d", start_epoch)
-    training_logs = None
-    for epoch_index in range(start_epoch, epochs):
-        epoch = data.epoch(coordinator, epoch_index,
-                           _restored_ledger(backup, data, epoch_index))
-        if backup is not None:
-            backup.state_providers[LEDGER_KEY] = epoch.snapshot
-        model.reset_metrics()
-        callback_list.on_epoch_begin(epoch_index)
-        try:
-            _run_epoch(model, coordinator, train_shard, epoch, callback_list)
-            coordinator.join()
-        except BaseException:
-            epoch.abandon()
-            raise
-        epoch_logs = python_logs(model.get_metrics_result())
-        summary = epoch.summary()
-        epoch_logs.update(summary)
-        empty = epoch.ledger.empty_shards()
-        if empty:
-            logger.warning(
-                "[chief] epoch %d: %d shard(s) had no records: %s", epoch_index,
-                len(empty), [epoch.ledger.description(i) for i in empty[:5]])
-        logger.info("[chief] epoch %d: %d of %d shards, %d records; %d shard "
-                    "attempts lost, %d records trained twice",
-                    epoch_index, summary["shards_done"], summary["shards"],
-                    summary["records_trained"], summary["shards_lost"],
-                    summary["records_retrained"])
-        if validation_data is not None and should_validate(
-                epoch_index, validation_freq):
-            epoch_logs.update(_fit_epochs.validation_logs(
-                model, validation_data,
-                validation_batch_size or data.batch_size, validation_steps))
-        callback_list.on_epoch_end(epoch_index, epoch_logs)
-        training_logs = epoch_logs
-        if model.stop_training:
-            break
+    recovering = _fit_epochs.recovering_callback(callback_list)
+    progress = _fit_epochs.Progress(data.num_shards, recovering is not None,
+                                    unit="shards")
+
+    def train_from(position):
+        training_logs = None
+        for epoch_index in range(position[0], epochs):
+            epoch = data.epoch(coordinator, epoch_index,
+                               _restored_ledger(backup, data, epoch_index))
+            if backup is not None:
+                backup.state_providers[LEDGER_KEY] = epoch.snapshot
+            model.reset_metrics()
+            callback_list.on_epoch_begin(epoch_index)
+            try:
+                _run_epoch(model, coordinator, train_shard, epoch,
+                           callback_list, progress)
+                coordinator.join()
+            except BaseException:
+                epoch.abandon()
+                raise
+            epoch_logs = python_logs(model.get_metrics_result())
+            summary = epoch.summary()
+            epoch_logs.update(summary)
+            epoch_logs.update(progress.epoch_logs())
+            empty = epoch.ledger.empty_shards()
+            if empty:
+                logger.warning(
+                    "[chief] epoch %d: %d shard(s) had no records: %s",
+                    epoch_index, len(empty),
+                    [epoch.ledger.description(i) for i in empty[:5]])
+            logger.info("[chief] epoch %d: %d of %d shards, %d records; %d "
+                        "shard attempts lost, %d records trained twice",
+                        epoch_index, summary["shards_done"], summary["shards"],
+                        summary["records_trained"], summary["shards_lost"],
+                        summary["records_retrained"])
+            if validation_data is not None and should_validate(
+                    epoch_index, validation_freq):
+                epoch_logs.update(_fit_epochs.validation_logs(
+                    model, validation_data,
+                    validation_batch_size or data.batch_size, validation_steps))
+            callback_list.on_epoch_end(epoch_index, epoch_logs)
+            training_logs = epoch_logs
+            if model.stop_training:
+                break
+        return training_logs
+
+    training_logs = _fit_epochs.train_with_ps_recovery(
+        coordinator, recovering, train_from,
+        (start_epoch, resume[1] if resume is not None else 0), progress)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
 
 
-def _run_epoch(model, coordinator, train_shard, epoch, callback_list):
+def _run_epoch(model, coordinator, train_shard, epoch, callback_list,
+               progress):
     """Schedules the epoch's shards a window ahead; runs the batch-level
     callbacks as shards finish (batch index = shards done - 1)."""
     ledger = epoch.ledger
@@ -132,6 +146,7 @@ def _run_epoch(model, coordinator, train_shard, epoch, callback_list):
             coordinator.schedule(train_shard, args=(todo.popleft(),))
             scheduled += 1
         done = ledger.count(ShardState.DONE)
+        progress.reached = progress.at(epoch.epoch, done)
         while reported < done:
             callback_list.on_train_batch_begin(reported)
             logs = python_logs(model.get_metrics_result())

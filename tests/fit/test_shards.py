@@ -272,10 +272,10 @@ def _result(output):
     return last_report(output)
 
 
-def _run(mode, data_dir, timeout, **env):
+def _run(mode, data_dir, timeout, *args, **env):
     # Its own process group: on a timeout the job's servers and agents are
     # killed with it.
-    job = subprocess.Popen([sys.executable, JOB, mode, str(data_dir)],
+    job = subprocess.Popen([sys.executable, JOB, mode, str(data_dir), *args],
                            env=_env(**env), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True,
                            start_new_session=True)
@@ -378,6 +378,24 @@ def test_fit_kills_and_a_stop_across_two_epochs(tmp_path):
     for epoch in result["epochs"].values():
         assert epoch["logs"]["shards_lost"] >= 1, epoch
         _check_epoch(epoch, exactly_once=False)
+
+
+@pytest.mark.timeout(280)
+def test_fit_recovers_a_lost_ps_and_trains_every_id_once(tmp_path):
+    # The only ps (model, counts, shards' progress) is SIGKILLed mid-epoch 0
+    # and started again at once. The same fit restores the newest backup:
+    # the shards done after it are rolled back with the model and trained
+    # again, so each id is in the model once, and the epoch reports the
+    # recovery and the shards rolled back.
+    result = _run("ps_recover", tmp_path / "data", 260,
+                  str(tmp_path / "backup"))
+    assert result["events"] == {"killed_and_restarted": True}, result
+    assert result["history_epochs"] == [0, 1]
+    assert result["recoveries"] == [1, 0], result
+    assert result["rolled_back"][0] >= 1 and result["rolled_back"][1] == 0
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=True)
+    assert result["states"] == ["healthy"] * 3, result
 
 
 @pytest.mark.timeout(280)
