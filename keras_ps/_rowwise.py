@@ -3,7 +3,9 @@
 Pure TensorFlow (no Keras internals). Each function takes the `tf.Variable`s
 of one weight (or one shard) and its slots, and a `tf.IndexedSlices`
 gradient, and updates only the gradient's rows, in place, with as few ops as
-TF has kernels for. Callers run them under `tf.device(variable.device)`, so
+TF has kernels for. When the table is tracked for incremental backups
+(keras_ps._dirty_rows), each also marks the rows it updated; otherwise that
+adds nothing. Callers run them under `tf.device(variable.device)`, so
 the work happens on the ps holding the variable and only the gradient's rows
 travel.
 
@@ -13,6 +15,8 @@ are those of the dense update applied to that dense gradient.
 """
 
 import tensorflow as tf
+
+from keras_ps import _dirty_rows
 
 
 def deduplicate(gradient):
@@ -38,8 +42,9 @@ def sgd(variable, gradient, learning_rate):
     indices = tf.reshape(gradient.indices, [-1])
     values = tf.reshape(values, tf.concat(
         [[-1], tf.shape(values)[tf.rank(gradient.indices):]], 0))
-    tf.raw_ops.ResourceScatterSub(resource=variable.handle, indices=indices,
-                                  updates=values * lr)
+    update = tf.raw_ops.ResourceScatterSub(
+        resource=variable.handle, indices=indices, updates=values * lr)
+    _dirty_rows.mark_rows(variable, indices, after=[update])
 
 
 def adagrad(variable, accumulator, gradient, learning_rate, epsilon):
@@ -58,9 +63,10 @@ def adagrad(variable, accumulator, gradient, learning_rate, epsilon):
                                      indices=indices, dtype=variable.dtype)
     lr = tf.cast(learning_rate, variable.dtype)
     eps = tf.cast(epsilon, variable.dtype)
-    tf.raw_ops.ResourceScatterSub(
+    update = tf.raw_ops.ResourceScatterSub(
         resource=variable.handle, indices=indices,
         updates=lr * values / tf.sqrt(rows + eps))
+    _dirty_rows.mark_rows(variable, indices, after=[update])
 
 
 def ftrl(variable, accumulator, linear, gradient, learning_rate, l1, l2, beta,
@@ -75,11 +81,12 @@ def ftrl(variable, accumulator, linear, gradient, learning_rate, l1, l2, beta,
     values, indices = deduplicate(gradient)
     dtype = variable.dtype
     lr = tf.cast(learning_rate, dtype)
-    tf.raw_ops.ResourceSparseApplyFtrl(
+    update = tf.raw_ops.ResourceSparseApplyFtrl(
         var=variable.handle, accum=accumulator.handle, linear=linear.handle,
         grad=tf.cast(values, dtype), indices=indices, lr=lr,
         l1=tf.cast(l1, dtype), l2=tf.cast(l2, dtype) + tf.cast(beta, dtype) / (2 * lr),
         lr_power=tf.cast(learning_rate_power, dtype), use_locking=True)
+    _dirty_rows.mark_rows(variable, indices, after=[update])
 
 
 def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
@@ -134,13 +141,15 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     drift = alpha * skipped * m_rows / (tf.sqrt(v_rows) + eps)
     m_rows = tf.pow(b1, k) * m_rows + (1 - b1) * g
     v_rows = tf.pow(b2, k) * v_rows + (1 - b2) * tf.square(g)
-    tf.raw_ops.ResourceScatterUpdate(resource=m.handle, indices=indices,
-                                     updates=m_rows)
-    tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=indices,
-                                     updates=v_rows)
-    tf.raw_ops.ResourceScatterUpdate(
-        resource=last_step.handle, indices=indices,
-        updates=tf.fill(tf.shape(indices), step))
-    tf.raw_ops.ResourceScatterSub(
-        resource=variable.handle, indices=indices,
-        updates=drift + alpha * m_rows / (tf.sqrt(v_rows) + eps))
+    updates = [
+        tf.raw_ops.ResourceScatterUpdate(resource=m.handle, indices=indices,
+                                         updates=m_rows),
+        tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=indices,
+                                         updates=v_rows),
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=last_step.handle, indices=indices,
+            updates=tf.fill(tf.shape(indices), step)),
+        tf.raw_ops.ResourceScatterSub(
+            resource=variable.handle, indices=indices,
+            updates=drift + alpha * m_rows / (tf.sqrt(v_rows) + eps))]
+    _dirty_rows.mark_rows(variable, indices, after=updates)

@@ -10,6 +10,7 @@ its dense update moves every row at every step, even with a zero gradient.
 import keras
 
 from keras_ps._keras import optimizers as _hooks
+from keras_ps._keras import row_tracking as _row_tracking
 
 
 # Registered so that `keras.models.load_model` of a model compiled with it
@@ -99,3 +100,10 @@ class LazyAdam(keras.optimizers.Adam):
         config = super().get_config()
         config.pop("amsgrad", None)
         return config
+
+
+# Its sparse update is row-wise and marks its rows: an incremental backup
+# (keras_ps.IncrementalBackup) writes only the changed rows of a table and
+# of these slots.
+_row_tracking.register_row_slots(
+    LazyAdam, ("_momentums", "_velocities", "_row_steps"))

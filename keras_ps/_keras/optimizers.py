@@ -24,6 +24,7 @@ from keras.src.optimizers import ftrl as ftrl_lib
 from keras.src.optimizers import sgd as sgd_lib
 from keras.src.optimizers.schedules import learning_rate_schedule
 
+from keras_ps import _dirty_rows
 from keras_ps import _rowwise
 from keras_ps import _sharded_weights
 from keras_ps._keras import hooks
@@ -62,6 +63,11 @@ def _tf_variable(variable):
     # Keras' TF optimizer hands update_step the inner tf.Variable of each
     # trainable weight; its slots are keras Variables.
     return variable.value if isinstance(variable, VARIABLE_CLASS) else variable
+
+
+def tf_variable(variable):
+    """The `tf.Variable` inside a Keras variable (`variable` itself otherwise)."""
+    return _tf_variable(variable)
 
 
 def _can_fuse_adam(optimizer, variable):
@@ -229,16 +235,27 @@ def _check_weight_decay(optimizer, inner):
             "optimizer.exclude_from_weight_decay(var_names=[...]) for the table")
 
 
+def _dense_update(keras_update_step, optimizer, gradient, variable,
+                  learning_rate):
+    """Keras' own update of `variable`; a table tracked for incremental
+    backups then has every row marked (they may all have changed)."""
+    result = keras_update_step(optimizer, gradient, variable, learning_rate)
+    _dirty_rows.mark_all(_tf_variable(variable))
+    return result
+
+
 def _rowwise_sgd(keras_update_step):
     @functools.wraps(keras_update_step)
     def update_step(self, gradient, variable, learning_rate):
         if not rowwise_applies(variable, gradient):
-            return keras_update_step(self, gradient, variable, learning_rate)
+            return _dense_update(keras_update_step, self, gradient, variable,
+                                 learning_rate)
         inner = _tf_variable(variable)
         if self.momentum != 0:
             warn_dense_update(self, inner, f"momentum={self.momentum} moves "
                               "every row", "SGD with momentum=0 or Adagrad")
-            return keras_update_step(self, gradient, variable, learning_rate)
+            return _dense_update(keras_update_step, self, gradient, variable,
+                                 learning_rate)
         _check_weight_decay(self, inner)
         _rowwise.sgd(inner, gradient, learning_rate)
 
@@ -249,7 +266,8 @@ def _rowwise_adagrad(keras_update_step):
     @functools.wraps(keras_update_step)
     def update_step(self, gradient, variable, learning_rate):
         if not rowwise_applies(variable, gradient):
-            return keras_update_step(self, gradient, variable, learning_rate)
+            return _dense_update(keras_update_step, self, gradient, variable,
+                                 learning_rate)
         inner = _tf_variable(variable)
         _check_weight_decay(self, inner)
         _rowwise.adagrad(inner, slot(self, "_accumulators", variable), gradient,
@@ -258,7 +276,7 @@ def _rowwise_adagrad(keras_update_step):
     return update_step
 
 
-def _ftrl_dense_reason(optimizer, inner):
+def ftrl_dense_reason(optimizer, inner):
     if optimizer.l2_shrinkage_regularization_strength != 0:
         return (f"l2_shrinkage_regularization_strength="
                 f"{optimizer.l2_shrinkage_regularization_strength} moves every row")
@@ -280,17 +298,20 @@ def _rowwise_ftrl(keras_update_step):
     @functools.wraps(keras_update_step)
     def update_step(self, gradient, variable, learning_rate):
         if not rowwise_applies(variable, gradient):
-            return keras_update_step(self, gradient, variable, learning_rate)
+            return _dense_update(keras_update_step, self, gradient, variable,
+                                 learning_rate)
         inner = _tf_variable(variable)
-        reason = _ftrl_dense_reason(self, inner)
+        reason = ftrl_dense_reason(self, inner)
         if reason is not None:
             warn_dense_update(self, inner, reason, "Ftrl without it")
-            return keras_update_step(self, gradient, variable, learning_rate)
+            return _dense_update(keras_update_step, self, gradient, variable,
+                                 learning_rate)
 
         def dense():
             # The dense gradient: Keras squares a sparse one's repeats apart.
-            keras_update_step(self, tf.convert_to_tensor(gradient), variable,
-                              learning_rate)
+            _dense_update(keras_update_step, self,
+                          tf.convert_to_tensor(gradient), variable,
+                          learning_rate)
             return tf.constant(True)
 
         def rowwise():
@@ -349,6 +370,7 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
             # Every row was updated at this step.
             _tf_variable(row_step).assign(
                 tf.fill(tf.shape(_tf_variable(row_step)), tf.cast(step, tf.int64)))
+        _dirty_rows.mark_all(inner)
         return
     if uses_weight_decay(optimizer, inner):
         raise ValueError(

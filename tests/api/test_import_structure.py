@@ -30,6 +30,7 @@ LAYERS = {
     "keras_ps._ps_state": 1,
     "keras_ps._sliced_checkpoint": 0, "keras_ps._rowwise": 0,
     "keras_ps._blockwise_init": 0, "keras_ps._row_chunks": 0,
+    "keras_ps._dirty_rows": 0,
     "keras_ps.optimizers": 5, "keras_ps.shards": 4, "keras_ps.shards.fit": 4,
     "keras_ps.resumable": 4, "keras_ps._fit_epochs": 4, "keras_ps.server": 2,
     "keras_ps.elastic": 2, "keras_ps._per_worker": 1,

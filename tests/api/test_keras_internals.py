@@ -414,6 +414,38 @@ def test_rowwise_keras_zero_gradient_facts():
     assert not np.array_equal(adam[0][0], adam[1][0])
 
 
+# -- which weights a backup tracks by rows (keras_ps._keras.row_tracking) -----------
+@pytest.mark.timeout(60)
+def test_row_tracking_keras_internals():
+    from keras_ps import optimizers as keras_ps_optimizers
+    from keras_ps._keras import row_tracking
+
+    var = keras.Variable(np.ones((4, 2), "float32"))
+    assert keras_ps_optimizers.LazyAdam in row_tracking.ROW_SLOT_LISTS
+    for cls, names in row_tracking.ROW_SLOT_LISTS.items():
+        optimizer = cls(0.1)
+        optimizer.build([var])
+        # One list per slot kind, indexed by _get_variable_index.
+        index = optimizer._get_variable_index(var)
+        for name in names:
+            assert getattr(optimizer, name)[index].shape[0] == 4, (cls, name)
+        # Every variable the optimizer changes is listed in `variables`.
+        slots = {id(getattr(optimizer, n)[index]) for n in names}
+        assert slots <= {id(v) for v in optimizer.variables}
+        # What moves every row outside update_step.
+        assert optimizer.use_ema is False
+        assert optimizer.gradient_accumulation_steps is None
+        assert row_tracking.strategy_of(optimizer) is not None
+    # An override of update_step is not row-wise for sure.
+    class Custom(keras.optimizers.SGD):
+        def update_step(self, gradient, variable, learning_rate):
+            return super().update_step(gradient, variable, learning_rate)
+
+    custom = Custom(0.1)
+    custom.build([var])
+    assert row_tracking._slot_lists(custom) is None
+
+
 # -- initializers drawn in row blocks ------------------------------------------------
 @pytest.mark.timeout(60)
 def test_blockwise_initializer_hook_target():
