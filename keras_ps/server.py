@@ -107,9 +107,14 @@ def _serve_until_signal(server, job, index, address, parent=None):
 def main(argv=None):
     args = _parser().parse_args(argv)
     parent = os.getppid() if args.exit_with_parent else None
-    # Must be set before TF starts gRPC: calls to a dead task fail at once
-    # instead of waiting for it to come back.
-    os.environ.setdefault("GRPC_FAIL_FAST", "use_caller")
+    # Must be set before TF starts gRPC. A task's own calls to other tasks
+    # (a worker reading a tensor from a ps) fail at once when the peer is
+    # gone, instead of waiting for a process to answer on its address: a
+    # restarted ps would then be asked for a tensor its previous process was
+    # to send, and the call would wait forever. (The coordinator's calls use
+    # keras_ps' default, "use_caller"; a value the user set is kept.)
+    if os.environ.get("GRPC_FAIL_FAST", "use_caller") == "use_caller":
+        os.environ["GRPC_FAIL_FAST"] = "true"
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:

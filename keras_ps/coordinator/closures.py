@@ -203,6 +203,13 @@ class ClosureQueue:
             error, self._error = self._error, None
             raise error
 
+    def cancel_in_flight(self):
+        """Cancels the calls in flight (their closures end as cancelled);
+        later closures are not affected."""
+        with self._cv:
+            self._cancellation.start_cancel()
+            self._cancellation = _tf_adapter.new_cancellation_manager()
+
     def clear_after_fatal(self, timeout):
         """Waits until no closure is in flight, then forgets the errors, so
         the queue takes work again (after the lost ps was given its

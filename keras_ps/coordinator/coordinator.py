@@ -33,6 +33,9 @@ logger = logging.getLogger(__name__)
 # of worker threads and one watchdog.
 _by_strategy = weakref.WeakKeyDictionary()
 _by_strategy_lock = threading.Lock()
+# Seconds a ps recovery waits for the calls in flight at the loss to fail by
+# themselves before it cancels them.
+_PS_LOSS_GRACE = 2.0
 
 
 def _is_tf_function(fn):
@@ -273,14 +276,9 @@ class ClusterCoordinator:
             timeout = self.config.ps_recovery_timeout
         started = time.monotonic()
         deadline = started + timeout
-        if not self._queue.clear_after_fatal(timeout):
-            raise ParameterServerUnavailableError(
-                f"Calls in flight did not end within {timeout:g}s of a "
-                "parameter server's loss, so its variables cannot be made "
-                "again safely. Restart the job and resume from the last "
-                "checkpoint.")
         lost = self._dead_ps()
         if not lost:
+            self._drain_after_loss(deadline)
             return _ps_state.PsRecovery(lost=())
         logger.info("[chief] ps %s lost their variables; waiting for them to "
                     "answer", sorted(lost))
@@ -294,6 +292,7 @@ class ClusterCoordinator:
                     "does), or restart the job and resume from the last "
                     "checkpoint; raise KERAS_PS_PS_RECOVERY_TIMEOUT to wait "
                     "longer.")
+        self._drain_after_loss(deadline)
         answered = time.monotonic()
         with self._gate.exclusive():
             self._readmission.reconnect()
@@ -301,7 +300,8 @@ class ClusterCoordinator:
             count = sum(self.strategy.recreate_ps_variables(index)
                         for index in sorted(lost))
             self._packing.clear()
-        retraced = _tf_adapter.retrace_all_functions()
+            # Under the gate: a worker's re-admission traces its datasets.
+            retraced = _tf_adapter.retrace_all_functions()
         recovery = _ps_state.PsRecovery(
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,
@@ -314,6 +314,31 @@ class ClusterCoordinator:
                     recovery.reconnect_seconds, recovery.recreate_seconds,
                     retraced)
         return recovery
+
+    def _drain_after_loss(self, deadline):
+        """Waits for the calls in flight at a ps loss to end, then clears
+        the queue's errors. A call can hang for good: a worker waiting for
+        a tensor from the ps' previous process, which the restarted one
+        never sends. After `_PS_LOSS_GRACE` seconds the calls still in
+        flight are cancelled (their work is rolled back by the restore
+        anyway; their workers are re-admitted, datasets made again).
+
+        Raises:
+            ParameterServerUnavailableError: calls still in flight at
+                `deadline`.
+        """
+        grace = min(deadline, time.monotonic() + _PS_LOSS_GRACE)
+        if self._queue.clear_after_fatal(max(0.0, grace - time.monotonic())):
+            return
+        logger.warning("[chief] calls still in flight %.0fs after a ps loss; "
+                       "cancelling them", _PS_LOSS_GRACE)
+        self._queue.cancel_in_flight()
+        if not self._queue.clear_after_fatal(
+                max(0.0, deadline - time.monotonic())):
+            raise ParameterServerUnavailableError(
+                "Calls in flight did not end after a parameter server's "
+                "loss, even cancelled, so its variables cannot be made again "
+                "safely. Restart the job and resume from the last checkpoint.")
 
     def update_workers(self, addresses):
         """Follows a new worker membership while training runs.
