@@ -8,6 +8,7 @@ import keras
 import tensorflow as tf
 
 from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.inputs import should_validate
 from keras_ps.resumable import ResumableCallback
 
 logger = logging.getLogger(__name__)
@@ -23,6 +24,17 @@ def validation_logs(model, validation_data, batch_size, steps):
                           batch_size=batch_size, steps=steps, verbose=0,
                           return_dict=True)
     return {f"val_{k}": v for k, v in logs.items()}
+
+
+def finish_epoch(model, callback_list, epoch, epoch_logs, validation_data,
+                 validation_batch_size, validation_steps, validation_freq):
+    """Adds the validation logs when this epoch validates, ends the epoch's
+    callbacks; returns whether training stops here."""
+    if validation_data is not None and should_validate(epoch, validation_freq):
+        epoch_logs.update(validation_logs(
+            model, validation_data, validation_batch_size, validation_steps))
+    callback_list.on_epoch_end(epoch, epoch_logs)
+    return model.stop_training
 
 
 def end_training(model, callback_list, epochs, training_logs):

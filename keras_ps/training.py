@@ -191,14 +191,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             coordinator.join()
             epoch_logs = python_logs(model.get_metrics_result())
             epoch_logs.update(progress.epoch_logs())
-            if validation_data is not None and inputs.should_validate(
-                    epoch, validation_freq):
-                epoch_logs.update(_fit_epochs.validation_logs(
-                    model, validation_data, validation_batch_size or batch_size,
-                    validation_steps))
-            callback_list.on_epoch_end(epoch, epoch_logs)
             training_logs = epoch_logs
-            if model.stop_training:
+            if _fit_epochs.finish_epoch(
+                    model, callback_list, epoch, epoch_logs, validation_data,
+                    validation_batch_size or batch_size, validation_steps,
+                    validation_freq):
                 break
         return training_logs
 

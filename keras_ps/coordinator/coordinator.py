@@ -249,16 +249,7 @@ class ClusterCoordinator:
         (same objects, shapes, dtypes and shards; zeros) and retraces the
         functions that had captured the old ones. Workers and their
         datasets are kept. The values are not: restore a checkpoint next,
-        before scheduling again.
-
-        ```python
-        try:
-            train(coordinator)
-        except keras_ps.errors.ParameterServerUnavailableError:
-            coordinator.recover_parameter_servers()
-            checkpoint.restore(manager.latest_checkpoint)
-            train(coordinator)  # from the checkpoint's step
-        ```
+        before scheduling again (an example: docs/ps_recovery.md).
 
         Args:
             timeout: seconds to wait for a lost ps to answer (default from
@@ -316,12 +307,9 @@ class ClusterCoordinator:
         return recovery
 
     def _drain_after_loss(self, deadline):
-        """Waits for the calls in flight at a ps loss to end, then clears
-        the queue's errors. A call can hang for good: a worker waiting for
-        a tensor from the ps' previous process, which the restarted one
-        never sends. After `_PS_LOSS_GRACE` seconds the calls still in
-        flight are cancelled (their work is rolled back by the restore
-        anyway; their workers are re-admitted, datasets made again).
+        """Waits for the calls in flight at a ps loss to end (cancelled
+        after `_PS_LOSS_GRACE` s: the restore rolls their work back anyway),
+        then clears the queue's errors.
 
         Raises:
             ParameterServerUnavailableError: calls still in flight at

@@ -15,7 +15,6 @@ import keras
 
 from keras_ps import _fit_epochs
 from keras_ps._keras import fit_routing
-from keras_ps.inputs import should_validate
 from keras_ps.resumable import ResumableCallback
 from keras_ps.training_logs import python_logs
 from keras_ps.shards.ledger import ShardLedger, ShardState
@@ -113,14 +112,11 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                         epoch_index, summary["shards_done"], summary["shards"],
                         summary["records_trained"], summary["shards_lost"],
                         summary["records_retrained"])
-            if validation_data is not None and should_validate(
-                    epoch_index, validation_freq):
-                epoch_logs.update(_fit_epochs.validation_logs(
-                    model, validation_data,
-                    validation_batch_size or data.batch_size, validation_steps))
-            callback_list.on_epoch_end(epoch_index, epoch_logs)
             training_logs = epoch_logs
-            if model.stop_training:
+            if _fit_epochs.finish_epoch(
+                    model, callback_list, epoch_index, epoch_logs,
+                    validation_data, validation_batch_size or data.batch_size,
+                    validation_steps, validation_freq):
                 break
         return training_logs
 
