@@ -256,8 +256,7 @@ class ClusterCoordinator:
                 `KERAS_PS_PS_RECOVERY_TIMEOUT`, 300).
 
         Returns:
-            A `PsRecovery` (its `lost` is empty when no ps was lost; the
-            coordinator's earlier errors are cleared either way).
+            A `PsRecovery` (`lost` empty when no ps was lost).
 
         Raises:
             ParameterServerUnavailableError: a lost ps did not answer within
@@ -271,8 +270,7 @@ class ClusterCoordinator:
         if not lost:
             self._drain_after_loss(deadline)
             return _ps_state.PsRecovery(lost=())
-        logger.info("[chief] ps %s lost their variables; waiting for them to "
-                    "answer", sorted(lost))
+        logger.info("[chief] ps %s lost; waiting for them", sorted(lost))
         for index, address in sorted(lost.items()):
             remaining = max(0.0, deadline - time.monotonic())
             if not _network.wait_until_answers(address, remaining):
@@ -318,8 +316,7 @@ class ClusterCoordinator:
         grace = min(deadline, time.monotonic() + _PS_LOSS_GRACE)
         if self._queue.clear_after_fatal(max(0.0, grace - time.monotonic())):
             return
-        logger.warning("[chief] calls still in flight %.0fs after a ps loss; "
-                       "cancelling them", _PS_LOSS_GRACE)
+        logger.warning("[chief] cancelling calls in flight since a ps loss")
         self._queue.cancel_in_flight()
         if not self._queue.clear_after_fatal(
                 max(0.0, deadline - time.monotonic())):
