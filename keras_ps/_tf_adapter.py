@@ -188,7 +188,9 @@ def retrace_all_functions():
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
     cleared = 0
     for obj in gc.get_objects():
-        if isinstance(obj, polymorphic_function.Function):
+        # type(), not isinstance(): isinstance asks the object for its
+        # __class__, which some objects refuse (numpy's NpzFile fields).
+        if issubclass(type(obj), polymorphic_function.Function):
             obj._function_cache.clear()
             cleared += 1
     return cleared
