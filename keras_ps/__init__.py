@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "ClusterCoordinator": ("keras_ps.coordinator", "ClusterCoordinator"),
     "DatasetCreator": ("keras_ps.training", "DatasetCreator"),
+    "IncrementalBackup": ("keras_ps.incremental_backup", "IncrementalBackup"),
     "KerasPSError": ("keras_ps.errors", "KerasPSError"),
     "LocalCluster": ("keras_ps.cluster", "LocalCluster"),
     "ParameterServerStrategy": ("keras_ps.strategy", "ParameterServerStrategy"),

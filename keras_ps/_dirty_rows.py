@@ -116,25 +116,32 @@ def mark_all(variable):
 class Generations:
     """The current generation of every ps that holds a tracked table.
 
-    The number lives in one int32 scalar variable per ps (which the marks
-    read) and, as `current`, here. A ps that lost its state and was given
-    zeros back no longer agrees (`agree()` is False) until the next
-    `advance`.
+    The number lives in one int32 scalar variable per ps and strategy (which
+    the marks read) and, as `current`, here. A ps that lost its state and
+    was given zeros back no longer agrees (`agree()` is False) until the
+    next `advance`.
     """
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._variables = {}  # device -> tf.Variable
+        self._variables = {}  # key -> (tf.Variable, alive)
         self.current = 1
 
-    def variable_for(self, device, create):
-        """The generation variable of `device`; `create()` makes it (on the
-        device, starting at `current`) the first time."""
+    def variable_for(self, key, create, alive=lambda: True):
+        """The generation variable registered under `key` (a ps and the
+        strategy that placed it); `create(current)` makes it the first time.
+        `alive()` is False once its cluster connection is gone (it is then
+        forgotten)."""
         with self._lock:
-            variable = self._variables.get(device)
-            if variable is None:
-                variable = self._variables[device] = create(self.current)
-            return variable
+            if key not in self._variables:
+                self._variables[key] = (create(self.current), alive)
+            return self._variables[key][0]
+
+    def _live(self):
+        for key, (_, alive) in list(self._variables.items()):
+            if not alive():
+                del self._variables[key]
+        return [variable for variable, _ in self._variables.values()]
 
     def advance(self):
         """Starts a new generation on every ps; returns the previous one
@@ -142,8 +149,8 @@ class Generations:
         with self._lock:
             previous = self.current
             self.current += 1
-            for device, variable in self._variables.items():
-                with tf.device(device):
+            for variable in self._live():
+                with tf.device(variable.device):
                     variable.assign(self.current)
             return previous
 
@@ -151,7 +158,7 @@ class Generations:
         """Whether every ps holds the current generation (False when a ps
         was given its variables back, as zeros, since the last advance)."""
         with self._lock:
-            variables = list(self._variables.values())
+            variables = self._live()
             current = self.current
         try:
             return all(int(v.numpy()) == current for v in variables)

@@ -82,3 +82,15 @@ class SidecarTimeoutError(KerasPSError, TimeoutError):
 
 class CheckpointMismatchError(KerasPSError, ValueError):
     """A checkpoint's weights do not fit the evaluator's model."""
+
+
+class BackupCorruptError(_TFErrorMixin, tf.errors.DataLossError):
+    """A file of an incremental backup is missing, truncated or altered.
+
+    The message names the file. `keras_ps.IncrementalBackup.restore` then
+    falls back to the newest backup whose files are all intact (unless
+    asked not to), and `keras_ps.callbacks.BackupAndRestore` does the same.
+    """
+
+    def __init__(self, message):
+        super().__init__(None, None, message)

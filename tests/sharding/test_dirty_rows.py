@@ -32,7 +32,8 @@ def track(strategy, table):
     """A tracker for `table`, made as keras_ps.IncrementalBackup makes them."""
     with strategy.scope(), strategy.extended.colocate_vars_with(table):
         generation = _dirty_rows.GENERATIONS.variable_for(
-            table.device, lambda current: tf.Variable(current, dtype=tf.int32))
+            (table.device, id(strategy)),
+            lambda current: tf.Variable(current, dtype=tf.int32))
         dirty = tf.Variable(tf.zeros([int(table.shape[0])], tf.int32))
     tracker = _dirty_rows.RowTracker(dirty, generation)
     _dirty_rows.track(table, tracker)

@@ -1,0 +1,89 @@
+"""The manifest of an incremental backup directory (keras_ps._backup_chain):
+which states restore, in which order, what a new entry drops, and what is
+published. No cluster needed."""
+
+import json
+import os
+
+import pytest
+
+from keras_ps import _backup_chain
+from keras_ps.errors import BackupCorruptError
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def entry(entry_id, kind, size=10):
+    return {"id": entry_id, "kind": kind, "bytes": size, "files": [],
+            "folder": _backup_chain.folder_name(kind, entry_id)}
+
+
+def manifest_of(*chains):
+    manifest = _backup_chain.empty()
+    for chain in chains:
+        for e in chain:
+            base = (None if e["kind"] == "full"
+                    else _backup_chain.locate(manifest, e["id"] - 1))
+            manifest = _backup_chain.with_entry(manifest, base, e, 5)
+    return manifest
+
+
+def test_states_newest_first_fall_back_delta_by_delta_then_chain_by_chain():
+    manifest = manifest_of([entry(1, "full"), entry(2, "delta")],
+                           [entry(3, "full"), entry(4, "delta"),
+                            entry(5, "delta")])
+    assert list(_backup_chain.states_newest_first(manifest)) == [
+        (1, 3), (1, 2), (1, 1), (0, 2), (0, 1)]
+    assert _backup_chain.locate(manifest, 4) == (1, 2)
+    assert _backup_chain.locate(manifest, 9) is None
+    assert manifest["next_id"] == 6
+
+
+def test_a_delta_after_a_restored_state_drops_what_came_after_it():
+    manifest = manifest_of([entry(1, "full"), entry(2, "delta")],
+                           [entry(3, "full"), entry(4, "delta"),
+                            entry(5, "delta")])
+    # Restored (chain 0, length 2): chain 1 is dropped.
+    after = _backup_chain.with_entry(manifest, (0, 2), entry(6, "delta"), 5)
+    assert [[e["id"] for e in c] for c in after["chains"]] == [[1, 2, 6]]
+    # Restored (chain 1, length 2): delta 5 is dropped.
+    after = _backup_chain.with_entry(manifest, (1, 2), entry(6, "delta"), 5)
+    assert [[e["id"] for e in c] for c in after["chains"]] == [[1, 2],
+                                                              [3, 4, 6]]
+
+
+def test_a_full_backup_keeps_keep_chains_chains():
+    manifest = manifest_of([entry(1, "full")], [entry(2, "full")])
+    after = _backup_chain.with_entry(manifest, None, entry(3, "full"), 2)
+    assert [[e["id"] for e in c] for c in after["chains"]] == [[2], [3]]
+    assert _backup_chain.delta_bytes(
+        [entry(1, "full"), entry(2, "delta", 4), entry(3, "delta", 5)], 3) == 9
+
+
+def test_publish_replaces_the_manifest_and_removes_unlisted_folders(tmp_path):
+    for name in ("full-000001", "delta-000002", "delta-000003", "other"):
+        os.makedirs(tmp_path / name)
+    manifest = manifest_of([entry(1, "full"), entry(2, "delta")])
+    _backup_chain.publish(str(tmp_path), manifest)
+    assert sorted(os.listdir(tmp_path)) == [
+        "delta-000002", "full-000001", "manifest.json", "other"]
+    assert _backup_chain.read(str(tmp_path)) == manifest
+    assert _backup_chain.read(str(tmp_path / "none")) is None
+
+
+def test_an_unreadable_manifest_or_file_is_named(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    with pytest.raises(BackupCorruptError, match="manifest.json"):
+        _backup_chain.read(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": 99}))
+    with pytest.raises(BackupCorruptError, match="format 99"):
+        _backup_chain.read(str(tmp_path))
+    path = str(tmp_path / "rows.0")
+    with open(path, "wb") as f:
+        f.write(b"12345")
+    e = entry(7, "delta")
+    _backup_chain.check_file(path, e, {"bytes": 5})
+    with pytest.raises(BackupCorruptError, match="has 5 bytes where 6"):
+        _backup_chain.check_file(path, e, {"bytes": 6})
+    with pytest.raises(BackupCorruptError, match="missing"):
+        _backup_chain.check_file(path + "x", e, {"bytes": 5})
