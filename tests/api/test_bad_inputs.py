@@ -720,6 +720,50 @@ def backup_save_freq_zero(env):
     keras_ps.callbacks.BackupAndRestore(env.tmp(), save_freq=0)
 
 
+@case("backup_incremental_not_a_choice", ValueError,
+      "incremental='yes'", "'auto', True or False")
+def backup_incremental_not_a_choice(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), incremental="yes")
+
+
+def _built(model):
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+@case("incremental_backup_of_variables", TypeError,
+      "Keras model", "{'model': model, 'optimizer': optimizer}")
+def incremental_backup_of_variables(env):
+    keras_ps.IncrementalBackup([tf.Variable(1.0)], env.tmp())
+
+
+@case("incremental_backup_max_deltas_zero", ValueError,
+      "max_deltas=0", "integer >= 1")
+def incremental_backup_max_deltas_zero(env):
+    keras_ps.IncrementalBackup(_model(), env.tmp(), max_deltas=0)
+
+
+@case("incremental_backup_optimizer_not_built", ValueError,
+      "not built", "optimizer.build(model.trainable_variables)")
+def incremental_backup_optimizer_not_built(env):
+    keras_ps.IncrementalBackup(_model(), env.tmp()).save_full()
+
+
+@case("incremental_delta_without_full", ValueError,
+      "A delta needs the backup it builds on", "call save_full() first")
+def incremental_delta_without_full(env):
+    keras_ps.IncrementalBackup(_built(_model()), env.tmp()).save_delta()
+
+
+@case("incremental_restore_other_model", ValueError,
+      "written by a different model", "(4, 1)", "(4, 3)",
+      "give a changed model its own backup directory")
+def incremental_restore_other_model(env):
+    directory = env.tmp()
+    keras_ps.IncrementalBackup(_built(_model()), directory).save_full()
+    keras_ps.IncrementalBackup(_built(_other_model()), directory).restore()
+
+
 @case("sidecar_model_not_compiled", ValueError,
       "not compiled", "model.compile(loss=")
 def sidecar_model_not_compiled(env):

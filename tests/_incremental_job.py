@@ -1,0 +1,420 @@
+"""A coordinator process for the incremental backup tests, on its own
+LocalCluster (2 ps, 2 workers); prints RESULT lines (tests/_results.py).
+
+Usage:
+  python tests/_incremental_job.py equivalence DIR
+      for each optimizer and (saving, restoring) partitioning: full backup,
+      training, deltas; restores the chain into a model sharded otherwise
+      and compares it with the model and with its Keras weights file at the
+      same step.
+  python tests/_incremental_job.py faults DIR
+      a truncated, altered or missing delta file; a crash (an exception)
+      between writing a delta's files and publishing it; compaction.
+  python tests/_incremental_job.py crash_write DIR
+      full backup and delta, then a process crash (os._exit) after the next
+      delta's files are written, before its manifest is published.
+  python tests/_incremental_job.py crash_restore DIR
+      restores what crash_write left into a model with 3 shards.
+  python tests/_incremental_job.py callback DIR
+      Model.fit with BackupAndRestore(incremental=True), then its restore
+      into a model with 3 shards; incremental="auto" on a small model.
+  python tests/_incremental_job.py ps_loss DIR
+      Model.fit with BackupAndRestore(incremental=True) through the loss of
+      a ps (SIGKILLed and restarted on its address).
+"""
+
+import glob
+import json
+import os
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ps
+from _results import say
+from keras_ps import _backup_chain
+from keras_ps import _sharded_weights
+from keras_ps import incremental_backup
+from keras_ps.errors import BackupCorruptError
+from keras_ps.partitioners import FixedShardsPartitioner
+
+ROWS, DIM, IDS, BATCH = 60, 4, 3, 8
+TOUCHED = 24  # ids are drawn below this: rows 24..59 are never updated
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "lazy_adam": lambda: keras_ps.optimizers.LazyAdam(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "sgd": lambda: keras.optimizers.SGD(0.1),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.1, l1_regularization_strength=0.01),
+}
+
+
+def build(strategy, optimizer):
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((IDS,), dtype="int32"),
+            keras.layers.Embedding(ROWS, DIM, name="table"),
+            keras.layers.Flatten(), keras.layers.Dense(4, activation="relu"),
+            keras.layers.Dense(1)])
+        model.compile(OPTIMIZERS[optimizer](), "mse")
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def train(model, seed, steps=3):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, TOUCHED, size=(steps * BATCH, IDS)).astype("int32")
+    y = rng.normal(size=(steps * BATCH, 1)).astype("float32")
+    model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=steps,
+              verbose=0)
+
+
+def values(model):
+    """Every model and optimizer variable, whole, in Keras' saving order."""
+    return [np.array(v.numpy()) for v in
+            _sharded_weights.collapse(model.weights)
+            + _sharded_weights.collapse(model.optimizer.variables)]
+
+
+def mismatches(a, b):
+    """Indices of the variables that differ (shape or any bit)."""
+    if len(a) != len(b):
+        return ["count"]
+    return [i for i, (x, y) in enumerate(zip(a, b))
+            if x.shape != y.shape or x.dtype != y.dtype
+            or x.tobytes() != y.tobytes()]
+
+
+def strategies(cluster):
+    return {shards: keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=(
+            FixedShardsPartitioner(shards) if shards > 1 else None))
+        for shards in (1, 2, 3)}
+
+
+def backup(model, directory, **kwargs):
+    return keras_ps.IncrementalBackup(model, directory, min_table_bytes=0,
+                                      **kwargs)
+
+
+# -- equivalence ---------------------------------------------------------------------
+CASES = [(opt, 2, 3) for opt in OPTIMIZERS] + \
+        [(opt, 3, 2) for opt in OPTIMIZERS] + [("lazy_adam", 2, 1)]
+
+
+def equivalence(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        by_shards = strategies(cluster)
+        for optimizer, saved_in, restored_in in CASES:
+            case = f"{optimizer}-{saved_in}-to-{restored_in}"
+            folder = os.path.join(directory, case)
+            model = build(by_shards[saved_in], optimizer)
+            train(model, 0)
+            writer = backup(model, folder)
+            entries = [writer.save()]
+            for seed in (1, 2):
+                train(model, seed)
+                entries.append(writer.save())
+            expected = values(model)
+            weights_file = os.path.join(directory, f"{case}.weights.h5")
+            model.save_weights(weights_file)
+
+            restored = build(by_shards[restored_in], optimizer)
+            entry = backup(restored, folder).restore()
+            from_keras = build(by_shards[restored_in], optimizer)
+            from_keras.load_weights(weights_file)
+            say(case=case, optimizer=optimizer,
+                kinds=[e.kind for e in entries],
+                table_rows=[e.table_rows for e in entries],
+                embedding_rows=[table_rows(folder, e.id) for e in entries],
+                bytes=[e.bytes for e in entries],
+                tracked=writer.tracked_tables,
+                restored_id=entry.id, last_id=entries[-1].id,
+                vs_model=mismatches(values(restored), expected),
+                vs_keras_file=mismatches(values(restored), values(from_keras)),
+                shards=[len(restored.get_layer("table").weights),
+                        len(model.get_layer("table").weights)])
+
+
+def table_rows(directory, entry_id):
+    """Rows of the embedding table (key "model/0") in backup `entry_id`."""
+    return sum(record["rows"] for chain in _backup_chain.read(directory)[
+        "chains"] for entry in chain if entry["id"] == entry_id
+        for record in entry["files"] if record["keys"][0] == "model/0")
+
+
+# -- faults ----------------------------------------------------------------------------------
+def _table_file(directory, entry_id):
+    """A row file of the table in backup `entry_id` (rows > 0)."""
+    manifest = _backup_chain.read(directory)
+    for chain in manifest["chains"]:
+        for entry in chain:
+            if entry["id"] != entry_id:
+                continue
+            for record in entry["files"]:
+                if record["keys"][0] == "model/0" and record["rows"] > 0:
+                    return os.path.join(directory, entry["folder"],
+                                        record["file"])
+    raise AssertionError(f"no table file in backup {entry_id}")
+
+
+# The fault tests' chain grows by deltas only (no compaction by bytes).
+NO_COMPACTION = dict(max_delta_bytes=10**9)
+
+
+def _restore_outcome(strategy, directory, expected_by_id, fallback=True):
+    model = build(strategy, "lazy_adam")
+    writer = backup(model, directory, **NO_COMPACTION)
+    try:
+        entry = writer.restore(fallback=fallback)
+    except BackupCorruptError as error:
+        return {"error": str(error)}, model, writer
+    return {"id": entry.id, "problems": list(entry.problems),
+            "equal": not mismatches(values(model), expected_by_id[entry.id])
+            }, model, writer
+
+
+def faults(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        by_shards = strategies(cluster)
+        folder = os.path.join(directory, "chain")
+        model = build(by_shards[2], "lazy_adam")
+        writer = backup(model, folder, **NO_COMPACTION)
+        expected = {}
+        for seed in range(3):  # full, delta, delta
+            train(model, seed)
+            entry = writer.save()
+            expected[entry.id] = values(model)
+        ids = sorted(expected)
+        damaged = _table_file(folder, ids[-1])
+        original = open(damaged, "rb").read()
+        outcomes = {}
+        for how in ("truncated", "altered", "missing"):
+            if how == "truncated":
+                open(damaged, "wb").write(original[:len(original) // 2])
+            elif how == "altered":
+                flipped = bytearray(original)
+                flipped[len(flipped) // 2] ^= 0xFF
+                open(damaged, "wb").write(bytes(flipped))
+            else:
+                os.remove(damaged)
+            outcomes[how] = {
+                "strict": _restore_outcome(by_shards[3], folder, expected,
+                                           fallback=False)[0],
+                "fallback": _restore_outcome(by_shards[3], folder, expected)[0]}
+        open(damaged, "wb").write(original)
+        intact = _restore_outcome(by_shards[3], folder, expected)[0]
+        say(ids=ids, damaged=damaged, outcomes=outcomes, intact=intact)
+
+        # Training on from a fallback: the next delta follows the restored
+        # backup; the damaged one is dropped with its files.
+        os.remove(damaged)
+        _, resumed, resumed_writer = _restore_outcome(by_shards[2], folder,
+                                                      expected)
+        train(resumed, 7)
+        entry = resumed_writer.save()
+        expected[entry.id] = values(resumed)
+        chain = [e["id"] for e in _backup_chain.read(folder)["chains"][-1]]
+        after_fallback = _restore_outcome(by_shards[3], folder, expected)[0]
+        say(after_fallback=after_fallback, chain=chain, new_id=entry.id,
+            new_kind=entry.kind,
+            damaged_folder_left=os.path.exists(os.path.dirname(damaged)))
+
+        # A crash between writing a delta's files and publishing it.
+        train(resumed, 8)
+        publish = _backup_chain.publish
+
+        def crash(*args, **kwargs):
+            raise RuntimeError("crashed before publishing")
+
+        _backup_chain.publish = crash
+        try:
+            resumed_writer.save()
+        except RuntimeError:
+            pass
+        finally:
+            _backup_chain.publish = publish
+        orphans = sorted(os.path.basename(p) for p in glob.glob(
+            os.path.join(folder, "*-0*")))
+        after_crash = _restore_outcome(by_shards[3], folder, expected)[0]
+        entry = resumed_writer.save()  # the crashed delta's rows are in it
+        expected[entry.id] = values(resumed)
+        after_crash_next = _restore_outcome(by_shards[1], folder, expected)[0]
+        say(after_crash=after_crash, after_crash_next=after_crash_next,
+            next_kind=entry.kind, folders_after_crash=orphans)
+
+        # Compaction: a full backup after max_deltas deltas, or once the
+        # deltas add up to max_delta_bytes; keep_chains chains kept.
+        kinds = {}
+        for label, options in (("deltas", dict(max_deltas=2)),
+                               ("bytes", dict(max_delta_bytes=1))):
+            compacted = build(by_shards[2], "lazy_adam")
+            compacting = backup(compacted, os.path.join(directory, label),
+                                keep_chains=2, **options)
+            kinds[label] = []
+            for seed in range(7):
+                train(compacted, seed, steps=1)
+                kinds[label].append(compacting.save().kind)
+            kinds[label + "_chains"] = [
+                [e["kind"] for e in chain] for chain in
+                _backup_chain.read(os.path.join(directory, label))["chains"]]
+        say(compaction=kinds)
+
+
+# -- a real crash ------------------------------------------------------------------------
+def crash_write(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        model = build(strategies(cluster)[2], "lazy_adam")
+        writer = backup(model, directory)
+        for seed in range(2):
+            train(model, seed)
+            entry = writer.save()
+        np.savez(os.path.join(directory, "..", "expected.npz"), *values(model))
+        say(published=entry.id)
+        train(model, 5)
+
+        def crash(*args, **kwargs):
+            os._exit(17)  # every file written, the manifest not replaced
+
+        _backup_chain.publish = crash
+        writer.save()
+
+
+def crash_restore(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        by_shards = strategies(cluster)
+        folders = sorted(os.listdir(directory))
+        saved = np.load(os.path.join(directory, "..", "expected.npz"))
+        expected = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+        model = build(by_shards[3], "lazy_adam")
+        writer = backup(model, directory)
+        entry = writer.restore()
+        equal = not mismatches(values(model), expected)
+        train(model, 6)
+        writer.save()
+        listed = [e["id"] for e in _backup_chain.read(directory)["chains"][-1]]
+        say(folders_before=folders, restored=entry.id, equal=equal,
+            folders_after=sorted(os.listdir(directory)), listed=listed)
+
+
+# -- BackupAndRestore --------------------------------------------------------------------
+def _fit_data(steps):
+    rng = np.random.default_rng(11)
+    x = rng.integers(0, TOUCHED, size=(steps * BATCH, IDS)).astype("int32")
+    y = rng.normal(size=(steps * BATCH, 1)).astype("float32")
+    return x, y
+
+
+def _states(backup_dir):
+    with open(os.path.join(backup_dir, "backup_state.json")) as f:
+        return json.load(f)
+
+
+class _StateLog(keras.callbacks.Callback):
+    """The kind of each backup (read after BackupAndRestore's own hook)."""
+
+    def __init__(self, backup_dir):
+        super().__init__()
+        self.backup_dir, self.kinds, self.last = backup_dir, [], None
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._log()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._log()
+
+    def _log(self):
+        if not os.path.exists(os.path.join(self.backup_dir,
+                                           "backup_state.json")):
+            return  # no backup yet
+        state = _states(self.backup_dir)
+        if state["serial"] != self.last:
+            self.last = state["serial"]
+            self.kinds.append(state.get("kind", "weights"))
+
+
+def callback(directory):
+    from keras_ps.callbacks import backup_and_restore as backup_lib
+
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        by_shards = strategies(cluster)
+        backup_dir = os.path.join(directory, "fit")
+        model = build(by_shards[2], "lazy_adam")
+        log = _StateLog(backup_dir)
+        incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
+        cb = keras_ps.callbacks.BackupAndRestore(
+            backup_dir, save_freq=3, incremental=True, max_deltas=3,
+            max_delta_bytes=10**9, delete_checkpoint=False)
+        x, y = _fit_data(9)
+        model.fit(x, y, batch_size=BATCH, epochs=2, steps_per_epoch=9,
+                  callbacks=[cb, log], verbose=0)
+        expected = values(model)
+        restored = build(by_shards[3], "lazy_adam")
+        again = keras_ps.callbacks.BackupAndRestore(backup_dir,
+                                                    incremental=True)
+        again.set_model(restored)
+        again.on_train_begin()
+        say(kinds=log.kinds, resume=list(again.resume_position()),
+            tracked=cb._incremental.tracked_tables,
+            equal=not mismatches(values(restored), expected),
+            state=_states(backup_dir))
+
+        modes = {}
+        for label, minimum in (("small", None), ("over", 0)):
+            if minimum is not None:
+                backup_lib.AUTO_INCREMENTAL_MIN_BYTES = minimum
+            auto_dir = os.path.join(directory, f"auto-{label}")
+            auto = keras_ps.callbacks.BackupAndRestore(auto_dir, save_freq=3)
+            model = build(by_shards[2], "adagrad")
+            model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=6,
+                      callbacks=[auto], verbose=0)
+            modes[label] = auto.describe()
+        say(auto=modes)
+
+
+class _KillAndRestartPs(keras.callbacks.Callback):
+    def __init__(self, cluster, at):
+        super().__init__()
+        self.cluster, self.at, self.done = cluster, at, False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.at and not self.done:
+            self.done = True
+            self.cluster.kill("ps", 0)
+            self.cluster.restart("ps", 0)
+            print("KILLED AND RESTARTED ps 0", flush=True)
+
+
+def ps_loss(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        model = build(strategies(cluster)[2], "lazy_adam")
+        incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
+        killer = _KillAndRestartPs(cluster, (1, 7))
+        cb = keras_ps.callbacks.BackupAndRestore(
+            os.path.join(directory, "fit"), save_freq=3, incremental=True,
+            max_delta_bytes=10**9, delete_checkpoint=False)
+        x, y = _fit_data(12)
+        history = model.fit(x, y, batch_size=BATCH, epochs=3,
+                            steps_per_epoch=12, callbacks=[killer, cb],
+                            verbose=0)
+        say(killed=killer.done, planned=36,
+            iterations=int(model.optimizer.iterations.numpy()),
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"),
+            kind=_states(os.path.join(directory, "fit")).get("kind"))
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    {"equivalence": equivalence, "faults": faults, "crash_write": crash_write,
+     "crash_restore": crash_restore, "callback": callback,
+     "ps_loss": ps_loss}[sys.argv[1]](sys.argv[2])
+    print(f"done in {time.monotonic() - started:.1f}s", flush=True)

@@ -1,0 +1,195 @@
+"""Incremental backups (keras_ps.IncrementalBackup, BackupAndRestore's
+`incremental`) on a real LocalCluster with 2 ps, each job in its own
+coordinator process (tests/_incremental_job.py).
+
+- A full backup and deltas restore, into another number of shards, exactly
+  (every bit of every model and optimizer variable) the model at the last
+  delta and the Keras weights file written at that step: Adam (its table
+  written whole), LazyAdam, Adagrad, SGD and Ftrl, saved in 2 or 3 shards.
+- A delta holds the rows the steps since the previous backup touched, not
+  the table.
+- A truncated, altered or missing delta file: an error naming the file, and
+  the fallback to the backup before it; training goes on from there.
+- A crash after a delta's files are written, before it is published: the
+  previous chain restores (an exception in-process, and a real process
+  exit); the next backup removes the orphan files.
+- Compaction after `max_deltas` deltas or `max_delta_bytes` bytes.
+- BackupAndRestore(incremental=True) through fit and its restore;
+  incremental="auto" stays off for a small model; a ps lost mid-fit is
+  recovered from full + deltas.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _paths import TESTS
+from _results import last_report
+from _results import reports
+
+JOB = os.path.join(TESTS, "_incremental_job.py")
+ROWS, TOUCHED = 60, 24  # as the job's table: ids are drawn below TOUCHED
+
+
+def run(mode, directory, timeout=900):
+    os.makedirs(directory, exist_ok=True)
+    out = subprocess.run([sys.executable, JOB, mode, str(directory)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=timeout, cwd=TESTS,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return out.returncode, out.stdout
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    code, output = run("equivalence", tmp_path_factory.mktemp("equivalence"),
+                       timeout=1500)
+    assert code == 0, output[-4000:]
+    return {r["case"]: r for r in reports(output)}
+
+
+CASES = [f"{opt}-{saved}-to-{restored}"
+         for opt in ("adam", "lazy_adam", "adagrad", "sgd", "ftrl")
+         for saved, restored in ((2, 3), (3, 2))] + ["lazy_adam-2-to-1"]
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("case", CASES)
+def test_full_plus_deltas_restore_bit_for_bit_into_other_shards(
+        case, equivalence):
+    result = equivalence[case]
+    saved, restored = (int(x) for x in case.split("-")[-3::2])
+    assert result["shards"] == [restored, saved]
+    assert result["restored_id"] == result["last_id"]
+    # Every model and optimizer variable: same bits as the model at the
+    # last backup and as its Keras weights file loaded into the new model.
+    assert result["vs_model"] == [] and result["vs_keras_file"] == []
+    if result["optimizer"] == "adam":
+        # Dense Adam moves every row: nothing tracked, each backup holds the
+        # table whole, so a delta is as big as a full backup and the next
+        # backup is full again (compaction by bytes).
+        assert result["tracked"] == []
+        assert result["kinds"] == ["full", "delta", "full"]
+        assert len(set(result["bytes"])) == 1
+    else:
+        assert any(p.endswith("table/embeddings") for p in result["tracked"])
+        assert result["kinds"] == ["full", "delta", "delta"]
+        full, *deltas = result["embedding_rows"]
+        # The table rows the ids reached (below TOUCHED), never the rest.
+        assert full == ROWS and all(0 < d <= TOUCHED for d in deltas), result
+        assert all(b < result["bytes"][0] for b in result["bytes"][1:])
+
+
+@pytest.fixture(scope="module")
+def faults(tmp_path_factory):
+    code, output = run("faults", tmp_path_factory.mktemp("faults"))
+    assert code == 0, output[-4000:]
+    return reports(output)
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("how", ["truncated", "altered", "missing"])
+def test_a_damaged_delta_is_named_and_restore_falls_back(how, faults):
+    report = faults[0]
+    outcome = report["outcomes"][how]
+    damaged = report["damaged"]
+    full, first_delta, last_delta = report["ids"]
+    assert f"delta-{last_delta:06d}" in damaged
+    # fallback=False: the error names the file.
+    assert damaged in outcome["strict"]["error"], outcome
+    expected = {"truncated": "bytes", "altered": "fingerprint",
+                "missing": "missing"}[how]
+    assert expected in outcome["strict"]["error"], outcome
+    # fallback=True: the newest complete chain, exactly.
+    fallback = outcome["fallback"]
+    assert fallback["id"] == first_delta and fallback["equal"], fallback
+    assert len(fallback["problems"]) == 1
+    assert damaged in fallback["problems"][0]
+    assert report["intact"] == {"id": last_delta, "problems": [],
+                                "equal": True}
+
+
+@pytest.mark.timeout(1000)
+def test_training_goes_on_from_the_fallback(faults):
+    ids = faults[0]["ids"]
+    report = faults[1]
+    # The next delta follows the restored backup; the damaged one is gone.
+    assert report["new_kind"] == "delta"
+    assert report["chain"] == [ids[0], ids[1], report["new_id"]]
+    assert not report["damaged_folder_left"]
+    assert report["after_fallback"] == {"id": report["new_id"],
+                                        "problems": [], "equal": True}
+
+
+@pytest.mark.timeout(1000)
+def test_a_crash_before_publishing_leaves_the_previous_chain(faults):
+    report = faults[2]
+    published = faults[1]["new_id"]
+    # Full, 2 deltas and the crashed delta's files, unpublished.
+    assert report["folders_after_crash"] == [
+        "delta-000002", f"delta-{published:06d}",
+        f"delta-{published + 1:06d}", "full-000001"]
+    assert report["after_crash"] == {"id": published, "problems": [],
+                                     "equal": True}
+    # The next delta (the crashed one's number again) holds the crashed
+    # one's rows too: their marks were kept.
+    assert report["next_kind"] == "delta"
+    assert report["after_crash_next"] == {"id": published + 1,
+                                          "problems": [], "equal": True}
+
+
+@pytest.mark.timeout(1000)
+def test_compaction_after_max_deltas_or_max_delta_bytes(faults):
+    kinds = faults[3]["compaction"]
+    assert kinds["deltas"] == ["full", "delta", "delta", "full", "delta",
+                               "delta", "full"]
+    assert kinds["deltas_chains"] == [["full", "delta", "delta"], ["full"]]
+    assert kinds["bytes"] == ["full", "delta", "full", "delta", "full",
+                              "delta", "full"]
+
+
+@pytest.mark.timeout(600)
+def test_a_process_crash_between_files_and_manifest(tmp_path):
+    directory = tmp_path / "backup"
+    code, output = run("crash_write", directory)
+    assert code == 17, output[-4000:]  # the job's os._exit in publish
+    published = last_report(output)["published"]
+    code, output = run("crash_restore", directory)
+    assert code == 0, output[-4000:]
+    result = last_report(output)
+    # Full, delta and the crashed delta's folder; the crashed one is not
+    # restored; the next delta takes its number (its folder written anew).
+    assert result["folders_before"] == [
+        f"delta-{published:06d}", f"delta-{published + 1:06d}",
+        "full-000001", "manifest.json"]
+    assert result["restored"] == published and result["equal"]
+    assert result["folders_after"] == result["folders_before"]
+    assert result["listed"] == [1, published, published + 1]
+
+
+@pytest.mark.timeout(900)
+def test_backup_and_restore_writes_deltas_and_restores_them(tmp_path):
+    code, output = run("callback", tmp_path)
+    assert code == 0, output[-4000:]
+    fit_report, auto_report = reports(output)
+    # save_freq=3 over 2 epochs of 9 steps, plus each epoch's end; a full
+    # backup after max_deltas=3 deltas.
+    assert fit_report["kinds"][:5] == ["full", "delta", "delta", "delta",
+                                       "full"], fit_report
+    assert fit_report["resume"] == [2, 0]
+    assert fit_report["equal"]
+    assert fit_report["state"]["weights"] is None
+    assert "incremental=False" in auto_report["auto"]["small"]
+    assert "incremental=True" in auto_report["auto"]["over"]
+
+
+@pytest.mark.timeout(900)
+def test_a_lost_ps_is_recovered_from_full_plus_deltas(tmp_path):
+    code, output = run("ps_loss", tmp_path)
+    assert code == 0, output[-4000:]
+    result = last_report(output)
+    assert result["killed"] and sum(result["recoveries"]) == 1
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 4
+    assert result["rolled_back"][1] > 0
