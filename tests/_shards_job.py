@@ -323,11 +323,30 @@ def on_local_cluster(mode, data_dir):
 
             def resume():
                 wait_for(lambda: worker.state is
-                         keras_ps.coordinator.WorkerState.HUNG, 60,
+                         keras_ps.coordinator.WorkerState.HUNG, 120,
                          "the hang to be noticed")
                 os.kill(pid, signal.SIGCONT)
                 events[f"continued{key}"] = True
             threading.Thread(target=resume, daemon=True).start()
+
+        def stop_when_back(index, key, restarted):
+            """The chaos stop: waits (holding the fit) until the worker
+            killed before is re-admitted (event `restarted`, and every
+            worker runnable: a re-admission pushes the cluster to every
+            worker, a stopped one too, and would wait for it), then, in the
+            background, stops worker `index` once it is inside an execution,
+            so its call hangs and the hang is noticed."""
+            def act():
+                wait_for(lambda: events.get(restarted) and all(
+                    w.state.value in ("healthy", "readmitted")
+                    for w in coordinator.workers), 120,
+                    "the killed worker's re-admission")
+
+                def run():
+                    between_steps(index)
+                    stop(index, key)
+                threading.Thread(target=run, daemon=True).start()
+            return act
 
         callbacks = {
             "plain": [], "kill": [AtShard(6, in_background(kill))],
@@ -335,7 +354,7 @@ def on_local_cluster(mode, data_dir):
             "kill_in_step": [AtShard(6, kill_inside_step)],
             # The long variant: a kill and a stop in epoch 0, a kill in 1.
             "chaos": [AtShard(4, lambda: kill(1, "_0")),
-                      AtShard(14, lambda: stop(2, "_0")),
+                      AtShard(14, stop_when_back(2, "_0", "restarted_0")),
                       AtShard(6, lambda: kill(0, "_1"), epoch=1)]}[mode]
         fit_and_report(model, data, coordinator, callbacks, events=events)
 
