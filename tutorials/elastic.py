@@ -222,9 +222,21 @@ def main(argv=None):
         resolver = keras_ps.elastic.ElasticClusterResolver(
             rdzv_endpoint, ps=[ps_address], min_workers=2, poll_interval=1.0,
             startup_timeout=90)
-        for address in [ps_address] + [a.address for a in agents]:
-            if not wait_for_port(address, 90):
-                raise RuntimeError(f"{address} did not start; logs: {log_dir}")
+        if not wait_for_port(ps_address, 90):
+            raise RuntimeError(f"{ps_address} did not start; logs: {log_dir}")
+        for i in range(len(agents)):
+            # An agent that gave up reaching the rendezvous (a very busy
+            # machine) is started again, twice at most.
+            for attempt in range(1, 3):
+                if wait_for_port(agents[i].address, 90, agents[i].process):
+                    break
+                agents[i].stop()
+                agents[i] = Agent(rdzv_endpoint, log_dir,
+                                  f"agent-{i}-{attempt}")
+            else:
+                if not wait_for_port(agents[i].address, 90, agents[i].process):
+                    raise RuntimeError(f"{agents[i].address} did not start; "
+                                       f"logs: {log_dir}")
         pids = [a.task_pid() for a in agents]
         strategy = keras_ps.ParameterServerStrategy(resolver)
         with strategy.scope():
