@@ -81,18 +81,19 @@ class Writer:
         files, table_rows = [], 0
         for groups, records in per_device(write, devices):
             for group, record in zip(groups, records):
+                fields = len(_row_files.RECORD_FIELDS)
                 for block in range(record.shape[1]):
-                    values = dict(zip(_row_files.RECORD_FIELDS,
-                                      (int(x) for x in record[:, block])))
-                    files.append(dict(file=f"{group.name}.{block}",
-                                      kind=group.kind, keys=group.keys,
-                                      **values))
+                    values = [int(x) for x in record[:, block]]
+                    files.append(dict(
+                        file=f"{group.name}.{block}", kind=group.kind,
+                        keys=group.keys, sizes=values[fields:],
+                        **dict(zip(_row_files.RECORD_FIELDS, values))))
                     if group.kind == "bundle":
                         files[-1].update(
                             offsets=[p.offset for p in group.parts],
                             counts=[p.rows for p in group.parts])
                     if group.table:
-                        table_rows += values["rows"]
+                        table_rows += files[-1]["rows"]
         return files, table_rows
 
 
@@ -193,6 +194,7 @@ class Applier:
                 function(tf.constant(path),
                          tf.constant(record["bytes"], tf.int64),
                          tf.constant(record["fingerprint"], tf.int64),
+                         tf.constant(record["sizes"], tf.int64),
                          tf.constant([c for c, _ in targets], tf.int32))
             except (tf.errors.NotFoundError, tf.errors.DataLossError,
                     tf.errors.InvalidArgumentError) as error:
@@ -208,7 +210,7 @@ class Applier:
         """The function applying a row file to `parts` (on `device`)."""
         key = (device, tuple(id(p) for p in parts))
         if key not in self._functions:
-            def apply(path, length, fingerprint, components):
+            def apply(path, length, fingerprint, sizes, components):
                 with tf.device(device):
                     content, actual, actual_fingerprint = \
                         _row_files.read_file(path)
@@ -217,13 +219,13 @@ class Applier:
                         tf.equal(actual_fingerprint, fingerprint)),
                         [_MISMATCH, path])
                     with tf.control_dependencies([check]):
-                        values = tf.io.parse_tensor(content, tf.string)
-                    ids = tf.ensure_shape(
-                        tf.io.parse_tensor(values[0], tf.int64), [None])
+                        content = tf.identity(content)
+                    ids = tf.ensure_shape(_row_files.part(
+                        content, sizes, 0, tf.int64), [None])
                     for i, part in enumerate(parts):
                         rows = tf.ensure_shape(
-                            tf.io.parse_tensor(values[components[i]],
-                                               part.variable.dtype),
+                            _row_files.part(content, sizes, components[i],
+                                            part.variable.dtype),
                             [None] + part.variable.shape[1:].as_list())
                         _row_files.assign_rows(part.variable, part.offset,
                                                ids, rows, contained=False)
@@ -247,12 +249,13 @@ class Applier:
                 raise _backup_chain.corrupt_file_error(
                     path, entry, "its content is not what was written "
                     "(length or fingerprint)")
-            values = tf.io.parse_tensor(content, tf.string)
+            sizes = tf.constant(record["sizes"], tf.int64)
             for component, key, lowest, _ in wanted:
                 parts = self._catalog.parts.get(key)
                 if parts:
-                    pieces.setdefault(key, []).append((lowest, tf.io.parse_tensor(
-                        values[component], parts[0].variable.dtype).numpy()))
+                    pieces.setdefault(key, []).append((lowest, _row_files.part(
+                        content, sizes, component,
+                        parts[0].variable.dtype).numpy()))
         for key, found in pieces.items():
             for part in self._catalog.parts[key]:
                 for lowest, value in found:

@@ -8,12 +8,12 @@ passes through the coordinator. Restoring reads each file on the ps that
 holds the rows now, which may be split differently: a file holds global row
 ids.
 
-A row file is `tf.io.serialize_tensor` of a 1-D string tensor: the
-serialized int64 global row ids, then the serialized rows of each variable
-of the group, in order (shape `[len(ids)] + variable.shape[1:]`). A bundle
-(small variables written whole) is the same without the ids. A file's
-length and farmhash fingerprint are recorded in the backup's manifest and
-checked before it is parsed. Pure TensorFlow.
+A row file is the concatenation of `tf.io.serialize_tensor` of the int64
+global row ids, then of the rows of each variable of the group, in order
+(shape `[len(ids)] + variable.shape[1:]`); a bundle (small variables written
+whole) is the same without the ids. The manifest records each part's size,
+and the file's length and farmhash fingerprint, checked before it is parsed.
+Pure TensorFlow.
 """
 
 import math
@@ -58,26 +58,27 @@ def write_rows(prefix, local_ids, offset, variables, block_rows):
         block_rows: rows per file.
 
     Returns:
-        An int64 tensor of shape `[len(RECORD_FIELDS), files]`: each file's
-        length in bytes, fingerprint, row count, first and last id.
+        An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(variables),
+        files]`: each file's length in bytes, fingerprint, row count, first
+        and last id, then the size of each of its parts (ids, variables).
     """
     local_ids = tf.cast(tf.reshape(local_ids, [-1]), tf.int64)
     count = tf.size(local_ids, out_type=tf.int64)
     blocks = (count + block_rows - 1) // block_rows
     records = [tf.TensorArray(tf.int64, size=0, dynamic_size=True,
-                              element_shape=[]) for _ in RECORD_FIELDS]
+                              element_shape=[])
+               for _ in range(len(RECORD_FIELDS) + 1 + len(variables))]
 
     def write_block(block, *records):
         ids = local_ids[block * block_rows:(block + 1) * block_rows]
         parts = [tf.io.serialize_tensor(ids + offset)]
         parts += [tf.io.serialize_tensor(_rows(v, ids)) for v in variables]
-        content = tf.io.serialize_tensor(tf.stack(parts))
-        tf.io.write_file(
-            tf.strings.join([prefix, ".", tf.strings.as_string(block)]),
-            content)
-        values = (tf.cast(tf.strings.length(content), tf.int64),
-                  fingerprint(content), tf.size(ids, out_type=tf.int64),
-                  tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset)
+        content = _write(
+            tf.strings.join([prefix, ".", tf.strings.as_string(block)]), parts)
+        values = (_length(content), fingerprint(content),
+                  tf.size(ids, out_type=tf.int64),
+                  tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset,
+                  *[_length(part) for part in parts])
         index = tf.cast(block, tf.int32)
         return (block + 1,) + tuple(
             r.write(index, v) for r, v in zip(records, values))
@@ -93,17 +94,27 @@ def write_whole(path, variables):
     under the device holding them.
 
     Returns:
-        An int64 tensor of shape `[len(RECORD_FIELDS), 1]`, as `write_rows`
-        (rows, first and last id 0).
+        An int64 tensor of shape `[len(RECORD_FIELDS) + len(variables), 1]`,
+        as `write_rows` (rows, first and last id 0; no ids part).
     """
-    content = tf.io.serialize_tensor(tf.stack([
-        tf.io.serialize_tensor(tf.raw_ops.ReadVariableOp(
-            resource=v.handle, dtype=v.dtype)) for v in variables]))
-    tf.io.write_file(path, content)
+    parts = [tf.io.serialize_tensor(tf.raw_ops.ReadVariableOp(
+        resource=v.handle, dtype=v.dtype)) for v in variables]
+    content = _write(path, parts)
     zero = tf.constant(0, tf.int64)
-    return tf.reshape(tf.stack([
-        tf.cast(tf.strings.length(content), tf.int64), fingerprint(content),
-        zero, zero, zero]), [len(RECORD_FIELDS), 1])
+    return tf.reshape(tf.stack(
+        [_length(content), fingerprint(content), zero, zero, zero]
+        + [_length(part) for part in parts]), [-1, 1])
+
+
+def _length(string):
+    return tf.cast(tf.strings.length(string), tf.int64)
+
+
+def _write(path, parts):
+    """Writes the concatenation of `parts` to `path`; returns it."""
+    content = tf.strings.join(parts)
+    tf.io.write_file(path, content)
+    return content
 
 
 def read_file(path):
@@ -114,18 +125,12 @@ def read_file(path):
             fingerprint(content))
 
 
-def parse(content, dtypes, with_ids=True):
-    """(ids or None, {component: value}) of a checked file's `content`,
-    parsing only the components in `dtypes` ({index in the file: dtype}).
-
-    Args:
-        with_ids: a row file (component 0 holds the ids, the variables
-            follow from 1); False: a bundle (the variables from 0).
-    """
-    parts = tf.io.parse_tensor(content, tf.string)
-    ids = tf.io.parse_tensor(parts[0], tf.int64) if with_ids else None
-    return ids, {i: tf.io.parse_tensor(parts[i], dtype)
-                 for i, dtype in sorted(dtypes.items())}
+def part(content, sizes, index, dtype):
+    """Part `index` of a checked file's `content` (whose parts have `sizes`,
+    an int64 vector), parsed as a tensor of `dtype`."""
+    start = tf.reduce_sum(sizes[:index])
+    return tf.io.parse_tensor(
+        tf.strings.substr(content, start, sizes[index]), dtype)
 
 
 def assign_rows(variable, first, ids, rows, contained):
