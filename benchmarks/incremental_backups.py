@@ -1,0 +1,298 @@
+"""Incremental backups of a large embedding table: bytes and time.
+
+The model and data of fit_large_tables.py: Embedding(R, 64) sharded over 2 ps
+(FixedShardsPartitioner(2)), 2 workers, in-process cluster, batch 256 x 16
+Zipf-like ids over the whole table, MLP 128-64-1, steps_per_execution=10,
+keras_ps.optimizers.LazyAdam. A backup every 100 steps (after
+`coordinator.join()`, as BackupAndRestore does), in three runs, each in its
+own process:
+
+  none         no backup: the reference training time
+  incremental  keras_ps.IncrementalBackup.save(): a full backup first, then
+               deltas (a new full backup when the deltas add up to one)
+  keras_h5     model.save_weights(...weights.h5): the full Keras weights file
+               BackupAndRestore writes without `incremental` (R <= 1M only:
+               at 10M each would write 7.7 GB)
+
+For each delta: its bytes, the rows of the table it holds, and the minimum
+a delta can be: the rows touched since the previous backup (counted
+independently, from LazyAdam's per-row step slot) x the bytes of a row with
+its slots (64 x 4 x 3 + 8), plus every other variable whole. Training time:
+steps/s of the measured epochs (the first epoch, with the tracing and the
+first full backup, is warm-up), without the time spent counting touched rows.
+Then one restore of the newest chain (full + deltas) into the same model.
+
+    .venv/bin/python benchmarks/incremental_backups.py --rows 1000000 --repeats 3
+    .venv/bin/python benchmarks/incremental_backups.py --rows 10000000 \\
+        --modes none,incremental --repeats 3
+"""
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import fit_large_tables as large  # noqa: E402  (the model's data)
+
+EVERY = 100  # steps between backups
+MODES = ("none", "incremental", "keras_h5")
+ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
+
+
+def _model(keras, keras_ps, strategy, rows, dim, ids):
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((ids,), dtype="int64"),
+            keras.layers.Embedding(rows, dim),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ])
+        model.compile(keras_ps.optimizers.LazyAdam(0.01), "binary_crossentropy",
+                      steps_per_execution=large.STEPS_PER_EXECUTION)
+    return model
+
+
+def run_child(mode, rows, epochs, steps, directory):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+    from keras_ps import _sharded_weights
+    from keras_ps.partitioners import FixedShardsPartitioner
+
+    resolver = keras_ps.create_in_process_cluster(2, 2)
+    strategy = keras_ps.ParameterServerStrategy(
+        resolver, variable_partitioner=FixedShardsPartitioner(2))
+    keras.utils.set_random_seed(0)
+    model = _model(keras, keras_ps, strategy, rows, large.DIM, large.IDS)
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    table = model.layers[0].embeddings
+    optimizer = model.optimizer
+    sizes = {}
+
+    def measure_model():
+        """Bytes of the variables that are not the table or its slots, and
+        LazyAdam's per-row step slot of each shard (the optimizer is built
+        by fit)."""
+        table_and_slots = {id(table)} | {
+            id(v) for v in _sharded_weights.collapse(optimizer.variables)
+            if getattr(v, "path", "").startswith(table.path + "_")}
+        sizes["dense_bytes"] = sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+            for v in _sharded_weights.collapse(model.weights)
+            + _sharded_weights.collapse(optimizer.variables)
+            if id(v) not in table_and_slots)
+        sizes["row_steps"] = [
+            optimizer._row_steps[optimizer._get_variable_index(shard)]
+            for shard in model.layers[0].weights]
+
+    backup = None
+    if mode == "incremental":
+        backup = keras_ps.IncrementalBackup(model, directory)
+    records, ends = [], []
+    state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
+
+    def touched_since(iterations):
+        """Rows updated after step `iterations`."""
+        started = time.perf_counter()
+        count = sum(int(np.count_nonzero(s.numpy() > iterations))
+                    for s in sizes["row_steps"])
+        state["overhead"] += time.perf_counter() - started
+        return count
+
+    class Backups(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            measure_model()
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            step = self.epoch * steps + batch + 1
+            if step // EVERY == state["step"] // EVERY:
+                state["step"] = step
+                return
+            state["step"] = step
+            if mode == "none":
+                return
+            coordinator.join()
+            started = time.perf_counter()
+            if mode == "incremental":
+                entry = backup.save()
+                seconds = time.perf_counter() - started
+                iterations = int(optimizer.iterations.numpy())
+                touched = touched_since(state["last_iterations"])
+                state["last_iterations"] = iterations
+                records.append(dict(
+                    step=step, kind=entry.kind, bytes=entry.bytes,
+                    seconds=seconds, table_rows=_table_rows(backup, entry.id),
+                    touched=touched,
+                    minimum=touched * ROW_BYTES + sizes["dense_bytes"]))
+            else:
+                path = os.path.join(directory, "backup.weights.h5")
+                model.save_weights(path, overwrite=True)
+                records.append(dict(step=step, kind="keras_h5",
+                                    bytes=os.path.getsize(path),
+                                    seconds=time.perf_counter() - started))
+
+        def on_epoch_end(self, epoch, logs=None):
+            ends.append((time.perf_counter(), state["overhead"]))
+
+    model.fit(keras_ps.DatasetCreator(large.dataset_fn_for(tf, rows)),
+              epochs=epochs, steps_per_epoch=steps, verbose=0,
+              callbacks=[Backups()])
+    (t0, o0), (t1, o1) = ends[0], ends[-1]
+    result = dict(mode=mode, rows=rows, every=EVERY, records=records,
+                  steps_per_s=(epochs - 1) * steps / (t1 - t0 - (o1 - o0)),
+                  dense_bytes=sizes["dense_bytes"], row_bytes=ROW_BYTES)
+    if backup is not None:
+        started = time.perf_counter()
+        entry = backup.restore()
+        result["restore"] = dict(seconds=time.perf_counter() - started,
+                                 deltas=entry.deltas, id=entry.id)
+    return result
+
+
+def _table_rows(backup, entry_id):
+    """Rows of the embedding table (the model's first weight) in a backup."""
+    from keras_ps import _backup_chain
+
+    manifest = _backup_chain.read(backup.directory)
+    return sum(r["rows"] for chain in manifest["chains"] for e in chain
+               if e["id"] == entry_id for r in e["files"]
+               if r["keys"][0] == "model/0")
+
+
+def run(mode, rows, epochs, steps, parent, timeout=7200):
+    directory = tempfile.mkdtemp(prefix=f"incremental-{mode}-", dir=parent)
+    try:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--_child", mode,
+             str(rows), str(epochs), str(steps), directory],
+            capture_output=True, text=True, env=env, timeout=timeout)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        return {"mode": mode, "rows": rows,
+                "error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _median(values, digits=2):
+    values = list(values)
+    return f"{statistics.median(values):,.{digits}f}" if values else "-"
+
+
+def _spread(values, digits=2, suffix=""):
+    """min / **median** / max."""
+    values = sorted(values)
+    if not values:
+        return "-"
+    return (f"{values[0]:.{digits}f} / **{statistics.median(values):.{digits}f}**"
+            f" / {values[-1]:.{digits}f}{suffix}")
+
+
+def summary(results):
+    """Markdown lines for RESULTS.md: per-backup figures pooled over the
+    repeats (medians); steps/s as min / median / max over the repeats, and
+    each repeat's ratio to the run without backups of the same repeat."""
+    ok = [r for r in results if "error" not in r]
+    runs = {m: [r for r in ok if r["mode"] == m] for m in MODES}
+    rows = results[0]["rows"]
+    base = {r["repeat"]: r["steps_per_s"] for r in runs["none"]}
+
+    def speed(mode):
+        mine = runs[mode]
+        ratios = [r["steps_per_s"] / base[r["repeat"]] for r in mine
+                  if r["repeat"] in base]
+        return (f"{_spread([r['steps_per_s'] for r in mine], 1)} | "
+                f"{_spread(ratios, 2, 'x')}")
+
+    lines = [f"R = {rows:,} (table + slots {rows * ROW_BYTES / 2**30:.2f} "
+             f"GiB), {len(runs['none'])} repeats:", "",
+             "| | per backup (median) | / minimum | s per backup (median) "
+             "| steps/s | / no backup |", "|---|---|---|---|---|---|"]
+    if runs["none"]:
+        lines.append(f"| no backup | | | | {speed('none')} |")
+    records = [x for r in runs["incremental"] for x in r["records"]]
+    deltas = [x for x in records if x["kind"] == "delta"]
+    fulls = [x for x in records if x["kind"] == "full"]
+    if deltas:
+        lines.append(
+            f"| incremental: delta | {_mb(statistics.median(x['bytes'] for x in deltas))}"
+            f" ({_median((x['table_rows'] for x in deltas), 0)} table rows; "
+            f"touched {_median((x['touched'] for x in deltas), 0)}) | "
+            f"{_median(x['bytes'] / x['minimum'] for x in deltas)}x | "
+            f"{_median(x['seconds'] for x in deltas)} | "
+            f"{speed('incremental')} |")
+    if fulls:
+        lines.append(
+            f"| incremental: full | {_mb(statistics.median(x['bytes'] for x in fulls))}"
+            f" ({len(fulls)} of {len(records)} backups) | | "
+            f"{_median(x['seconds'] for x in fulls)} | | |")
+    restores = [r["restore"] for r in runs["incremental"] if "restore" in r]
+    if restores:
+        lines.append(
+            f"| restore: full + {restores[0]['deltas']} deltas | | | "
+            f"{_median(x['seconds'] for x in restores)} | | |")
+    h5 = [x for r in runs["keras_h5"] for x in r["records"]]
+    if h5:
+        lines.append(
+            f"| Keras weights file (full, through the chief) | "
+            f"{_mb(statistics.median(x['bytes'] for x in h5))} | | "
+            f"{_median(x['seconds'] for x in h5)} | {speed('keras_h5')} |")
+    return lines
+
+
+def _mb(value):
+    return f"{value / 2**20:,.1f} MiB"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=500,
+                        help="steps per epoch; the first epoch is warm-up")
+    parser.add_argument("--dir", default=None,
+                        help="where backups are written (a temporary folder)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="each mode this many times, interleaved")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._child:
+        mode, rows, epochs, steps, directory = args._child
+        result = run_child(mode, int(rows), int(epochs), int(steps), directory)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    results = []
+    for repeat in range(args.repeats):
+        for mode in args.modes.split(","):
+            started = time.perf_counter()
+            result = run(mode, args.rows, args.epochs, args.steps, args.dir)
+            result["repeat"] = repeat
+            print(f"{mode} run {repeat}: {time.perf_counter() - started:.0f} s"
+                  + (f" FAILED {result['error'][-800:]}" if "error" in result
+                     else f", {result['steps_per_s']:.1f} steps/s"), flush=True)
+            results.append(result)
+    if args.json:
+        print(json.dumps(results, indent=1))
+    print("\n".join(summary(results)))
+
+
+if __name__ == "__main__":
+    main()
