@@ -67,7 +67,7 @@ def run_child(mode, rows, epochs, steps, directory):
     import tensorflow as tf
 
     import keras_ps
-    from keras_ps import _sharded_weights
+    from keras_ps.tables import _sharded_weights
     from keras_ps.partitioners import FixedShardsPartitioner
 
     resolver = keras_ps.create_in_process_cluster(2, 2)
@@ -165,7 +165,7 @@ def run_child(mode, rows, epochs, steps, directory):
 
 def _table_rows(backup, entry_id):
     """Rows of the embedding table (the model's first weight) in a backup."""
-    from keras_ps import _backup_chain
+    from keras_ps.backups import _chain as _backup_chain
 
     manifest = _backup_chain.read(backup.directory)
     return sum(r["rows"] for chain in manifest["chains"] for e in chain

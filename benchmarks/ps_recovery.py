@@ -247,7 +247,7 @@ def run_one(rows, kills, plan_name="full"):
                         for name, pid in sampler.pids().items()}
 
         handler = ChiefLog(logging.WARNING)
-        fit_logger = logging.getLogger("keras_ps._fit_epochs")
+        fit_logger = logging.getLogger("keras_ps.training._fit_epochs")
         fit_logger.addHandler(handler)
 
         class KillAndRestart(keras.callbacks.Callback):

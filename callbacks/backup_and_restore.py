@@ -6,13 +6,13 @@ import logging
 import os
 import shutil
 
-from keras_ps import _files
+from keras_ps.backups import _chain
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
-from keras_ps import incremental_backup
-from keras_ps.incremental_backup import IncrementalBackup
+from keras_ps.backups import incremental_backup
+from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
-from keras_ps.resumable import ResumableCallback
+from keras_ps.training._fit_epochs import ResumableCallback
 
 logger = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class BackupAndRestore(ResumableCallback):
             self.model.save_weights(os.path.join(self.backup_dir, name),
                                     overwrite=True)
             state = dict(state, weights=name)
-        _files.write_atomically(self._state_path, json.dumps(state))
+        _chain.write_atomically(self._state_path, json.dumps(state))
         if (previous is not None and previous.get("weights")
                 and previous["weights"] != name):
             try:

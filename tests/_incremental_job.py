@@ -35,9 +35,9 @@ import tensorflow as tf
 
 import keras_ps
 from _results import say
-from keras_ps import _backup_chain
-from keras_ps import _sharded_weights
-from keras_ps import incremental_backup
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.tables import _sharded_weights
+from keras_ps.backups import incremental_backup
 from keras_ps.errors import BackupCorruptError
 from keras_ps.partitioners import FixedShardsPartitioner
 

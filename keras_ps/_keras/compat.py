@@ -13,8 +13,8 @@ import keras
 import tensorflow as tf
 from keras.src.trainers import trainer as trainer_lib
 
-from keras_ps import sharded_variable
-from keras_ps._keras import hooks
+from keras_ps.tables import sharded_variable
+from keras_ps import _keras as hooks
 
 # (owner, attribute) of every Keras internal this module wraps.
 COMPAT_TARGETS = ((trainer_lib.Trainer, "compile"),)

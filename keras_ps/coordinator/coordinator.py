@@ -7,13 +7,13 @@ import weakref
 
 import tensorflow as tf
 
-from keras_ps import _network
-from keras_ps import _ps_state
+from keras_ps.cluster import _network
+from keras_ps.strategy import _ps_state
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
-from keras_ps import strategy as strategy_lib
-from keras_ps._network import probe
-from keras_ps._per_worker import PerWorkerValues
+from keras_ps.strategy import strategy as strategy_lib
+from keras_ps.cluster._network import probe
+from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure

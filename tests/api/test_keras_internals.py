@@ -13,12 +13,12 @@ import tensorflow as tf
 import keras
 import keras_ps  # noqa: F401
 import keras_ps.training  # noqa: F401  (installs every hook; no cluster needed)
-from keras_ps import _row_chunks
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
+from keras_ps.tables import _row_chunks
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import fit_routing
-from keras_ps._keras import hooks
+from keras_ps import _keras as hooks
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import saving as keras_saving
 from keras_ps._keras import sharding as keras_sharding

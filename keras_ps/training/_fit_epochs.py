@@ -1,5 +1,7 @@
 """What every `fit` loop does at the end of an epoch and of training (the
-steps loop in keras_ps/training.py and the shards loop in keras_ps/shards/fit.py)."""
+steps loop in keras_ps/training/training.py and the shards loop in
+keras_ps/training/sharded_fit.py), and the callbacks that tell it where to
+resume (`ResumableCallback`)."""
 
 import logging
 import time
@@ -8,8 +10,7 @@ import keras
 import tensorflow as tf
 
 from keras_ps.errors import ParameterServerUnavailableError
-from keras_ps.inputs import should_validate
-from keras_ps.resumable import ResumableCallback
+from keras_ps.training.inputs import should_validate
 
 logger = logging.getLogger(__name__)
 
@@ -179,3 +180,44 @@ def _recover(coordinator, backup, progress):
         time.monotonic() - restored_at, position[0], progress.unit[:-1],
         position[1], rolled_back, progress.unit)
     return position
+
+
+
+class ResumableCallback(keras.callbacks.Callback):
+    """A callback that tells `fit` where to resume after `on_train_begin`.
+
+    `keras_ps.callbacks.BackupAndRestore` is one: after loading a backup it
+    returns the (epoch, step within the epoch) the backup was taken at.
+
+    Attributes:
+        state_providers: name -> callable returning a JSON-able value, saved
+            with each backup (fit on a `keras_ps.ShardedInput` stores the
+            epoch's shard ledger here).
+        restored_state: the values restored with the newest backup (a dict),
+            or None.
+        recover_ps: whether `fit` gives a lost parameter server its
+            variables back and continues from `restore_latest()` (instead
+            of raising `ParameterServerUnavailableError`).
+    """
+
+    def __init__(self, recover_ps=False):
+        super().__init__()
+        self.state_providers = {}
+        self.restored_state = None
+        self.recover_ps = recover_ps
+
+    def restore_latest(self):
+        """Loads the newest backup; returns its (epoch, step) or None."""
+        return None
+
+    def has_backup(self):
+        """Whether a backup exists to restore from."""
+        return False
+
+    def describe(self):
+        """Where the backups are, for error messages."""
+        return type(self).__name__
+
+    def resume_position(self):
+        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
+        return None

@@ -13,10 +13,10 @@ import logging
 
 import keras
 
-from keras_ps import _fit_epochs
+from keras_ps.training import _fit_epochs
 from keras_ps._keras import fit_routing
-from keras_ps.resumable import ResumableCallback
-from keras_ps.training_logs import python_logs
+from keras_ps.training._fit_epochs import ResumableCallback
+from keras_ps.training.logs import python_logs
 from keras_ps.shards.ledger import ShardLedger, ShardState
 
 logger = logging.getLogger(__name__)

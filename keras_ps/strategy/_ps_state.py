@@ -21,7 +21,7 @@ import weakref
 
 import tensorflow as tf
 
-from keras_ps import _blockwise_init
+from keras_ps.tables import _blockwise_init
 from keras_ps import _tf_adapter
 
 logger = logging.getLogger(__name__)

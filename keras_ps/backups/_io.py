@@ -1,9 +1,9 @@
 """Writing one backup entry and applying a chain of them, device by device.
 
-Every device holding variables of a catalog (keras_ps._backup_catalog) runs
+Every device holding variables of a catalog (keras_ps.backups._catalog) runs
 its own part at the same time as the others, in a thread of its own: to
 write, one traced function per device writes all its groups on that device
-(keras_ps._row_files) and returns only each file's length, fingerprint and
+(keras_ps.backups._row_files) and returns only each file's length, fingerprint and
 row range; to restore, each device reads the row files holding rows it
 holds now, checks them and scatters their rows into its variables, entry
 after entry (a full backup, then its deltas in order). Bundles of small
@@ -16,10 +16,10 @@ import os
 
 import tensorflow as tf
 
-from keras_ps import _backup_chain
-from keras_ps import _dirty_rows
-from keras_ps import _row_chunks
-from keras_ps import _row_files
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.tables import _dirty_rows
+from keras_ps.tables import _row_chunks
+from keras_ps.backups import _row_files
 from keras_ps import _tf_adapter
 
 
@@ -28,7 +28,7 @@ class Writer:
     kind of backup, at its first use.
 
     Args:
-        catalog: a keras_ps._backup_catalog.Catalog.
+        catalog: a keras_ps.backups._catalog.Catalog.
     """
 
     def __init__(self, catalog):
@@ -136,7 +136,7 @@ class Applier:
     Bundles (small variables, whole) are read here and assigned.
 
     Args:
-        catalog: a keras_ps._backup_catalog.Catalog.
+        catalog: a keras_ps.backups._catalog.Catalog.
     """
 
     def __init__(self, catalog):

@@ -4,7 +4,7 @@ Pure TensorFlow (no Keras internals). Each function takes the `tf.Variable`s
 of one weight (or one shard) and its slots, and a `tf.IndexedSlices`
 gradient, and updates only the gradient's rows, in place, with as few ops as
 TF has kernels for. When the table is tracked for incremental backups
-(keras_ps._dirty_rows), each also marks the rows it updated; otherwise that
+(keras_ps.tables._dirty_rows), each also marks the rows it updated; otherwise that
 adds nothing. Callers run them under `tf.device(variable.device)`, so
 the work happens on the ps holding the variable and only the gradient's rows
 travel.
@@ -16,7 +16,7 @@ are those of the dense update applied to that dense gradient.
 
 import tensorflow as tf
 
-from keras_ps import _dirty_rows
+from keras_ps.tables import _dirty_rows
 
 
 def deduplicate(gradient):

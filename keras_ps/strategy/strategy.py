@@ -20,10 +20,10 @@ import threading
 
 import tensorflow as tf
 
-from keras_ps import _blockwise_init
-from keras_ps import _connection
-from keras_ps import _ps_state
-from keras_ps import _sharded_variable_ops
+from keras_ps.tables import _blockwise_init
+from keras_ps.cluster import _connection
+from keras_ps.strategy import _ps_state
+from keras_ps.tables import _sharded_variable_ops
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._keras import atomic_updates as keras_atomic_updates
@@ -31,9 +31,9 @@ from keras_ps._keras import compat as keras_compat
 from keras_ps._keras import initializers as keras_initializers
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import sharding as keras_sharding
-from keras_ps._per_worker import PerWorkerValues
-from keras_ps._per_worker import current_worker
-from keras_ps._per_worker import worker_device
+from keras_ps.strategy._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import current_worker
+from keras_ps.strategy._per_worker import worker_device
 from keras_ps.errors import ClusterConfigError
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Row files: rows of variables written and read on the device holding them.
 
-An incremental backup (keras_ps.incremental_backup) stores each group of
+An incremental backup (keras_ps.backups.incremental_backup) stores each group of
 variables that share rows (a table shard and its optimizer slots, or one
 variable alone) as a series of row files, written by the ps that holds the
 group: the rows are gathered, serialized and written there, so none of them

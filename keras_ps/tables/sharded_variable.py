@@ -14,8 +14,7 @@ import threading
 import numpy as np
 import tensorflow as tf
 
-from keras_ps import _row_chunks
-from keras_ps import _sliced_checkpoint
+from keras_ps.tables import _row_chunks
 
 
 logger = logging.getLogger(__name__)
@@ -145,7 +144,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         for v in variables:
             self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
         if self.nbytes > SLICED_SAVE_MIN_BYTES:
-            self.__class__ = _sliced_checkpoint.sliced_class(type(self))
+            self.__class__ = _row_chunks.sliced_class(type(self))
 
     @property
     def variables(self):

@@ -4,11 +4,11 @@ rows that changed.
 A full backup of a 10M x 64 table with LazyAdam is 7.7 GB; a batch of 4,096
 Zipf ids touches a few thousand rows. Here a table that its optimizer
 updates row by row (SGD without momentum, Adagrad, Ftrl, keras_ps' LazyAdam)
-has its changed rows tracked on its ps (keras_ps._dirty_rows), and a *delta*
+has its changed rows tracked on its ps (keras_ps.tables._dirty_rows), and a *delta*
 holds only those rows, with their optimizer slot rows, plus every other
-variable whole. Each ps writes its own rows (keras_ps._row_files); only file
+variable whole. Each ps writes its own rows (keras_ps.backups._row_files); only file
 names and sizes reach the coordinator, which publishes the backup by
-renaming a small manifest (keras_ps._backup_chain). Restoring applies the
+renaming a small manifest (keras_ps.backups._chain). Restoring applies the
 newest full backup and its deltas in order: the values a full backup at the
 same step holds, bit for bit, into any number of shards.
 """
@@ -24,10 +24,10 @@ import uuid
 
 import tensorflow as tf
 
-from keras_ps import _backup_catalog
-from keras_ps import _backup_chain
-from keras_ps import _backup_io
-from keras_ps import _dirty_rows
+from keras_ps.backups import _catalog as _backup_catalog
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.backups import _io as _backup_io
+from keras_ps.tables import _dirty_rows
 from keras_ps import _tf_adapter
 from keras_ps.errors import BackupCorruptError
 from keras_ps.errors import ClusterConfigError

@@ -20,7 +20,6 @@ import os
 import re
 import shutil
 
-from keras_ps import _files
 from keras_ps.errors import BackupCorruptError
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ def read(directory):
 
 def publish(directory, manifest):
     """Replaces the manifest atomically, then deletes unnamed entry folders."""
-    _files.write_atomically(os.path.join(directory, MANIFEST_FILE),
+    write_atomically(os.path.join(directory, MANIFEST_FILE),
                             json.dumps(manifest, indent=1))
     remove_unlisted(directory, manifest)
 
@@ -153,3 +152,16 @@ def corrupt_file_error(path, entry, reason):
 def delta_bytes(chain, length):
     """Bytes of the deltas in the first `length` entries of `chain`."""
     return sum(entry["bytes"] for entry in chain[1:length])
+
+
+
+def write_atomically(path, data):
+    """Writes `data` (str or bytes) to `path` via a temporary file and rename."""
+    tmp = os.path.join(os.path.dirname(path),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    mode = "wb" if isinstance(data, bytes) else "w"
+    with open(tmp, mode) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

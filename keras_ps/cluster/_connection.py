@@ -16,7 +16,7 @@ import time
 import tensorflow as tf
 
 from keras_ps import _constants
-from keras_ps import _network
+from keras_ps.cluster import _network
 from keras_ps.errors import ClusterUnreachableError
 
 logger = logging.getLogger(__name__)

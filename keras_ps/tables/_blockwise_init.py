@@ -20,7 +20,7 @@ is in keras_ps._keras.sharding.
 
 import tensorflow as tf
 
-from keras_ps import _row_chunks
+from keras_ps.tables import _row_chunks
 
 # Variables from this size are made in blocks; smaller ones as TF does.
 BLOCKWISE_MIN_BYTES = 256 * 2**20

@@ -13,7 +13,7 @@ the strategy's `variable_partitioner` splits becomes:
 
 Saving sees the container, never the shards (`collapse`), so every format
 holds one full tensor per weight; Keras weights files write and read it a
-block of rows at a time, shard by shard (`keras_ps._row_chunks`), so no
+block of rows at a time, shard by shard (`keras_ps.tables._row_chunks`), so no
 process holds the whole weight. This module uses only public Keras API; the
 hooks that call it live in `keras_ps._keras.sharding`.
 """
@@ -25,8 +25,8 @@ import threading
 import keras
 import tensorflow as tf
 
-from keras_ps import partitioners as partitioners_lib
-from keras_ps.sharded_variable import ShardedVariable
+from keras_ps.tables import partitioners as partitioners_lib
+from keras_ps.tables.sharded_variable import ShardedVariable
 
 logger = logging.getLogger(__name__)
 

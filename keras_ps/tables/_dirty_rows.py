@@ -2,7 +2,7 @@
 
 An incremental backup writes only the rows of a large table (and of its
 optimizer slots) that changed since the previous backup. The row-wise
-updates (keras_ps._rowwise) know exactly which rows they touch, so when a
+updates (keras_ps.tables._rowwise) know exactly which rows they touch, so when a
 table is tracked each such update also writes, with one scatter on the
 table's ps, the current *generation* into the table's dirty vector (one
 int32 per row, colocated with the table). A backup then:
@@ -18,7 +18,7 @@ int32 per row, colocated with the table). A backup then:
 
 Tracking is decided when a function is traced: an untracked table's updates
 have no extra op at all. Pure TensorFlow; the strategy-aware creation of the
-dirty vectors lives in keras_ps.incremental_backup.
+dirty vectors lives in keras_ps.backups.incremental_backup.
 """
 
 import threading

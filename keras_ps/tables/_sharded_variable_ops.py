@@ -12,9 +12,9 @@ import typing
 
 import tensorflow as tf
 
-from keras_ps import partitioners as partitioners_lib
-from keras_ps.sharded_variable import ShardedVariable
-from keras_ps.sharded_variable import partitioning_allowed
+from keras_ps.tables import partitioners as partitioners_lib
+from keras_ps.tables.sharded_variable import ShardedVariable
+from keras_ps.tables.sharded_variable import partitioning_allowed
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ depend on how it is sharded, grouped by the rows that change together.
 
 Variables are the model's weights and the optimizer's variables, in the
 order Keras saves them, each sharded weight (or slot of one) counted once,
-whole (keras_ps._sharded_weights.collapse): key `"model/3"` is the 4th
+whole (keras_ps.tables._sharded_weights.collapse): key `"model/3"` is the 4th
 weight of the model however many shards hold it, so a backup restores into
 any partitioning. Each `tf.Variable` that holds rows of one is a `Part`.
 
@@ -23,9 +23,9 @@ import dataclasses
 import keras
 import tensorflow as tf
 
-from keras_ps import _sharded_weights
+from keras_ps.tables import _sharded_weights
 from keras_ps._keras import row_tracking
-from keras_ps.sharded_variable import ShardedVariable
+from keras_ps.tables.sharded_variable import ShardedVariable
 
 # Parts up to this size that are not tables go into their device's bundle.
 BUNDLE_MAX_BYTES = 2**20

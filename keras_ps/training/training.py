@@ -14,17 +14,17 @@ import logging
 import keras
 import tensorflow as tf
 
-from keras_ps import _fit_epochs
-from keras_ps import exact_evaluation
-from keras_ps import inputs
+from keras_ps.training import _fit_epochs
+from keras_ps.training import exact_evaluation
+from keras_ps.training import inputs
 from keras_ps import shards
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
-from keras_ps.inputs import DatasetCreator  # noqa: F401  (keras_ps.training.DatasetCreator)
-from keras_ps.resumable import ResumableCallback
-from keras_ps.shards import fit as sharded_fit
+from keras_ps.training.inputs import DatasetCreator
+from keras_ps.training._fit_epochs import ResumableCallback
+from keras_ps.training import sharded_fit
 from keras_ps.strategy import ParameterServerStrategy
-from keras_ps.training_logs import StepLogs, StepLogsTracker, python_logs
+from keras_ps.training.logs import StepLogs, StepLogsTracker, python_logs
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from keras_ps import _constants
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator.datasets import serialized
-from keras_ps.training_logs import python_logs
+from keras_ps.training.logs import python_logs
 
 logger = logging.getLogger(__name__)
 
