@@ -136,3 +136,39 @@ def test_setup_cfg_lists_every_package():
              if "__init__.py" in files}
     assert found <= listed, sorted(found - listed)
     assert "keras_ps.callbacks" in listed
+
+
+def _documented_imports():
+    """`import keras_ps...` and `from keras_ps... import ...` lines of the
+    README, docs/*.md and tutorials/*, as written (one line each)."""
+    import glob
+    import os
+    import re
+
+    from _paths import REPO
+
+    paths = ([os.path.join(REPO, "README.md")]
+             + glob.glob(os.path.join(REPO, "docs", "*.md"))
+             + glob.glob(os.path.join(REPO, "tutorials", "*")))
+    pattern = re.compile(
+        r"^\s*((?:from keras_ps[\w.]* import [\w, ]+)|"
+        r"(?:import (?:[\w.]+(?: as \w+)?, )*keras_ps[\w.]*(?: as \w+)?"
+        r"(?:, [\w.]+(?: as \w+)?)*))\s*(?:#.*)?$", re.M)
+    found = set()
+    for path in paths:
+        with open(path) as f:
+            found.update(m.group(1).strip() for m in pattern.finditer(f.read()))
+    return sorted(found)
+
+
+def test_every_documented_import_works_in_a_fresh_process():
+    lines = _documented_imports()
+    assert len(lines) >= 5, lines
+    code = "".join(
+        f"try:\n    {line}\nexcept Exception as e:\n"
+        f"    failures.append(({line!r}, repr(e)))\n" for line in lines)
+    result = subprocess.run(
+        [sys.executable, "-c", "failures = []\n" + code + "print(failures)"],
+        capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", (lines, result.stdout)
