@@ -120,7 +120,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
     if isinstance(x, shards.ShardedInput):
-        # Dynamic data shards: the epoch is every shard once (shards/fit.py).
+        # Dynamic data shards: the epoch is every shard once (training/sharded_fit.py).
         inputs.no_targets(x, y, sample_weight)
         if class_weight is not None or validation_split:
             raise ValueError(
