@@ -1,4 +1,5 @@
-"""Weights on the ps to and from a Keras weights file, a block of rows at a time.
+"""Weights on the ps to and from files, a block or a slice of rows at a time:
+Keras weights files, and TF checkpoints of a large sharded variable.
 
 A Keras weights file (`.weights.h5`, the h5 inside a `.keras`) holds one full
 dataset per weight. For a weight on the ps (a sharded weight, an optimizer
@@ -8,8 +9,10 @@ shard's ps, so only the block crosses the wire; it loads it back the same
 way, each block of the file's rows assigned to the shard that holds them. No
 process holds more than a block (`KERAS_PS_SAVE_CHUNK_BYTES`, 64 MB by
 default), and the file is the one plain Keras writes, so a plain Keras model
-loads it. This module uses public TF and numpy API only; the Keras hooks that
-call it live in `keras_ps._keras.saving`.
+loads it. That part uses public TF and numpy API only; the Keras hooks that
+call it live in `keras_ps._keras.saving`. A TF checkpoint holds a large
+sharded variable as one slice per shard, each read and written by its ps
+through TF's saveable objects (`keras_ps._tf_adapter`).
 """
 
 import contextlib
