@@ -57,6 +57,10 @@ class ShardedWeight(ShardedVariable):
     ```
     """
 
+    # In a SavedModel the shards are the variables (Keras lists them as the
+    # model's weights; `model.export()` tracks those).
+    _saved_as_one_variable = False
+
     def __init__(self, keras_variables, tf_variables, path):
         super().__init__(tf_variables, name=path.split("/")[-1])
         self._keras_variables = list(keras_variables)

@@ -4,7 +4,9 @@ Created by `ParameterServerStrategy` when its `variable_partitioner` asks for
 more than one shard. Shards are ordinary variables, so gradients, optimizer
 slots and updates work on each shard where it lives. A checkpoint holds the
 whole variable as one tensor, so it restores into any number of shards or
-into a plain variable.
+into a plain variable. So does a SavedModel, as TF's own sharded variable's:
+there it is one variable of the full shape, which loads as a plain variable,
+or, under a strategy with a `variable_partitioner`, as a ShardedVariable.
 """
 
 import contextlib
@@ -16,6 +18,7 @@ import tensorflow as tf
 
 from keras_ps import _row_chunks
 from keras_ps import _sliced_checkpoint
+from keras_ps import _tf_adapter
 
 
 logger = logging.getLogger(__name__)
@@ -144,13 +147,32 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         self._row_offsets = [0]
         for v in variables:
             self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
+        self._full_variable = None  # made by the first tf.saved_model.save
         if self.nbytes > SLICED_SAVE_MIN_BYTES:
             self.__class__ = _sliced_checkpoint.sliced_class(type(self))
 
     @property
     def variables(self):
-        """The shards (each a tf.Variable on its own ps)."""
-        return list(self._variables)
+        """The shards (each a tf.Variable on its own ps); while
+        `tf.saved_model.save` traces, the one full variable the SavedModel
+        holds instead (as TF's sharded variable)."""
+        return list(self._parts()[0])
+
+    def _parts(self):
+        """(variables, row offsets) that reads and updates go through: the
+        shards, or while `tf.saved_model.save` traces, one uninitialised
+        variable of the full shape (it allocates nothing: the SavedModel's
+        values are written from the shards), so the saved functions read
+        one variable, which a plain TF process loads."""
+        if not (self._saved_as_one_variable
+                and _tf_adapter.in_save_context()):
+            return self._variables, self._row_offsets
+        if self._full_variable is None:
+            with tf.init_scope():
+                self._full_variable = _tf_adapter.uninitialized_variable(
+                    shape=self.shape, dtype=self.dtype, name=self._name,
+                    trainable=self.trainable)
+        return [self._full_variable], [0, self._row_offsets[-1]]
 
     @property
     def name(self):
@@ -196,7 +218,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
 
     def read_value(self):
         """The whole variable as one tensor (concatenates every shard)."""
-        return tf.concat([v.read_value() for v in self._variables], axis=0)
+        return tf.concat([v.read_value() for v in self._parts()[0]], axis=0)
 
     def value(self):
         return self.read_value()
@@ -204,9 +226,10 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def numpy(self):
         return self.read_value().numpy()
 
-    def _split(self, value):
+    def _split(self, value, variables=None):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
-        sizes = [int(v.shape[0]) for v in self._variables]
+        variables = self._parts()[0] if variables is None else variables
+        sizes = [int(v.shape[0]) for v in variables]
         return tf.split(value, sizes, axis=0)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -215,31 +238,32 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             _row_chunks.assign_by_rows(self, self._variables, value)
             return self
         value = _row_chunks.value_to_assign(self, value)
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign(part)
         return self
 
     def assign_add(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign_add(part)
         return self
 
     def assign_sub(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign_sub(part)
         return self
 
     def _route(self, ids):
         """For each shard: (positions in `ids`, local row ids) of its rows."""
         ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
-        bounds = tf.constant(self._row_offsets[1:-1], dtype=tf.int64)
+        variables, row_offsets = self._parts()
+        bounds = tf.constant(row_offsets[1:-1], dtype=tf.int64)
         shard = tf.searchsorted(bounds, ids, side="right")
-        offsets = tf.constant(self._row_offsets[:-1], dtype=tf.int64)
+        offsets = tf.constant(row_offsets[:-1], dtype=tf.int64)
         local = ids - tf.gather(offsets, shard)
         shard32 = tf.cast(shard, tf.int32)
-        n = len(self._variables)
+        n = len(variables)
         positions = tf.dynamic_partition(tf.range(tf.size(ids)), shard32, n)
         locals_ = tf.dynamic_partition(local, shard32, n)
         return positions, locals_
@@ -256,7 +280,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
                                 tf.rank(sparse_delta.indices):]], 0))
         positions, locals_ = self._route(flat_ids)
         for i, (v, pos, rows) in enumerate(
-                zip(self._variables, positions, locals_)):
+                zip(self._parts()[0], positions, locals_)):
             part_name = None if name is None else f"{name}/part_{i}"
             getattr(v, method)(tf.IndexedSlices(tf.gather(values, pos), rows),
                                name=part_name)
@@ -307,7 +331,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         unique, position = tf.unique(flat)
         positions, locals_ = self._route(unique)
         parts = []
-        for v, rows in zip(self._variables, locals_):
+        for v, rows in zip(self._parts()[0], locals_):
             with tf.device(v.device):
                 parts.append(tf.gather(v, rows))
         gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
@@ -328,7 +352,8 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             var_shape=self._variables[index].shape.as_list()).spec
 
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.read_value()}
+        return {"VARIABLE_VALUE": tf.concat(
+            [v.read_value() for v in self._variables], axis=0)}
 
     def _restore_from_tensors(self, restored_tensors):
         value = restored_tensors["VARIABLE_VALUE"]
@@ -340,36 +365,91 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
                 f"{tuple(self.shape)}. Restore into a model built the same way.")
         # Ops (not self): a SavedModel traces this into its restore function.
         return tf.group(*[v.assign(part, read_value=False) for v, part in
-                          zip(self._variables, self._split(value))])
+                          zip(self._variables,
+                              self._split(value, self._variables))])
 
-    # -- SavedModel: each shard is saved as a variable of its own -------------
-    # (a checkpoint holds the whole variable as one tensor; a SavedModel holds
-    # the shards, which its functions capture, as children `part_0`, ...).
+    # -- SavedModel: one variable of the full shape, as TF's own --------------
+    # False for Keras weights (ShardedWeight): Keras lists their shards as
+    # the model's weights, which `model.export()` tracks and its functions
+    # capture, so there the shards are the SavedModel's variables.
+    _saved_as_one_variable = True
+
+    # The functions traced for the SavedModel read `_parts()`, the full
+    # variable; its node is a variable (so `tf.saved_model.load` gives a
+    # plain variable, or a ShardedVariable under a partitioner) and its value
+    # is written from the shards under this object's key, as in a checkpoint:
+    # the SavedModel holds each row once, never a whole shard twice.
+    @property
+    def _should_act_as_resource_variable(self):
+        """Present only while `tf.saved_model.save` runs, where it makes the
+        SavedModel write this object as a variable node; elsewhere
+        `hasattr(self, ...)` is False, so TF treats it as a container."""
+        if not (self._saved_as_one_variable
+                and _tf_adapter.in_save_context()):
+            raise AttributeError("_should_act_as_resource_variable")
+        return True
+
+    @property
+    def _shared_name(self):
+        # The name TF's save gives a variable node's checkpoint entry.
+        return self._name
+
+    def _write_object_proto(self, proto, options):
+        _tf_adapter.write_variable_proto(self._parts()[0][0], proto, options)
+
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        if save_type == "savedmodel":
+        if save_type == "savedmodel" and not self._saved_as_one_variable:
             return {f"part_{i}": v for i, v in enumerate(self._variables)}
         return super()._trackable_children(save_type, **kwargs)
 
     def _export_to_saved_model_graph(self, object_map, tensor_map, options,
                                      **kwargs):
-        del tensor_map, options, kwargs
-        object_map[self] = _SavedModelCopy()
-        return []
+        if not self._saved_as_one_variable:  # the shards hold the values
+            object_map[self] = _NoValues()
+            return []
+        full = self._parts()[0][0]
+        resources = full._export_to_saved_model_graph(
+            object_map, tensor_map, options, **kwargs)
+        object_map[self] = _SavedModelCopy([object_map[full]], name=self._name)
+        return resources
+
+    @property
+    def is_sharded_variable(self):
+        """Read by `tf.saved_model.load` when a loaded function captured a
+        variable that loads as a ShardedVariable (see
+        `__tf_experimental_restore_capture__`)."""
+        return True
+
+    def __tf_experimental_restore_capture__(self, concrete_function,
+                                            internal_capture):
+        # A loaded function traced with one full variable cannot read
+        # shards: None makes calling it raise TF's own ValueError, as for
+        # TF's sharded variable. The values are loaded all the same.
+        del concrete_function, internal_capture
+        return None
 
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
 
 
-class _SavedModelCopy(tf.__internal__.tracking.Trackable):
-    """A ShardedVariable in a SavedModel's graph: its shards (its children
-    there) hold the values, so it saves nothing itself."""
+class _NoValues(tf.__internal__.tracking.Trackable):
+    """A Keras ShardedWeight in a SavedModel's graph: its shards (its
+    children there) hold the values, so it saves nothing itself."""
 
     def _serialize_to_tensors(self):
         return {}
 
     def _restore_from_tensors(self, restored_tensors):
         return tf.no_op()
+
+
+class _SavedModelCopy(ShardedVariable):
+    """A ShardedVariable in a SavedModel's graph: its one shard is the full
+    variable there, which it reads and restores as is."""
+
+    def _parts(self):
+        return self._variables, self._row_offsets
 
 
 def _to_tensor(var, dtype=None, name=None, as_ref=False):
@@ -407,18 +487,18 @@ def _slice(sv, spec):
     spec = tuple(spec)
     first, rest = spec[0], spec[1:]
     rows = int(sv.shape[0])
-    offsets = sv._row_offsets
+    variables, offsets = sv._parts()
     if isinstance(first, slice):
         start, stop, step = first.indices(rows)
         parts = []
-        for i, v in enumerate(sv._variables):
+        for i, v in enumerate(variables):
             local = _local_slice(start, stop, step, offsets[i], offsets[i + 1])
             if local is not None:
                 parts.append(v[(local,) + rest])
         if step < 0:
             parts.reverse()
         if not parts:
-            return sv._variables[0][(slice(0, 0),) + rest]
+            return variables[0][(slice(0, 0),) + rest]
         return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
     if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
         index = int(first) + rows if first < 0 else int(first)
@@ -428,7 +508,7 @@ def _slice(sv, spec):
                 f"{sv.name!r}, which has {rows} rows. Received: "
                 f"index={int(first)}. Use an index in [{-rows}, {rows - 1}].")
         shard = int(np.searchsorted(offsets[1:], index, side="right"))
-        return sv._variables[shard][(index - offsets[shard],) + rest]
+        return variables[shard][(index - offsets[shard],) + rest]
     return sv.read_value()[spec]
 
 

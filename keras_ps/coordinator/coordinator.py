@@ -11,6 +11,7 @@ from keras_ps import _network
 from keras_ps import _ps_state
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
+from keras_ps import errors
 from keras_ps import strategy as strategy_lib
 from keras_ps._network import probe
 from keras_ps._per_worker import PerWorkerValues
@@ -160,13 +161,14 @@ class ClusterCoordinator:
                 iterators) are replaced by the chosen worker's element.
 
         Raises:
-            TypeError: `fn` is not a tf.function, or an argument is a
+            ScheduleUsageError: (a `ValueError`, as TF raises, and a
+                `TypeError`) `fn` is not a tf.function, or an argument is a
                 RemoteValue.
             The first error of an earlier scheduled function, once.
             ParameterServerUnavailableError: a ps was lost.
         """
         if not _is_tf_function(fn):
-            raise TypeError(
+            raise errors.ScheduleUsageError(
                 "coordinator.schedule needs a tf.function. Received: "
                 f"fn={getattr(fn, '__name__', fn)!r} of type "
                 f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
@@ -184,7 +186,7 @@ class ClusterCoordinator:
                     else v, (args, kwargs))
                 continue
             if isinstance(value, RemoteValue):
-                raise TypeError(
+                raise errors.ScheduleUsageError(
                     "A RemoteValue was passed as an argument to schedule. "
                     f"Received: {value!r}. Call .fetch() on it first, or "
                     "return the value from the scheduled function that needs it.")
