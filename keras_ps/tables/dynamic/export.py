@@ -76,4 +76,7 @@ def export_plain_model(model):
                 return plain_layer(layer)
             return layer
 
-        return keras.models.clone_model(model, clone_function=clone)
+        cloned = keras.models.clone_model(model, clone_function=clone)
+    # A new functional model over the clone's graph: no compile state (the
+    # training model's optimizer and loss may be keras_ps' own classes).
+    return keras.Model(cloned.inputs, cloned.outputs, name=model.name)
