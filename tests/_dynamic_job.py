@@ -54,17 +54,19 @@ def report(model, table, vocab):
     lookups = table(tf.constant(query), training=False).numpy()
     state = table.live_state()
     order = np.argsort(state["keys"])
-    slots = np.concatenate([state["optimizer/momentum"][order],
-                            state["optimizer/velocity"][order]], axis=1)
+    slots = np.concatenate([state["optimizer_momentum"][order],
+                            state["optimizer_velocity"][order]], axis=1)
     summary = {"keys": state["keys"][order].tolist(),
                "hits": state["hits"][order].tolist(),
                "last_seen": state["last_seen"][order].tolist(),
                "step": int(state["step"]),
-               "stats": state["stats"].tolist(),
-               "filter_total": int(state["filter"].sum(axis=0).max())}
+               "stats": state["stats"].tolist()}
     return {"lookups": lookups.tolist(), "state": summary,
             "slots": slots.tolist(), "num_shards": table.num_shards,
-            "live_rows": len(order)}
+            "live_rows": len(order),
+            # Each shard's admission counts, combined: what a key's count is
+            # at most after a restore into another number of shards.
+            "filter": state["filter"].sum(axis=0).tolist()}
 
 
 def main(mode, directory, num_ps=2):

@@ -215,7 +215,7 @@ class DynamicEmbedding(keras.layers.Layer):
     # -- state -------------------------------------------------------------------------
     def live_state(self):
         """The live keys and everything saved with them, as numpy arrays:
-        `keys`, `rows`, `last_seen`, `hits`, `optimizer/<slot>` per key, and
+        `keys`, `rows`, `last_seen`, `hits`, `optimizer_<slot>` per key, and
         `step`, `stats`, `filter`."""
         return state_lib.gather(self._table)
 
@@ -232,7 +232,7 @@ class DynamicEmbedding(keras.layers.Layer):
         for name, value in state.items():
             if value.dtype == object:  # string keys
                 value = np.asarray(value, dtype=bytes)
-            store[name.replace("/", ".")] = value
+            store[name] = value
         if self._default is not None:
             store["default_row"] = self._default.numpy()
 
@@ -242,7 +242,7 @@ class DynamicEmbedding(keras.layers.Layer):
             if name == "default_row":
                 continue
             value = np.asarray(store[name])
-            state[name.replace(".", "/")] = value
+            state[name] = value
         if "keys" not in state:
             raise api.DynamicTableError(
                 f"The weights of DynamicEmbedding {self.name!r} hold no keys. "

@@ -192,7 +192,7 @@ class SlotShard:
                 "hits": tf.gather(self.hits, slots),
             }
             for name, variable, _ in self.optimizer_slots:
-                state[f"optimizer/{name}"] = tf.gather(variable, slots)
+                state[f"optimizer_{name}"] = tf.gather(variable, slots)
         return {k: v.numpy() for k, v in state.items()}
 
     def import_state(self, state):
@@ -217,7 +217,7 @@ class SlotShard:
             self.rows.scatter_update(tf.IndexedSlices(
                 tf.constant(state["rows"], self.rows.dtype), slots))
             for name, variable, _ in self.optimizer_slots:
-                values = state.get(f"optimizer/{name}")
+                values = state.get(f"optimizer_{name}")
                 if values is not None and len(values) == n:
                     variable.scatter_update(tf.IndexedSlices(
                         tf.constant(values, variable.dtype), slots))

@@ -28,7 +28,7 @@ def gather(table):
     filter_size]`, or `[0]`), `default_row` when trainable."""
     parts = [shard.export_state() for shard in table.shards]
     state = {name: np.concatenate([p[name] for p in parts])
-             for name in parts[0] if name in _PER_KEY or name.startswith("optimizer/")}
+             for name in parts[0] if name in _PER_KEY or name.startswith("optimizer_")}
     state["step"] = np.asarray(table.step.numpy(), np.int64)
     state["stats"] = np.sum([s.read_stats().numpy() for s in table.shards], axis=0)
     if table.shards[0].filter is not None:
@@ -57,7 +57,7 @@ def assign(table, state):
             dropped += len(mine) - shard.num_slots
             mine = np.sort(mine[newest[:shard.num_slots]])
         part = {name: value[mine] for name, value in state.items()
-                if name in _PER_KEY or name.startswith("optimizer/")}
+                if name in _PER_KEY or name.startswith("optimizer_")}
         shard.import_state(part)
         live.append(len(mine))
     if dropped:
@@ -94,6 +94,16 @@ class TableCheckpoint(tf.__internal__.tracking.Trackable):
         return {name: tf.constant(value) for name, value in state.items()}
 
     def _restore_from_tensors(self, restored_tensors):
-        state = {name: value.numpy() for name, value in restored_tensors.items()}
-        assign(self._table, state)
-        return tf.no_op()
+        # TF reads checkpoints inside a tf.function; the keys are re-routed
+        # and written shard by shard in Python, so the values come back out
+        # through a py_function.
+        names = sorted(restored_tensors)
+
+        def load(*values):
+            assign(self._table, {name: value.numpy()
+                                 for name, value in zip(names, values)})
+            return []
+
+        if tf.executing_eagerly():
+            return load(*(restored_tensors[n] for n in names)) or tf.no_op()
+        return tf.py_function(load, [restored_tensors[n] for n in names], Tout=[])
