@@ -1,6 +1,5 @@
 """`DynamicEmbedding`: an embedding whose vocabulary grows while it trains."""
 
-import contextlib
 import logging
 
 import keras

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from keras_ps._keras import hooks
 from keras_ps._sharded_weights import SAVED_BY_OWNER_ATTR, SLOT_OWNER_ATTR
+from keras_ps.strategy import ParameterServerStrategy
 
 
 class _Device:
@@ -24,8 +25,6 @@ class _Device:
 
 
 def _is_keras_ps(strategy):
-    from keras_ps.strategy import ParameterServerStrategy
-
     return isinstance(strategy, ParameterServerStrategy)
 
 
