@@ -1,0 +1,1 @@
+"""Embedding tables on the parameter servers."""
