@@ -40,6 +40,7 @@ _EXPORTS = {
     "cluster": ("keras_ps.cluster", None),
     "create_in_process_cluster": ("keras_ps.cluster", "create_in_process_cluster"),
     "elastic": ("keras_ps.elastic", None),
+    "layers": ("keras_ps.layers", None),
     "optimizers": ("keras_ps.optimizers", None),
     "partitioners": ("keras_ps.partitioners", None),
     "shards": ("keras_ps.shards", None),

@@ -28,7 +28,7 @@ STRATEGY_HOOKS = (
 # ShardedVariable: `tf.__internal__.tracking.Trackable` and
 # `tf.__internal__.CompositeTensor` are exported, but how an object saves
 # itself is their private methods. keras_ps/tables/sharded_variable.py overrides
-# these (a checkpoint holds one full tensor; a SavedModel holds the shards);
+# these (a checkpoint, and a SavedModel, hold one full tensor);
 # tests/sharding/test_tf_compat_sharded_variable.py pins they exist.
 TRACKABLE_HOOKS = (
     "_serialize_to_tensors", "_restore_from_tensors", "_trackable_children",
@@ -144,6 +144,34 @@ def resource_variable_saveable(variable, slice_spec, name):
 
     return saveable_object_util.ResourceVariableSaveable(
         variable, slice_spec, name)
+
+
+def in_save_context():
+    """True while `tf.saved_model.save` traces and exports (no public API
+    tells; TF's own ShardedVariable asks the same function)."""
+    from tensorflow.python.saved_model import save_context
+
+    return save_context.in_save_context()
+
+
+def uninitialized_variable(**kwargs):
+    """A resource variable with a shape and no value, allocating nothing
+    (no public API: `tf.Variable` always computes an initial value; TF's
+    SavedModel loader and its ShardedVariable use this class)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.UninitializedVariable(**kwargs)
+
+
+def write_variable_proto(variable, proto, options):
+    """Writes `variable` into a SavedModel object proto as a variable node
+    (no public API: TF's save calls `_write_object_proto` on any object
+    that acts as a resource variable; a ShardedVariable answers with its
+    full-shape copy, as TF's own does)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    resource_variable_ops.write_object_proto_for_resource_variable(
+        variable, proto, options, enforce_naming=False)
 
 
 def sleep_dataset(microseconds):

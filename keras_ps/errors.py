@@ -70,6 +70,17 @@ class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
         super().__init__(None, None, message)
 
 
+class ScheduleUsageError(KerasPSError, TypeError, ValueError):
+    """A coordinator API used in a way it cannot run: a function given to
+    `schedule` that is not a `tf.function`, a `RemoteValue` passed as its
+    argument, a distributed dataset iterated on the coordinator.
+
+    TF's coordinator raises `ValueError` for these; keras_ps raised
+    `TypeError` (the type of the argument is wrong). This error is both, so
+    code written against either catches it.
+    """
+
+
 class RepeatedFailureError(KerasPSError, RuntimeError):
     """Scheduled functions fail on a worker right after each of its
     re-admissions with the same kind of error: retrying cannot help, so the

@@ -18,6 +18,7 @@ from keras.src.layers import layer as layer_lib
 from keras.src.saving import saving_lib
 
 from keras_ps.tables import _sharded_weights
+from keras_ps.tables import partitioners
 from keras_ps.tables import sharded_variable
 from keras_ps import _keras as hooks
 from keras_ps._keras import saving
@@ -69,7 +70,7 @@ def _sharded_add_weight(keras_add_weight):
 def _unpartitioned_initialize(keras_initialize):
     @functools.wraps(keras_initialize)
     def _initialize(self, value):
-        with sharded_variable.no_partitioning():
+        with partitioners.no_partitioning():
             return keras_initialize(self, value)
 
     return _initialize

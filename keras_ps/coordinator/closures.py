@@ -142,13 +142,22 @@ class ClosureQueue:
             return batch
 
     def put_back(self, closures):
-        """Requeues closures whose worker was lost (at-least-once)."""
+        """Requeues closures whose worker was lost (at-least-once); cancels
+        them instead if an application error was reported while they were
+        in flight (as TF's coordinator, whose `fetch()` then raises
+        `CancelledError`), even when `join()` has raised that error since."""
         with self._cv:
             self._inflight -= len(closures)
             if self._error is not None or self._fatal is not None:
                 for c in closures:
                     c.cancel()
-            else:
+                self._cv.notify_all()
+                return
+            cancelled = [c for c in closures if c.generation != self._generation]
+            for c in cancelled:
+                c.cancel()
+            closures = [c for c in closures if c.generation == self._generation]
+            if closures:
                 # Dynamic data shards: the shard's ledger marks it lost.
                 for c in closures:
                     if c.listener is not None:

@@ -35,6 +35,7 @@ from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import current_worker
 from keras_ps.strategy._per_worker import worker_device
 from keras_ps.errors import ClusterConfigError
+from keras_ps.errors import ScheduleUsageError
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +238,7 @@ class _DistributedDatasetsFromFunction:
         return self._dataset_fn(input_context)
 
     def __iter__(self):
-        raise TypeError(
+        raise ScheduleUsageError(
             "A dataset from strategy.distribute_datasets_from_function lives "
             "on the workers; it cannot be iterated on the coordinator. "
             f"Received: iteration of distribute_datasets_from_function("

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from keras_ps.tables import partitioners as partitioners_lib
 from keras_ps.tables.sharded_variable import ShardedVariable
-from keras_ps.tables.sharded_variable import partitioning_allowed
+from keras_ps.tables.partitioners import partitioning_allowed
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,8 @@ def _single(params, api):
 def _div_shards(sv, api):
     """The shards of `sv`, which TF's embedding ops read with the "div"
     strategy; a clear error if `sv` is split otherwise."""
-    sizes = [int(v.shape[0]) for v in sv._variables]
+    shards = sv.variables  # one full variable while a SavedModel traces
+    sizes = [int(v.shape[0]) for v in shards]
     expected = [end - begin for begin, end in
                 partitioners_lib.shard_row_ranges(sum(sizes), len(sizes))]
     if sizes != expected:
@@ -77,7 +78,7 @@ def _div_shards(sv, api):
             f"strategy, which needs shards of {expected} rows. Received: "
             f"{sv.name!r} with shards of {sizes} rows. Create it with a "
             "keras_ps partitioner (they always split that way).")
-    return list(sv._variables)
+    return shards
 
 
 @tf.experimental.dispatch_for_api(tf.nn.embedding_lookup)
@@ -160,6 +161,11 @@ def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
     initial_value = kwargs.get("initial_value")
     shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
     init_fn = None
+    if initial_value is None:
+        # `tf.saved_model.load` makes uninitialised variables (its creator
+        # below ours takes `shape` and `dtype`) and restores them after.
+        return _uninitialized_sharded(extended, next_creator, partitioner,
+                                      kwargs)
     if callable(initial_value):
         if (shape is not None and dtype is not None
                 and tf.TensorShape(shape).is_fully_defined()):
@@ -191,6 +197,31 @@ def maybe_create_sharded(extended, next_creator, partitioner, kwargs):
         shard_kwargs["name"] = f"{name}/part_{i}"
         shards.append(extended._create_shard(next_creator, shard_kwargs))
     logger.info("[chief] %s %s split into %d shards", name, tuple(shape), num_shards)
+    return ShardedVariable(shards, name=name)
+
+
+def _uninitialized_sharded(extended, next_creator, partitioner, kwargs):
+    """Shards without values (as `tf.saved_model.load` asks for), or None
+    when the variable is not split or its shape is unknown."""
+    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+    if shape is None or dtype is None:
+        return None
+    shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
+    if shape.rank in (None, 0) or not shape.is_fully_defined():
+        return None
+    name = kwargs.get("name") or "Variable"
+    num_shards = partitioners_lib.validate_partition_spec(
+        partitioner(shape, dtype), shape, name)
+    if num_shards <= 1:
+        return None
+    shards = []
+    for i, (start, stop) in enumerate(
+            partitioners_lib.shard_row_ranges(int(shape[0]), num_shards)):
+        shards.append(extended._create_shard(next_creator, dict(
+            kwargs, shape=[stop - start] + shape[1:].as_list(),
+            name=f"{name}/part_{i}")))
+    logger.info("[chief] %s %s made as %d uninitialised shards", name,
+                tuple(shape), num_shards)
     return ShardedVariable(shards, name=name)
 
 

@@ -33,6 +33,12 @@ logger = logging.getLogger(__name__)
 # Each shard (a keras.Variable, or an optimizer slot of a shard) carries
 # (container, shard index) under this attribute.
 _SHARD_ATTR = "_keras_ps_shard"
+# A variable with this attribute set is saved by the layer that owns it (e.g.
+# a dynamic table's rows, with only its live rows): the variable lists that
+# saving and checkpoints walk leave it out. Its optimizer slots are announced
+# to the callable under SLOT_OWNER_ATTR, `(slot, name) -> None`, instead.
+SAVED_BY_OWNER_ATTR = "_keras_ps_saved_by_owner"
+SLOT_OWNER_ATTR = "_keras_ps_slot_owner"
 
 
 class ShardedWeight(ShardedVariable):
@@ -56,6 +62,10 @@ class ShardedWeight(ShardedVariable):
     [tuple(v.shape) for v in layer.embeddings.variables]  # [(4, 16384)] * 2
     ```
     """
+
+    # In a SavedModel the shards are the variables (Keras lists them as the
+    # model's weights; `model.export()` tracks those).
+    _saved_as_one_variable = False
 
     def __init__(self, keras_variables, tf_variables, path):
         super().__init__(tf_variables, name=path.split("/")[-1])
@@ -211,6 +221,10 @@ class _SliceInitializer:
 def group_slot(slot, reference, name):
     """Records an optimizer slot made for a shard; once every shard has its
     slot `name`, groups them into a ShardedWeight (for saving only)."""
+    announce = getattr(reference, SLOT_OWNER_ATTR, None)
+    if announce is not None:
+        announce(slot, name)
+        return
     owner = shard_of(reference)
     if owner is None:
         return
@@ -237,6 +251,8 @@ def collapse(variables):
     present = {id(v) for v in variables}
     out = []
     for v in variables:
+        if getattr(v, SAVED_BY_OWNER_ATTR, False):
+            continue
         owner = shard_of(v)
         if owner is None:
             out.append(v)
@@ -251,7 +267,8 @@ def collapse(variables):
 
 
 def holds_shards(values):
-    return isinstance(values, list) and any(shard_of(v) for v in values)
+    return isinstance(values, list) and any(
+        shard_of(v) or getattr(v, SAVED_BY_OWNER_ATTR, False) for v in values)
 
 
 _swap_lock = threading.RLock()

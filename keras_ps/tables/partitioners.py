@@ -4,8 +4,10 @@ Same results as TF's `tf.distribute.experimental.partitioners` (which keras_ps
 accepts too): `partitioner(shape, dtype, axis=0)` returns one count per axis.
 """
 
+import contextlib
 import math
 import numbers
+import threading
 
 import tensorflow as tf
 
@@ -218,6 +220,33 @@ def shard_row_ranges(num_rows, num_shards):
 def shard_sizes(num_rows, num_shards):
     """Rows per shard under `shard_row_ranges`, e.g. (13, 5) -> [3, 3, 3, 2, 2]."""
     return [stop - start for start, stop in shard_row_ranges(num_rows, num_shards)]
+
+
+
+# -- where partitioning applies ---------------------------------------------
+_switch = threading.local()
+
+
+@contextlib.contextmanager
+def no_partitioning():
+    """Variables created by this thread inside the block are never split.
+
+    Used around the one `tf.Variable` that each `keras.Variable` wraps (a
+    Keras weight, metric or optimizer slot must be exactly one variable: the
+    gradient tape asks a `keras.Variable` for `.handle`, which a container of
+    shards has none of); Keras layer weights are split one level up instead.
+    """
+    depth = getattr(_switch, "depth", 0)
+    _switch.depth = depth + 1
+    try:
+        yield
+    finally:
+        _switch.depth = depth
+
+
+def partitioning_allowed():
+    """False inside `no_partitioning()` on this thread."""
+    return not getattr(_switch, "depth", 0)
 
 
 # Shown (and pickled) under the public module that re-exports them.

@@ -4,50 +4,29 @@ Created by `ParameterServerStrategy` when its `variable_partitioner` asks for
 more than one shard. Shards are ordinary variables, so gradients, optimizer
 slots and updates work on each shard where it lives. A checkpoint holds the
 whole variable as one tensor, so it restores into any number of shards or
-into a plain variable.
+into a plain variable. So does a SavedModel, as TF's own sharded variable's:
+there it is one variable of the full shape, which loads as a plain variable,
+or, under a strategy with a `variable_partitioner`, as a ShardedVariable.
 """
 
-import contextlib
 import logging
-import threading
 
 import numpy as np
 import tensorflow as tf
 
+from keras_ps import _tf_adapter
 from keras_ps.tables import _row_chunks
+from keras_ps.tables import _slicing
 
 
 logger = logging.getLogger(__name__)
 
-_switch = threading.local()
 
 # Variables larger than this are checkpointed as one slice per shard, each
 # written by its own ps (the checkpoint directory must then be writable by
 # every ps at the same path, as with TF's ParameterServerStrategy); smaller
 # ones as one tensor written by the coordinator.
 SLICED_SAVE_MIN_BYTES = 256 * 2**20
-
-
-@contextlib.contextmanager
-def no_partitioning():
-    """Variables created by this thread inside the block are never split.
-
-    Used around the one `tf.Variable` that each `keras.Variable` wraps (a
-    Keras weight, metric or optimizer slot must be exactly one variable: the
-    gradient tape asks a `keras.Variable` for `.handle`, which a container of
-    shards has none of); Keras layer weights are split one level up instead.
-    """
-    depth = getattr(_switch, "depth", 0)
-    _switch.depth = depth + 1
-    try:
-        yield
-    finally:
-        _switch.depth = depth
-
-
-def partitioning_allowed():
-    """False inside `no_partitioning()` on this thread."""
-    return not getattr(_switch, "depth", 0)
 
 
 class ShardedVariableSpec(tf.TypeSpec):
@@ -143,13 +122,32 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         self._row_offsets = [0]
         for v in variables:
             self._row_offsets.append(self._row_offsets[-1] + int(v.shape[0]))
+        self._full_variable = None  # made by the first tf.saved_model.save
         if self.nbytes > SLICED_SAVE_MIN_BYTES:
             self.__class__ = _row_chunks.sliced_class(type(self))
 
     @property
     def variables(self):
-        """The shards (each a tf.Variable on its own ps)."""
-        return list(self._variables)
+        """The shards (each a tf.Variable on its own ps); while
+        `tf.saved_model.save` traces, the one full variable the SavedModel
+        holds instead (as TF's sharded variable)."""
+        return list(self._parts()[0])
+
+    def _parts(self):
+        """(variables, row offsets) that reads and updates go through: the
+        shards, or while `tf.saved_model.save` traces, one uninitialised
+        variable of the full shape (it allocates nothing: the SavedModel's
+        values are written from the shards), so the saved functions read
+        one variable, which a plain TF process loads."""
+        if not (self._saved_as_one_variable
+                and _tf_adapter.in_save_context()):
+            return self._variables, self._row_offsets
+        if self._full_variable is None:
+            with tf.init_scope():
+                self._full_variable = _tf_adapter.uninitialized_variable(
+                    shape=self.shape, dtype=self.dtype, name=self._name,
+                    trainable=self.trainable)
+        return [self._full_variable], [0, self._row_offsets[-1]]
 
     @property
     def name(self):
@@ -181,7 +179,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         """`v[...]` as for a tensor, reading only the shards that hold the
         selected rows. Tensor indices are not supported (use
         `embedding_lookup` or `sparse_read`)."""
-        return _slice(self, slice_spec)
+        return _slicing.slice_sharded(self, slice_spec)
 
     def sparse_read(self, indices, name=None):
         """Rows `indices` (1-D) of the variable, in the order of `indices`."""
@@ -195,7 +193,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
 
     def read_value(self):
         """The whole variable as one tensor (concatenates every shard)."""
-        return tf.concat([v.read_value() for v in self._variables], axis=0)
+        return tf.concat([v.read_value() for v in self._parts()[0]], axis=0)
 
     def value(self):
         return self.read_value()
@@ -203,9 +201,10 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def numpy(self):
         return self.read_value().numpy()
 
-    def _split(self, value):
+    def _split(self, value, variables=None):
         value = tf.convert_to_tensor(value, dtype=self.dtype)
-        sizes = [int(v.shape[0]) for v in self._variables]
+        variables = self._parts()[0] if variables is None else variables
+        sizes = [int(v.shape[0]) for v in variables]
         return tf.split(value, sizes, axis=0)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
@@ -214,31 +213,32 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             _row_chunks.assign_by_rows(self, self._variables, value)
             return self
         value = _row_chunks.value_to_assign(self, value)
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign(part)
         return self
 
     def assign_add(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign_add(part)
         return self
 
     def assign_sub(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
-        for v, part in zip(self._variables, self._split(value)):
+        for v, part in zip(self._parts()[0], self._split(value)):
             v.assign_sub(part)
         return self
 
     def _route(self, ids):
         """For each shard: (positions in `ids`, local row ids) of its rows."""
         ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
-        bounds = tf.constant(self._row_offsets[1:-1], dtype=tf.int64)
+        variables, row_offsets = self._parts()
+        bounds = tf.constant(row_offsets[1:-1], dtype=tf.int64)
         shard = tf.searchsorted(bounds, ids, side="right")
-        offsets = tf.constant(self._row_offsets[:-1], dtype=tf.int64)
+        offsets = tf.constant(row_offsets[:-1], dtype=tf.int64)
         local = ids - tf.gather(offsets, shard)
         shard32 = tf.cast(shard, tf.int32)
-        n = len(self._variables)
+        n = len(variables)
         positions = tf.dynamic_partition(tf.range(tf.size(ids)), shard32, n)
         locals_ = tf.dynamic_partition(local, shard32, n)
         return positions, locals_
@@ -255,7 +255,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
                                 tf.rank(sparse_delta.indices):]], 0))
         positions, locals_ = self._route(flat_ids)
         for i, (v, pos, rows) in enumerate(
-                zip(self._variables, positions, locals_)):
+                zip(self._parts()[0], positions, locals_)):
             part_name = None if name is None else f"{name}/part_{i}"
             getattr(v, method)(tf.IndexedSlices(tf.gather(values, pos), rows),
                                name=part_name)
@@ -306,7 +306,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         unique, position = tf.unique(flat)
         positions, locals_ = self._route(unique)
         parts = []
-        for v, rows in zip(self._variables, locals_):
+        for v, rows in zip(self._parts()[0], locals_):
             with tf.device(v.device):
                 parts.append(tf.gather(v, rows))
         gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
@@ -327,7 +327,8 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             var_shape=self._variables[index].shape.as_list()).spec
 
     def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.read_value()}
+        return {"VARIABLE_VALUE": tf.concat(
+            [v.read_value() for v in self._variables], axis=0)}
 
     def _restore_from_tensors(self, restored_tensors):
         value = restored_tensors["VARIABLE_VALUE"]
@@ -339,36 +340,91 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
                 f"{tuple(self.shape)}. Restore into a model built the same way.")
         # Ops (not self): a SavedModel traces this into its restore function.
         return tf.group(*[v.assign(part, read_value=False) for v, part in
-                          zip(self._variables, self._split(value))])
+                          zip(self._variables,
+                              self._split(value, self._variables))])
 
-    # -- SavedModel: each shard is saved as a variable of its own -------------
-    # (a checkpoint holds the whole variable as one tensor; a SavedModel holds
-    # the shards, which its functions capture, as children `part_0`, ...).
+    # -- SavedModel: one variable of the full shape, as TF's own --------------
+    # False for Keras weights (ShardedWeight): Keras lists their shards as
+    # the model's weights, which `model.export()` tracks and its functions
+    # capture, so there the shards are the SavedModel's variables.
+    _saved_as_one_variable = True
+
+    # The functions traced for the SavedModel read `_parts()`, the full
+    # variable; its node is a variable (so `tf.saved_model.load` gives a
+    # plain variable, or a ShardedVariable under a partitioner) and its value
+    # is written from the shards under this object's key, as in a checkpoint:
+    # the SavedModel holds each row once, never a whole shard twice.
+    @property
+    def _should_act_as_resource_variable(self):
+        """Present only while `tf.saved_model.save` runs, where it makes the
+        SavedModel write this object as a variable node; elsewhere
+        `hasattr(self, ...)` is False, so TF treats it as a container."""
+        if not (self._saved_as_one_variable
+                and _tf_adapter.in_save_context()):
+            raise AttributeError("_should_act_as_resource_variable")
+        return True
+
+    @property
+    def _shared_name(self):
+        # The name TF's save gives a variable node's checkpoint entry.
+        return self._name
+
+    def _write_object_proto(self, proto, options):
+        _tf_adapter.write_variable_proto(self._parts()[0][0], proto, options)
+
     def _trackable_children(self, save_type="checkpoint", **kwargs):
-        if save_type == "savedmodel":
+        if save_type == "savedmodel" and not self._saved_as_one_variable:
             return {f"part_{i}": v for i, v in enumerate(self._variables)}
         return super()._trackable_children(save_type, **kwargs)
 
     def _export_to_saved_model_graph(self, object_map, tensor_map, options,
                                      **kwargs):
-        del tensor_map, options, kwargs
-        object_map[self] = _SavedModelCopy()
-        return []
+        if not self._saved_as_one_variable:  # the shards hold the values
+            object_map[self] = _NoValues()
+            return []
+        full = self._parts()[0][0]
+        resources = full._export_to_saved_model_graph(
+            object_map, tensor_map, options, **kwargs)
+        object_map[self] = _SavedModelCopy([object_map[full]], name=self._name)
+        return resources
+
+    @property
+    def is_sharded_variable(self):
+        """Read by `tf.saved_model.load` when a loaded function captured a
+        variable that loads as a ShardedVariable (see
+        `__tf_experimental_restore_capture__`)."""
+        return True
+
+    def __tf_experimental_restore_capture__(self, concrete_function,
+                                            internal_capture):
+        # A loaded function traced with one full variable cannot read
+        # shards: None makes calling it raise TF's own ValueError, as for
+        # TF's sharded variable. The values are loaded all the same.
+        del concrete_function, internal_capture
+        return None
 
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
 
 
-class _SavedModelCopy(tf.__internal__.tracking.Trackable):
-    """A ShardedVariable in a SavedModel's graph: its shards (its children
-    there) hold the values, so it saves nothing itself."""
+class _NoValues(tf.__internal__.tracking.Trackable):
+    """A Keras ShardedWeight in a SavedModel's graph: its shards (its
+    children there) hold the values, so it saves nothing itself."""
 
     def _serialize_to_tensors(self):
         return {}
 
     def _restore_from_tensors(self, restored_tensors):
         return tf.no_op()
+
+
+class _SavedModelCopy(ShardedVariable):
+    """A ShardedVariable in a SavedModel's graph: its one shard is the full
+    variable there, which it reads and restores as is."""
+
+    def _parts(self):
+        return self._variables, self._row_offsets
 
 
 def _to_tensor(var, dtype=None, name=None, as_ref=False):
@@ -385,65 +441,3 @@ def _to_tensor(var, dtype=None, name=None, as_ref=False):
 
 
 tf.register_tensor_conversion_function(ShardedVariable, _to_tensor)
-
-
-# -- slicing, as TF's ShardedVariable ------------------------------------------
-def _slice(sv, spec):
-    """`sv[spec]`: integer or slice on axis 0 reads only the shards holding
-    the selected rows; anything else (`...`, `tf.newaxis`, a boolean mask)
-    reads the whole variable."""
-    if isinstance(spec, (bool, np.ndarray)) or tf.is_tensor(spec):
-        if (isinstance(spec, bool) or getattr(spec, "dtype", None) in (
-                bool, np.bool_, tf.bool)):
-            return tf.boolean_mask(sv.read_value(), spec)
-        if tf.is_tensor(spec):
-            raise TypeError(
-                "A ShardedVariable cannot be indexed by a tensor. Received: "
-                f"{spec!r:.100}. Use tf.nn.embedding_lookup(sharded, ids) or "
-                "sharded.sparse_read(ids), which read only those rows.")
-    if not isinstance(spec, (tuple, list)):
-        spec = (spec,)
-    spec = tuple(spec)
-    first, rest = spec[0], spec[1:]
-    rows = int(sv.shape[0])
-    offsets = sv._row_offsets
-    if isinstance(first, slice):
-        start, stop, step = first.indices(rows)
-        parts = []
-        for i, v in enumerate(sv._variables):
-            local = _local_slice(start, stop, step, offsets[i], offsets[i + 1])
-            if local is not None:
-                parts.append(v[(local,) + rest])
-        if step < 0:
-            parts.reverse()
-        if not parts:
-            return sv._variables[0][(slice(0, 0),) + rest]
-        return tf.concat(parts, axis=0) if len(parts) > 1 else parts[0]
-    if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
-        index = int(first) + rows if first < 0 else int(first)
-        if not 0 <= index < rows:
-            raise IndexError(
-                f"Index out of bounds for axis 0 of ShardedVariable "
-                f"{sv.name!r}, which has {rows} rows. Received: "
-                f"index={int(first)}. Use an index in [{-rows}, {rows - 1}].")
-        shard = int(np.searchsorted(offsets[1:], index, side="right"))
-        return sv._variables[shard][(index - offsets[shard],) + rest]
-    return sv.read_value()[spec]
-
-
-def _local_slice(start, stop, step, lo, hi):
-    """The part of the global slice `start:stop:step` that falls in rows
-    [lo, hi), as a slice of that shard, or None."""
-    if step > 0:
-        begin = max(start, lo)
-        begin = start + -(-(begin - start) // step) * step
-        end = min(stop, hi)
-        return slice(begin - lo, end - lo, step) if begin < end else None
-    top = min(start, hi - 1)
-    if top < start:
-        top = start - -(-(start - top) // -step) * -step
-    bottom = max(stop, lo - 1)
-    if top <= bottom:
-        return None
-    local_stop = bottom - lo
-    return slice(top - lo, None if local_stop < 0 else local_stop, step)

@@ -12,6 +12,7 @@ import collections
 import logging
 
 import keras
+import numpy as np
 
 from keras_ps.training import _fit_epochs
 from keras_ps._keras import fit_routing
@@ -53,12 +54,18 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
         validation_data, validation_steps, validation_batch_size,
         validation_freq, initial_epoch, steps_per_epoch):
     """`model.fit(data)` for a ShardedInput `data`, on `coordinator`."""
-    if steps_per_epoch is not None:
+    # -1 is TF's "until the data runs out", which is what an epoch of a
+    # ShardedInput is: the coordinator knows when every shard is done.
+    if steps_per_epoch is not None and not (
+            isinstance(steps_per_epoch, (int, np.integer))
+            and not isinstance(steps_per_epoch, bool)
+            and steps_per_epoch == -1):
         raise ValueError(
             "With a ShardedInput an epoch is every record once, so fit "
             f"takes no steps_per_epoch. Received: steps_per_epoch="
-            f"{steps_per_epoch}. Fix: drop steps_per_epoch (use "
-            "records_per_shard and batch_size to size the work).")
+            f"{steps_per_epoch}. Fix: drop steps_per_epoch, or pass -1 "
+            "(until the data runs out, as in TF), and use records_per_shard "
+            "and batch_size to size the work.")
     strategy = model.distribute_strategy
     fit_routing.symbolic_build(model, strategy, data.element_spec)
     train_shard = data.shard_function(

@@ -36,6 +36,9 @@ BLOCKS = {
     ("docs/incremental_backups.md", 'backup = keras_ps.IncrementalBackup(model, "/shared/backup")  # model.optimizer built'): (
         "tests/_incremental_job.py",
         ["IncrementalBackup", ".restore(", ".save("]),
+    ("docs/dynamic_embedding.md", "import keras"): (
+        "tests/_dynamic_job.py",
+        ["DynamicEmbedding", "capacity", "min_count", "LazyAdam"]),
     ("docs/ps_recovery.md", "checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)"): (
         "tests/_fault_job.py",
         ["recover_parameter_servers", "ParameterServerUnavailableError",

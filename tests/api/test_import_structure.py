@@ -31,13 +31,14 @@ LAYERS = [
     ["keras_ps.cluster", "keras_ps.tables"],
     ["keras_ps._keras"],
     ["keras_ps.strategy", "keras_ps.backups"],
-    ["keras_ps.coordinator", "keras_ps.elastic"],
+    ["keras_ps.coordinator", "keras_ps.elastic", "keras_ps.tables.dynamic"],
     ["keras_ps.shards"],
     ["keras_ps.training"],
     ["keras_ps.sidecar"],
     ["keras_ps.callbacks"],
     # Public entry modules, then the commands (`python -m ...`).
-    ["keras_ps", "keras_ps.optimizers", "keras_ps.partitioners"],
+    ["keras_ps", "keras_ps.layers", "keras_ps.optimizers",
+     "keras_ps.partitioners"],
     ["keras_ps.demo", "keras_ps.evaluator", "keras_ps.server"],
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
@@ -46,7 +47,7 @@ PRIVATE_TOP_LEVEL = {"keras_ps._config_errors", "keras_ps._constants",
                      "keras_ps._tf_adapter"}
 # Modules shorter than 40 lines: a package's __init__, or a public module
 # that only re-exports names from their package (kept where users import them).
-SHORT_MODULES_ALLOWED = {"keras_ps.partitioners"}
+SHORT_MODULES_ALLOWED = {"keras_ps.layers", "keras_ps.partitioners"}
 # Why `_config_errors` is short: the three errors a process raises before it
 # may import TensorFlow (the server command, the elastic agent); keras_ps.errors
 # imports TensorFlow, so they cannot live there.

@@ -131,3 +131,23 @@ def test_run_until_data_ends_is_refused_with_the_reason(plain_strategy,
             rf".*different step.*Received: {arg}=-1\. Pass {arg}=<number")):
         getattr(model, method)(keras_ps.DatasetCreator(finite), verbose=0,
                                **{arg: -1})
+
+
+def test_run_until_data_ends_with_sharded_input(plain_strategy):
+    """`steps_per_epoch=-1` with dynamic data shards: the coordinator hands
+    out the shards and knows when the last is done, so the epoch ends where
+    the data ends, every record trained on once (and twice for 2 epochs)."""
+    with plain_strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x = np.random.default_rng(0).normal(size=(40, 4)).astype("float32")
+    data = keras_ps.ShardedInput((x, x[:, :1]), batch_size=4,
+                                 records_per_shard=10, seed=1)
+    history = model.fit(data, epochs=2, steps_per_epoch=-1, verbose=0)
+    assert history.history["records_trained"] == [40, 40]
+    # 4 shards of 10 records, batches of 4: 3 steps a shard (4, 4, 2).
+    assert int(model.optimizer.iterations.numpy()) == 2 * 4 * 3
+    with pytest.raises(ValueError, match=r"takes no steps_per_epoch\. "
+                                         r"Received: steps_per_epoch=5\..*"
+                                         r"or pass -1"):
+        model.fit(data, steps_per_epoch=5, verbose=0)

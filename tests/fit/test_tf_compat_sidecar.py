@@ -1,6 +1,8 @@
 """keras_ps.SidecarEvaluator on checkpoints written the TF way
 (tf.train.CheckpointManager), from training on the shared real cluster."""
 
+import os
+
 import keras
 import numpy as np
 import pytest
@@ -121,3 +123,19 @@ def test_unbuilt_model_without_usable_data_is_refused(tmp_path):
             r"(?s)not built, and no batch could be taken from `data`.*"
             r"Received: an unbuilt Sequential and data of type .*Fix:")):
         keras_ps.SidecarEvaluator(_eval_model(), empty, str(tmp_path))
+
+
+@pytest.mark.parametrize("built", [True, False], ids=["built", "unbuilt"])
+def test_uncompiled_model_is_refused_at_construction(tmp_path, built):
+    """A documented difference: TF's evaluator starts with an uncompiled
+    model and fails in `start()`, once a checkpoint appears ("Nothing to
+    load." for an unbuilt model, or a missing `iterations`). keras_ps
+    refuses at construction, before waiting for any checkpoint: an
+    uncompiled model has no loss or metrics to evaluate."""
+    layers = [keras.Input((3,))] if built else []
+    model = keras.Sequential(layers + [keras.layers.Dense(1)])
+    assert not any(os.scandir(tmp_path))  # no checkpoint yet
+    with pytest.raises(ValueError, match=(
+            r"SidecarEvaluator's model is not compiled\. Received: "
+            r"model='sequential[_0-9]*'\. Fix: model\.compile\(loss=")):
+        keras_ps.SidecarEvaluator(model, _data(), str(tmp_path))

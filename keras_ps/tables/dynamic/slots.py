@@ -1,0 +1,226 @@
+"""One shard of a dynamic table: its key -> row-slot map and counters, on one ps.
+
+A shard owns rows `[0, rows)` of its part of the embedding (a Keras weight on
+the same ps) and maps keys to them with a `MutableHashTable`. Per slot it
+keeps the key (to undo the mapping on eviction), the step at which the key
+was last seen (`FREE` = -1 for an empty slot) and how often it was seen. A
+training lookup (`train_slots`) runs on the ps under the shard's
+`tf.CriticalSection`, so workers that admit and evict at the same time never
+give one slot to two keys. Lookups outside training only read the map.
+"""
+
+import logging
+
+import numpy as np
+import tensorflow as tf
+
+from keras_ps.tables.dynamic import policies
+
+logger = logging.getLogger(__name__)
+
+FREE = policies.FREE
+
+# Columns of a shard's `stats` counters (running totals, and the live rows).
+ADMITTED, EVICTED_BY_AGE, EVICTED_BY_CAPACITY, LIVE = range(4)
+
+
+def _flat(x):
+    return tf.reshape(x, [-1])
+
+
+class SlotShard:
+    """The key -> slot map of one shard, on `device`.
+
+    Args:
+        index: the shard's number (its ps, at build time).
+        device: the ps device.
+        rows: the shard's `tf.Variable` of embedding rows `[slots, dim]`.
+        config: the table's `TableConfig`.
+        make_variable: `(name, initial_value) -> tf.Variable` placed on `device`.
+    """
+
+    def __init__(self, index, device, rows, config, make_variable):
+        self.index = index
+        self.device = device
+        self.rows = rows
+        self.config = config
+        self.num_slots = int(rows.shape[0])
+        key_dtype = tf.string if config.key_dtype == "string" else tf.int64
+        self.key_dtype = key_dtype
+        empty_key = "" if key_dtype == tf.string else 0
+        n = self.num_slots
+        with tf.init_scope():
+            self.slot_keys = make_variable(
+                f"slot_keys_{index}", tf.fill([n], tf.constant(empty_key, key_dtype)))
+            self.last_seen = make_variable(
+                f"last_seen_{index}", tf.fill([n], tf.constant(FREE, tf.int64)))
+            self.hits = make_variable(f"hits_{index}", tf.zeros([n], tf.int64))
+            self.stats = make_variable(f"stats_{index}", tf.zeros([4], tf.int64))
+            self.filter = None
+            if config.min_count > 1:
+                self.filter = make_variable(
+                    f"filter_{index}", tf.zeros([config.filter_size], tf.int32))
+            with tf.device(device):
+                self.table = tf.lookup.experimental.MutableHashTable(
+                    key_dtype, tf.int64, default_value=-1,
+                    name=f"dynamic_slots_{index}")
+                self.lock = tf.CriticalSection(name=f"dynamic_slots_lock_{index}")
+        # (name, tf.Variable, initial row) of each optimizer slot of `rows`.
+        self.optimizer_slots = []
+
+    # -- optimizer slots ------------------------------------------------------------
+    def add_optimizer_slot(self, name, variable):
+        """Registers an optimizer slot of this shard's rows: it is reset to
+        its initial value when a slot gets a new key, and saved with the row."""
+        with tf.init_scope():
+            initial = tf.convert_to_tensor(variable[0]).numpy()
+        self.optimizer_slots.append((name, variable, initial))
+
+    # -- lookups ----------------------------------------------------------------------
+    def lookup(self, keys):
+        """Slots of `keys` (1-D), -1 for keys without a row. Reads only."""
+        with tf.device(self.device):
+            return _flat(self.table.lookup(keys))
+
+    def train_slots(self, keys, counts, step, init_rows):
+        """Slots of `keys` (1-D, distinct) for a training step, admitting and
+        evicting as configured; -1 for keys still without a row.
+
+        Args:
+            keys: distinct keys routed to this shard.
+            counts: int32, how often each key occurs in the batch.
+            step: the table's training step (int64 scalar, from 1).
+            init_rows: `(count, step) -> [count, dim]` values of new rows.
+
+        Raises (when the step runs):
+            InvalidArgumentError: the shard is full and `evict_lru` is off.
+        """
+        with tf.device(self.device):
+            return self.lock.execute(
+                lambda: self._train_slots(keys, counts, step, init_rows),
+                exclusive_resource_access=False)
+
+    def _free(self, slots, column):
+        keys = tf.gather(self.slot_keys.read_value(), slots)
+        removed = self.table.remove(keys)
+        with tf.control_dependencies([removed]):
+            self.last_seen.scatter_update(tf.IndexedSlices(
+                tf.fill(tf.shape(slots), tf.constant(FREE, tf.int64)), slots))
+        count = tf.size(slots, out_type=tf.int64)
+        self.stats.scatter_add(tf.IndexedSlices(
+            tf.stack([count, -count]), tf.constant([column, LIVE], tf.int64)))
+
+    def _train_slots(self, keys, counts, step, init_rows):
+        config = self.config
+        if config.max_age is not None:
+            self._free(policies.expired(self.last_seen.read_value(), step,
+                                        config.max_age), EVICTED_BY_AGE)
+        slots = _flat(self.table.lookup(keys))
+        found = slots >= 0
+        seen = tf.boolean_mask(slots, found)
+        self.last_seen.scatter_update(tf.IndexedSlices(
+            tf.fill(tf.shape(seen), step), seen))
+        self.hits.scatter_add(tf.IndexedSlices(
+            tf.cast(tf.boolean_mask(counts, found), tf.int64), seen))
+
+        missing = tf.logical_not(found)
+        candidates = tf.boolean_mask(keys, missing)
+        candidate_counts = tf.boolean_mask(counts, missing)
+        if self.filter is not None:
+            admit = policies.count_and_admit(
+                self.filter, candidates, candidate_counts, config)
+            candidates = tf.boolean_mask(candidates, admit)
+            candidate_counts = tf.boolean_mask(candidate_counts, admit)
+        wanted = tf.size(candidates, out_type=tf.int64)
+
+        free = policies.free_slots(self.last_seen.read_value())
+        short = tf.maximum(wanted - tf.size(free, out_type=tf.int64), 0)
+        if config.evict_lru:
+            victims = policies.least_recent(self.last_seen.read_value(), step, short)
+            self._free(victims, EVICTED_BY_CAPACITY)
+            free = tf.concat([free, victims], 0)
+        else:
+            check = tf.debugging.assert_less_equal(
+                short, tf.constant(0, tf.int64), message=(
+                    f"DynamicEmbedding shard {self.index} ({self.device}) is "
+                    f"full: all {self.num_slots} of its rows hold keys and "
+                    "eviction is off (evict_lru=False), so new keys cannot "
+                    "get a row. Received: capacity too small for the live "
+                    "keys. Fix: raise capacity, set max_age to evict old "
+                    "rows, or set evict_lru=True. Keys still needing a row: "))
+            with tf.control_dependencies([check]):
+                free = tf.identity(free)
+
+        admitted_count = tf.minimum(wanted, tf.size(free, out_type=tf.int64))
+        new_slots = free[:admitted_count]
+        admitted = candidates[:admitted_count]
+        new_counts = tf.cast(candidate_counts[:admitted_count], tf.int64)
+        inserted = self.table.insert(admitted, new_slots)
+        self.slot_keys.scatter_update(tf.IndexedSlices(admitted, new_slots))
+        self.last_seen.scatter_update(tf.IndexedSlices(
+            tf.fill(tf.shape(new_slots), step), new_slots))
+        self.hits.scatter_update(tf.IndexedSlices(new_counts, new_slots))
+        self.stats.scatter_add(tf.IndexedSlices(
+            tf.stack([admitted_count, admitted_count]),
+            tf.constant([ADMITTED, LIVE], tf.int64)))
+        # A reused slot starts afresh: new row, optimizer state as at creation.
+        updates = [tf.raw_ops.ResourceScatterUpdate(
+            resource=self.rows.handle, indices=new_slots,
+            updates=tf.cast(init_rows(admitted_count, step), self.rows.dtype))]
+        for _, variable, initial in self.optimizer_slots:
+            fresh = tf.tile(tf.constant(initial)[tf.newaxis],
+                            [admitted_count] + [1] * initial.ndim)
+            updates.append(tf.raw_ops.ResourceScatterUpdate(
+                resource=variable.handle, indices=new_slots,
+                updates=tf.cast(fresh, variable.dtype)))
+        with tf.control_dependencies([inserted] + updates):
+            return _flat(self.table.lookup(keys))
+
+    # -- state (checkpoints and export) ----------------------------------------------
+    def export_state(self):
+        """The shard's live keys and, in slot order, their rows, last-seen
+        steps, hit counts and optimizer slot rows (numpy), read on the ps."""
+        with tf.device(self.device):
+            keys, slots = self.table.export()
+            order = tf.argsort(slots)
+            keys, slots = tf.gather(keys, order), tf.gather(slots, order)
+            state = {
+                "keys": keys,
+                "rows": tf.gather(self.rows, slots),
+                "last_seen": tf.gather(self.last_seen, slots),
+                "hits": tf.gather(self.hits, slots),
+            }
+            for name, variable, _ in self.optimizer_slots:
+                state[f"optimizer_{name}"] = tf.gather(variable, slots)
+        return {k: v.numpy() for k, v in state.items()}
+
+    def import_state(self, state):
+        """Replaces the shard's keys with `state` (as `export_state` gives,
+        at most `num_slots` keys; the slots are filled from 0)."""
+        n = len(state["keys"])
+        if n > self.num_slots:
+            raise ValueError(f"{n} keys for {self.num_slots} slots")
+        slots = np.arange(n, dtype=np.int64)
+        with tf.device(self.device):
+            old, _ = self.table.export()
+            self.table.remove(old)
+            keys = tf.constant(state["keys"], self.key_dtype)
+            self.table.insert(keys, tf.constant(slots))
+            self.slot_keys.scatter_update(tf.IndexedSlices(keys, slots))
+            last_seen = np.full([self.num_slots], FREE, np.int64)
+            last_seen[:n] = state["last_seen"]
+            self.last_seen.assign(last_seen)
+            hits = np.zeros([self.num_slots], np.int64)
+            hits[:n] = state["hits"]
+            self.hits.assign(hits)
+            self.rows.scatter_update(tf.IndexedSlices(
+                tf.constant(state["rows"], self.rows.dtype), slots))
+            for name, variable, _ in self.optimizer_slots:
+                values = state.get(f"optimizer_{name}")
+                if values is not None and len(values) == n:
+                    variable.scatter_update(tf.IndexedSlices(
+                        tf.constant(values, variable.dtype), slots))
+
+    def read_stats(self):
+        with tf.device(self.device):
+            return self.stats.read_value()

@@ -1,0 +1,105 @@
+"""A coordinator process for DynamicEmbedding checkpoint tests; prints JSON lines.
+
+Usage:
+  python tests/_dynamic_job.py save DIR
+      on its own LocalCluster with 2 ps: Model.fit a model with a
+      DynamicEmbedding (min_count=2, LazyAdam) with keras_ps'
+      BackupAndRestore into DIR/backup, then write tf.train.Checkpoint
+      DIR/ckpt and save_weights DIR/model.weights.h5; reports lookups of
+      trained and unseen ids, the live state and the optimizer slot rows.
+  python tests/_dynamic_job.py restore DIR NUM_PS
+      on its own LocalCluster with NUM_PS ps: loads each of the three into
+      a fresh model and reports the same numbers for each.
+"""
+
+import os
+import sys
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import keras_ps
+from _results import say
+
+CAPACITY, EPOCHS, STEPS = 64, 2, 6
+
+
+def data():
+    rng = np.random.default_rng(4)
+    vocab = rng.integers(-2**40, 2**40, size=40, dtype=np.int64)
+    # Skewed: some ids are seen once only and never admitted.
+    pick = np.minimum(rng.zipf(1.3, size=(384, 4)) - 1, 39)
+    x = vocab[pick]
+    y = rng.normal(size=(40,)).astype("float32")[pick].mean(1, keepdims=True)
+    return vocab, x, y
+
+
+def build(strategy):
+    keras.utils.set_random_seed(2)
+    with strategy.scope():
+        ids = keras.Input((4,), dtype="int64")
+        table = keras_ps.layers.DynamicEmbedding(
+            8, capacity=CAPACITY, min_count=2, default_row="trainable",
+            filter_size=4096, name="ids")
+        x = keras.layers.GlobalAveragePooling1D()(table(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(x))
+        model.compile(keras_ps.optimizers.LazyAdam(0.02), "mse")
+        model.optimizer.build(model.trainable_variables)
+    return model, table
+
+
+def report(model, table, vocab):
+    query = np.concatenate([vocab, [1, 2, 3]]).astype(np.int64)
+    lookups = table(tf.constant(query), training=False).numpy()
+    state = table.live_state()
+    order = np.argsort(state["keys"])
+    slots = np.concatenate([state["optimizer_momentum"][order],
+                            state["optimizer_velocity"][order]], axis=1)
+    summary = {"keys": state["keys"][order].tolist(),
+               "hits": state["hits"][order].tolist(),
+               "last_seen": state["last_seen"][order].tolist(),
+               "step": int(state["step"]),
+               "stats": state["stats"].tolist()}
+    return {"lookups": lookups.tolist(), "state": summary,
+            "slots": slots.tolist(), "num_shards": table.num_shards,
+            "live_rows": len(order),
+            # Each shard's admission counts, combined: what a key's count is
+            # at most after a restore into another number of shards.
+            "filter": state["filter"].sum(axis=0).tolist()}
+
+
+def main(mode, directory, num_ps=2):
+    vocab, x, y = data()
+    with keras_ps.LocalCluster(num_workers=1, num_ps=int(num_ps)) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        backup_dir = os.path.join(directory, "backup")
+        if mode == "save":
+            model, table = build(strategy)
+            model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
+                      verbose=0, callbacks=[keras_ps.callbacks.BackupAndRestore(
+                          backup_dir, delete_checkpoint=False)])
+            tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(
+                os.path.join(directory, "ckpt"))
+            model.save_weights(os.path.join(directory, "model.weights.h5"))
+            say(**report(model, table, vocab))
+            return
+        results = {}
+        model, table = build(strategy)
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(
+            os.path.join(directory, "ckpt")).assert_consumed()
+        results["checkpoint"] = report(model, table, vocab)
+        model, table = build(strategy)
+        model.load_weights(os.path.join(directory, "model.weights.h5"))
+        results["weights"] = report(model, table, vocab)
+        model, table = build(strategy)
+        # Resumes at the end of training: restores, trains no step.
+        model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
+                  verbose=0, callbacks=[keras_ps.callbacks.BackupAndRestore(
+                      backup_dir, delete_checkpoint=False)])
+        results["backup"] = report(model, table, vocab)
+        say(**results)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,327 @@
+"""keras_ps.layers.DynamicEmbedding on the shared real cluster (3 ps, 2
+workers): ids get rows when trained, admission, eviction by age and by
+capacity with exact counts, optimizer state of reused rows, bad input,
+Model.fit and custom loops with int64 and string keys, the export to plain
+Keras loaded where keras_ps cannot be imported, and (in separate
+processes, tests/_dynamic_job.py) a checkpoint restored into 1, 2 and 3 ps."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ps
+from _paths import TESTS
+from _results import last_report
+from keras_ps.tables.dynamic import hashing
+from keras_ps.tables.dynamic import slots as slots_lib
+
+pytestmark = pytest.mark.timeout(300)
+
+JOB = os.path.join(TESTS, "_dynamic_job.py")
+
+
+def _keys_on_shard(shard, num_shards, count, start=1000, dtype=tf.int64):
+    """`count` int64 keys that route to `shard`."""
+    found, key = [], start
+    while len(found) < count:
+        candidates = np.arange(key, key + 256, dtype=np.int64)
+        owners = hashing.route(tf.constant(candidates, dtype), num_shards).numpy()
+        found.extend(candidates[owners == shard].tolist())
+        key += 256
+    return found[:count]
+
+
+def _layer(strategy, **kwargs):
+    with strategy.scope():
+        layer = keras_ps.layers.DynamicEmbedding(4, **kwargs)
+        layer.build()
+    return layer
+
+
+def _train_fn(layer, optimizer):
+    """One training step of the layer alone: loss = sum(rows * 1)."""
+
+    @tf.function
+    def step(ids):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids, training=True))
+        grads = tape.gradient(loss, layer.trainable_variables)
+        optimizer.apply_gradients(zip(grads, layer.trainable_variables))
+        return loss
+
+    return step
+
+
+def _stats(layer):
+    totals = np.sum([s.read_stats().numpy() for s in layer._table.shards], axis=0)
+    return {"admitted": int(totals[slots_lib.ADMITTED]),
+            "by_age": int(totals[slots_lib.EVICTED_BY_AGE]),
+            "by_capacity": int(totals[slots_lib.EVICTED_BY_CAPACITY]),
+            "live": int(totals[slots_lib.LIVE])}
+
+
+def _run_steps(coordinator, step, batches):
+    """Each batch as one scheduled step, one after the other."""
+    for ids in batches:
+        coordinator.schedule(step, args=(tf.constant(ids, tf.int64),))
+        coordinator.join()
+
+
+# -- training: new ids get rows, and train ------------------------------------------
+def _id_model(strategy, key_dtype="int64", default_row="zeros", **kwargs):
+    keras.utils.set_random_seed(3)
+    with strategy.scope():
+        ids = keras.Input((4,), dtype="string" if key_dtype == "string" else "int64")
+        table = keras_ps.layers.DynamicEmbedding(
+            8, capacity=kwargs.pop("capacity", 300), key_dtype=key_dtype,
+            default_row=default_row, name="ids", **kwargs)
+        x = keras.layers.GlobalAveragePooling1D()(table(ids))
+        model = keras.Model(ids, keras.layers.Dense(1)(x))
+    return model, table
+
+
+def _id_data(n=512, vocabulary=200, seed=0, as_strings=False):
+    rng = np.random.default_rng(seed)
+    vocab = rng.integers(-2**62, 2**62, size=vocabulary, dtype=np.int64)
+    target = rng.normal(size=vocabulary).astype("float32")
+    pick = rng.integers(0, vocabulary, size=(n, 4))
+    x = vocab[pick]
+    y = target[pick].mean(1, keepdims=True)
+    if as_strings:
+        x = np.char.add("user-", x.astype(str)).astype(object)
+    return x, y
+
+
+def test_unseen_ids_get_rows_and_train_custom_loop(strategy, coordinator):
+    model, table = _id_model(strategy)
+    with strategy.scope():
+        optimizer = keras_ps.optimizers.LazyAdam(0.05)
+        optimizer.build(model.trainable_variables)
+    x, y = _id_data()
+
+    @tf.function
+    def step(ids, targets):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids, training=True) - targets))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    losses = []
+    for epoch in range(12):
+        results = [coordinator.schedule(step, args=(x[i:i + 64], y[i:i + 64]))
+                   for i in range(0, len(x), 64)]
+        coordinator.join()
+        losses.append(np.mean([r.fetch() for r in results]))
+    assert losses[-1] < 0.25 * losses[0], losses
+    distinct = len(np.unique(x))
+    assert _stats(table) == {"admitted": distinct, "by_age": 0,
+                             "by_capacity": 0, "live": distinct}
+    # Evaluation and prediction never insert: unseen ids read the default row.
+    unseen = np.array([[7, 8, 9, 10]], np.int64)
+    rows = table(tf.constant(unseen), training=False).numpy()
+    np.testing.assert_array_equal(rows, np.zeros((1, 4, 8), np.float32))
+    model.predict(unseen, verbose=0)
+    assert _stats(table)["live"] == distinct
+
+
+def test_fit_with_string_keys(strategy):
+    model, table = _id_model(strategy, key_dtype="string",
+                             default_row="trainable")
+    model.compile(keras.optimizers.Adagrad(0.5), "mse", steps_per_execution=2)
+    x, y = _id_data(as_strings=True)
+    history = model.fit(x, y, batch_size=32, epochs=6, steps_per_epoch=16,
+                        verbose=0)
+    losses = history.history["loss"]
+    assert losses[-1] < 0.5 * losses[0], losses
+    distinct = len(np.unique(x.astype(str)))
+    # The table's numbers are in every epoch's logs (and so in TensorBoard).
+    assert history.history["ids_live_rows"][-1] == distinct
+    assert history.history["ids_admissions"][-1] == distinct
+    assert history.history["ids_evictions"][-1] == 0
+    keys = {k.decode() for k in table.live_state()["keys"]}
+    assert keys == set(x.astype(str).ravel())
+
+
+# -- admission ---------------------------------------------------------------------
+def test_admission_min_count(strategy, coordinator):
+    layer = _layer(strategy, capacity=30, min_count=3)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+    step = _train_fn(layer, optimizer)
+    # 10: three times over three steps; 13: three times in one step;
+    # 11: twice; 12: once; -5: twice.
+    _run_steps(coordinator, step, [[10, 11, 12, -5], [10, 11, 13, 13],
+                                   [10, 13, -5, 20]])
+    state = layer.live_state()
+    assert sorted(state["keys"].tolist()) == [10, 13]
+    assert _stats(layer)["admitted"] == 2
+    # Not admitted: the default row (zeros), and never trained.
+    rows = layer(tf.constant([11, 12, -5, 20], tf.int64), training=False).numpy()
+    np.testing.assert_array_equal(rows, np.zeros((4, 4), np.float32))
+
+
+# -- eviction ----------------------------------------------------------------------
+def test_eviction_by_age_and_capacity_exact(strategy, coordinator):
+    num_shards = len(strategy.extended.parameter_devices)
+    # 2 rows per shard; every key below lives on shard 0.
+    layer = _layer(strategy, capacity=2 * num_shards, max_age=2)
+    with strategy.scope():
+        optimizer = keras_ps.optimizers.LazyAdam(0.01)
+        optimizer.build(layer.trainable_variables)
+    step = _train_fn(layer, optimizer)
+    a, b, c, d, e, f = _keys_on_shard(0, num_shards, 6)
+    _run_steps(coordinator, step, [[a, b], [c], [c]])
+    # Step 2: shard 0 full, c took a's row (least recently seen, first slot).
+    assert sorted(layer.live_state()["keys"].tolist()) == sorted([b, c])
+    assert _stats(layer) == {"admitted": 3, "by_age": 0, "by_capacity": 1,
+                             "live": 2}
+    # Step 4: b, last seen at step 1, is older than max_age=2 and goes.
+    _run_steps(coordinator, step, [[c]])
+    assert layer.live_state()["keys"].tolist() == [c]
+    assert _stats(layer) == {"admitted": 3, "by_age": 1, "by_capacity": 1,
+                             "live": 1}
+    # Step 5: three new keys, one free row plus c's (not seen at step 5):
+    # d and e get rows, f reads the default row.
+    _run_steps(coordinator, step, [[d, e, f]])
+    state = layer.live_state()
+    assert sorted(state["keys"].tolist()) == sorted([d, e])
+    assert _stats(layer) == {"admitted": 5, "by_age": 1, "by_capacity": 2,
+                             "live": 2}
+    # The reused rows started from fresh optimizer state: after one update
+    # from zero moments, |m| / sqrt(v) = (1 - beta_1) / sqrt(1 - beta_2).
+    m, v = state["optimizer_momentum"], state["optimizer_velocity"]
+    np.testing.assert_allclose(np.abs(m) / np.sqrt(v),
+                               0.1 / np.sqrt(0.001), rtol=1e-3)
+    np.testing.assert_array_equal(state["last_seen"], [5, 5])
+
+
+def test_full_shard_without_eviction_raises_and_changes_nothing(
+        strategy, coordinator):
+    num_shards = len(strategy.extended.parameter_devices)
+    layer = _layer(strategy, capacity=num_shards, evict_lru=False)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+    step = _train_fn(layer, optimizer)
+    a, b, c = _keys_on_shard(0, num_shards, 3)
+    _run_steps(coordinator, step, [[a]])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="is full.*evict_lru=True"):
+        _run_steps(coordinator, step, [[b, c]])
+    assert layer.live_state()["keys"].tolist() == [a]
+    assert _stats(layer)["live"] == 1
+
+
+def test_bad_input(strategy):
+    num_shards = len(strategy.extended.parameter_devices)
+    with pytest.raises(keras_ps.KerasPSError,
+                       match=rf"Received: capacity=2 with {num_shards} ps"):
+        _layer(strategy, capacity=2)
+    layer = _layer(strategy, capacity=30)
+    with pytest.raises(TypeError, match="Received: inputs.dtype=string"):
+        layer(tf.constant(["a"]), training=False)
+    strings = _layer(strategy, capacity=30, key_dtype="string")
+    with pytest.raises(keras_ps.KerasPSError, match="Received: inputs.dtype=int64"):
+        strings(tf.constant([1], tf.int64), training=False)
+    with pytest.raises(ValueError, match="Received: key_dtype='float32'"):
+        keras_ps.layers.DynamicEmbedding(4, capacity=10, key_dtype="float32")
+
+
+# -- export to plain Keras ------------------------------------------------------------
+_PLAIN_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path = [p for p in sys.path
+                if not os.path.isdir(os.path.join(p or ".", "keras_ps"))]
+    class _NoKerasPS:
+        def find_spec(self, name, path=None, target=None):
+            if name == "keras_ps" or name.startswith("keras_ps."):
+                raise ImportError("keras_ps is not installed here")
+    sys.meta_path.insert(0, _NoKerasPS())
+    try:
+        import keras_ps
+        raise SystemExit("keras_ps could be imported")
+    except ImportError:
+        pass
+    import json
+    import numpy as np
+    import keras
+    import tensorflow as tf
+    out = {}
+    for name in ("ints", "strings"):
+        model = keras.saving.load_model(sys.argv[1] + f"/{name}.keras")
+        x = np.load(sys.argv[1] + f"/{name}_x.npy")
+        out[name] = model.predict(tf.constant(x), verbose=0).tolist()
+    out["modules"] = sorted(m for m in sys.modules if m.startswith("keras_ps"))
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_export_loads_and_predicts_without_keras_ps(strategy, tmp_path):
+    want = {}
+    for name, as_strings in (("ints", False), ("strings", True)):
+        model, _ = _id_model(strategy, key_dtype="string" if as_strings
+                             else "int64", default_row="trainable")
+        model.compile(keras_ps.optimizers.LazyAdam(0.02), "mse")
+        x, y = _id_data(as_strings=as_strings)
+        model.fit(x, y, batch_size=32, epochs=2, steps_per_epoch=8, verbose=0)
+        # Trained ids, and ids never seen (the default row).
+        unseen, _ = _id_data(n=4, seed=9, as_strings=as_strings)
+        query = np.concatenate([x[:12], unseen])
+        if as_strings:  # Keras' predict takes no numpy object arrays
+            query = query.astype(str)
+        want[name] = model.predict(tf.constant(query), verbose=0)
+        plain = keras_ps.layers.export_plain_model(model)
+        np.testing.assert_allclose(plain.predict(tf.constant(query), verbose=0),
+                                   want[name],
+                                   rtol=1e-5, atol=1e-6)
+        plain.save(str(tmp_path / f"{name}.keras"))
+        np.save(tmp_path / f"{name}_x.npy", query)
+    script = tmp_path / "plain.py"
+    script.write_text(_PLAIN_SCRIPT)
+    done = subprocess.run([sys.executable, str(script), str(tmp_path)],
+                          capture_output=True, text=True, timeout=240,
+                          cwd=str(tmp_path),
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = last_report(done.stdout)
+    assert got["modules"] == []
+    for name in want:
+        np.testing.assert_allclose(np.array(got[name]), want[name],
+                                   rtol=1e-5, atol=1e-6)
+
+
+# -- checkpoints: restore into 1, 2 and 3 ps ------------------------------------------
+def _job(*args, timeout=280):
+    done = subprocess.run([sys.executable, JOB, *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                                   PYTHONUNBUFFERED="1"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return last_report(done.stdout)
+
+
+@pytest.mark.timeout(900)
+def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
+    saved = _job("save", tmp_path)
+    assert saved["live_rows"] > 0
+    for num_ps in (1, 2, 3):
+        restored = _job("restore", tmp_path, num_ps)
+        for how in ("checkpoint", "weights", "backup"):
+            got = restored[how]
+            assert got["num_shards"] == num_ps
+            np.testing.assert_allclose(got["lookups"], saved["lookups"],
+                                       rtol=1e-6, err_msg=f"{how}, {num_ps} ps")
+            assert got["state"] == saved["state"], (how, num_ps)
+            np.testing.assert_allclose(got["slots"], saved["slots"], rtol=1e-6)
+            # Admission counts are kept: per shard into 2 ps; into 1 or 3 ps
+            # every shard starts from all the counts (a key's count may be
+            # overestimated after such a restore, never lost).
+            copies = 3 if num_ps == 3 else 1
+            assert got["filter"] == [copies * c for c in saved["filter"]]

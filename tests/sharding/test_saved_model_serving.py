@@ -1,0 +1,196 @@
+"""A SavedModel of sharded variables, as TF's own sharded variable gives:
+served by a plain TF process that cannot import keras_ps, and loaded back
+with or without a strategy, into any number of shards. On the shared real
+cluster (2 workers, 3 ps)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_ps
+from keras_ps.partitioners import FixedShardsPartitioner
+
+pytestmark = pytest.mark.timeout(300)
+
+VALUES = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
+IDS = np.array([9, 0, 5, 9], np.int64)
+
+# Run in a fresh interpreter where `import keras_ps` fails, as on a serving
+# host where keras_ps is not installed.
+_PLAIN_TF_SERVER = r"""
+import sys
+sys.modules["keras_ps"] = None  # any import of keras_ps raises ImportError
+import json
+import numpy as np
+import tensorflow as tf
+
+path, kind, x_file, out_file = sys.argv[1:]
+loaded = tf.saved_model.load(path)
+x = tf.constant(np.load(x_file))
+if kind == "export":
+    y = loaded.serve(x)
+else:
+    signature = loaded.signatures["serving_default"]
+    (y,) = signature(tf.constant(x)).values()
+np.save(out_file, np.asarray(y))
+print(json.dumps({"keras_ps_loaded": any(
+    m == "keras_ps" or m.startswith("keras_ps.")
+    for m, mod in sys.modules.items() if mod is not None)}))
+"""
+
+
+def _serve_without_keras_ps(path, kind, x, tmp_path):
+    np.save(tmp_path / "x.npy", x)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+    result = subprocess.run(
+        [sys.executable, "-c", _PLAIN_TF_SERVER, str(path), kind,
+         str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+        capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == {
+        "keras_ps_loaded": False}
+    return np.load(tmp_path / "y.npy")
+
+
+@pytest.fixture(scope="module")
+def three_shards(cluster, strategy):
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=FixedShardsPartitioner(3))
+
+
+@pytest.fixture(scope="module")
+def two_shards(cluster, strategy):
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
+
+
+@pytest.fixture(scope="module")
+def plain_strategy(cluster, strategy):
+    return keras_ps.ParameterServerStrategy(cluster.resolver)
+
+
+@pytest.fixture(scope="module")
+def trained(three_shards, coordinator):
+    """A Keras model with a sharded embedding, trained with Model.fit."""
+    with three_shards.scope():
+        model = keras.Sequential([
+            keras.Input((2,), dtype="int32"),
+            keras.layers.Embedding(30, 4), keras.layers.Flatten(),
+            keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.5), "mse")
+    assert len(model.layers[0].embeddings.variables) == 3
+    before = model.layers[0].embeddings.numpy().copy()
+
+    def dataset_fn(context):
+        rng = np.random.default_rng(context.input_pipeline_id)
+        x = rng.integers(0, 30, size=(64, 2)).astype("int32")
+        y = rng.normal(size=(64, 1)).astype("float32")
+        return tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+
+    model.fit(keras_ps.DatasetCreator(dataset_fn), epochs=1,
+              steps_per_epoch=6, verbose=0)
+    assert not np.allclose(model.layers[0].embeddings.numpy(), before)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["export", "saved_model_save"])
+def test_keras_model_served_by_plain_tf_without_keras_ps(trained, kind,
+                                                         tmp_path):
+    x = np.array([[1, 29], [5, 0], [17, 17]], np.int32)
+    expected = trained(x).numpy()
+    path = tmp_path / "model"
+    if kind == "export":
+        trained.export(str(path), verbose=False)
+    else:
+        tf.saved_model.save(trained, str(path))
+    served = _serve_without_keras_ps(path, kind, x, tmp_path)
+    np.testing.assert_allclose(served, expected, rtol=1e-5, atol=1e-6)
+
+
+class _Lookup(tf.Module):
+    def __init__(self, table):
+        super().__init__()
+        self.table = table
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+    def lookup(self, ids):
+        return tf.nn.embedding_lookup(self.table, ids)
+
+
+@pytest.fixture(scope="module")
+def saved_module(three_shards, tmp_path_factory):
+    with three_shards.scope():
+        table = tf.Variable(VALUES, name="table")
+    assert len(table.variables) == 3
+    path = str(tmp_path_factory.mktemp("module"))
+    tf.saved_model.save(_Lookup(table), path)
+    return path, table
+
+
+def test_module_saves_one_full_variable(saved_module):
+    path, table = saved_module
+    # Each row once, as TF's sharded variable saves it (no shard children).
+    assert dict(tf.train.list_variables(os.path.join(
+        path, "variables", "variables"))) == {
+            "_CHECKPOINTABLE_OBJECT_GRAPH": [],
+            "table/.ATTRIBUTES/VARIABLE_VALUE": [10, 3]}
+    # The trained variable is left as it was: shards, read and updated.
+    assert len(table.variables) == 3
+    table.assign_add(tf.zeros_like(VALUES))
+    np.testing.assert_array_equal(table.numpy(), VALUES)
+
+
+def test_module_loads_as_a_plain_variable_without_a_strategy(saved_module):
+    path, _ = saved_module
+    loaded = tf.saved_model.load(path)
+    assert isinstance(loaded.table, tf.Variable)
+    np.testing.assert_array_equal(loaded.table.numpy(), VALUES)
+    np.testing.assert_array_equal(loaded.lookup(IDS).numpy(), VALUES[IDS])
+
+
+def test_module_loads_on_a_ps_under_a_strategy_without_partitioner(
+        saved_module, plain_strategy):
+    path, _ = saved_module
+    with plain_strategy.scope():
+        loaded = tf.saved_model.load(path)
+    assert "/job:ps/" in loaded.table.device
+    np.testing.assert_array_equal(loaded.lookup(IDS).numpy(), VALUES[IDS])
+
+
+@pytest.mark.parametrize("shards", [2, 3])
+def test_module_loads_resharded_under_a_partitioner(saved_module, shards,
+                                                    two_shards, three_shards):
+    path, _ = saved_module
+    with (two_shards if shards == 2 else three_shards).scope():
+        loaded = tf.saved_model.load(path)
+    assert isinstance(loaded.table, keras_ps.ShardedVariable)
+    assert len(loaded.table.variables) == shards
+    assert len({v.device for v in loaded.table.variables}) == shards
+    np.testing.assert_array_equal(loaded.table.numpy(), VALUES)
+    # As in TF: the loaded function was traced with one full variable and
+    # cannot read shards; it raises TF's ValueError. Load without a
+    # partitioner to serve (the test above).
+    with pytest.raises(ValueError, match="non-Keras model"):
+        loaded.lookup(IDS)
+
+
+@pytest.mark.parametrize("shard_config", [(3, 2), (2, 3), (3, 1), (1, 3)],
+                         ids=lambda c: f"{c[0]}_to_{c[1]}")
+def test_variable_saved_and_loaded_with_other_shard_counts(
+        shard_config, plain_strategy, two_shards, three_shards, tmp_path):
+    by_count = {1: plain_strategy, 2: two_shards, 3: three_shards}
+    with by_count[shard_config[0]].scope():
+        variable = tf.Variable([1., 2., 3., 4., 5., 6.])
+    tf.saved_model.save(variable, str(tmp_path))
+    with by_count[shard_config[1]].scope():
+        loaded = tf.saved_model.load(str(tmp_path))
+    if shard_config[1] > 1:
+        assert len(loaded.variables) == shard_config[1]
+    np.testing.assert_array_equal(tf.convert_to_tensor(loaded).numpy(),
+                                  [1., 2., 3., 4., 5., 6.])
