@@ -155,7 +155,7 @@ def _documented_imports():
         r"(?:import (?:[\w.]+(?: as \w+)?, )*keras_ps[\w.]*(?: as \w+)?"
         r"(?:, [\w.]+(?: as \w+)?)*))\s*(?:#.*)?$", re.M)
     found = set()
-    for path in paths:
+    for path in filter(os.path.isfile, paths):
         with open(path) as f:
             found.update(m.group(1).strip() for m in pattern.finditer(f.read()))
     return sorted(found)
