@@ -65,7 +65,8 @@ def test_keras_hooks_installed_on_first_use():
     seen = _run(
         "import json\n"
         "import keras_ps\n"
-        "from keras_ps._keras import fit_routing, hooks\n"
+        "from keras_ps import _keras as hooks\n"
+        "from keras_ps._keras import fit_routing\n"
         "def installed():\n"
         "    return hooks.installed(fit_routing.TRAINER_CLASS, 'fit')\n"
         "before = installed()\n"
