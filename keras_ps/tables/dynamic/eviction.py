@@ -9,6 +9,11 @@ import tensorflow as tf
 
 FREE = -1
 
+# A shard sweeps for rows past `max_age` every `max(1, max_age //
+# SWEEP_FRACTION)` steps (a scan of all its slots); in between, a row found
+# past its age at lookup is evicted then.
+SWEEP_FRACTION = 8
+
 
 def expired(last_seen, step, max_age):
     """Slots whose row was last seen more than `max_age` steps before `step`."""
