@@ -133,6 +133,8 @@ class Sampler(threading.Thread):
 def run_one(rows, kills, plan_name="full", incremental="auto"):
     plan = PLANS[plan_name]
     logging.basicConfig(level=logging.WARNING)
+    # Each incremental backup written, published, restored.
+    logging.getLogger("keras_ps.incremental_backup").setLevel(logging.INFO)
     import keras
     import numpy as np  # noqa: F401  (keras needs it; imported early)
     import tensorflow as tf
@@ -464,6 +466,9 @@ def run_child(rows, kills, plan, incremental, timeout=5400):
                 + out.stderr[-3000:]}
     result = json.loads(lines[-1][len("RESULT "):])
     result["wall_s"] = time.monotonic() - start
+    # The chief's warnings (recoveries, a delta not published).
+    result["chief_warnings"] = [l for l in out.stderr.splitlines()
+                                if "[chief]" in l][-40:]
     return result
 
 

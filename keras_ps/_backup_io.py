@@ -81,10 +81,17 @@ class Writer:
                     [t if g.kind == "bundle" else t[1:]
                      for g, t in zip(groups, taken)])
 
+            # Traced once: the row counts differ at each delta.
+            signature = [tf.TensorSpec([], tf.string), [
+                [tf.TensorSpec(v.shape, v.dtype) for v in g.variables]
+                if g.kind == "bundle" else
+                [tf.TensorSpec([None], tf.int64)]
+                + [tf.TensorSpec([None] + v.shape[1:].as_list(), v.dtype)
+                   for v in g.variables] for g in groups]]
             self._functions[key] = (
                 tf.function(snapshot, autograph=False),
-                # The row counts differ at each delta.
-                tf.function(write, autograph=False, reduce_retracing=True))
+                tf.function(write, autograph=False,
+                            input_signature=signature))
         return self._functions[key]
 
     def can_snapshot(self):
