@@ -356,6 +356,8 @@ def main():
                   + (f" FAILED {result['error'][-800:]}" if "error" in result
                      else f", {result['steps_per_s']:.1f} steps/s"), flush=True)
             results.append(result)
+            if args.json:  # each run as it ends: kept if the rest is stopped
+                print("RUN " + json.dumps(result), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
     print("\n".join(summary(results)))

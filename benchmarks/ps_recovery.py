@@ -19,7 +19,7 @@ In one process, on one cluster and one model:
              first epoch (4 backups in that window), against the mean of
              phases A and C.
            - in each later epoch, at the end of step 250 (50 steps after the
-             backup at step 200), ps 0 is SIGKILLed and started again on its
+             backup at step 200; once step 250 has run), ps 0 is SIGKILLed and started again on its
              address at once (in a thread, as a restart policy would, the
              chief goes on). Timeline: kill; the chief's "lost its
              variables" warning (detection); its "recovered in" warning
@@ -286,6 +286,11 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
                         batch == plan["kill_batch"] and \
                         key not in self.done:
                     self.done.add(key)
+                    # The chief schedules ahead: wait until step 250 has
+                    # run (reading the logs waits for this execution), so
+                    # the kill comes 50 steps after the backup, not while
+                    # it is still being written in the background.
+                    len(logs)
                     old_pid = cluster.pid("ps", 0)
                     before = {name: proc_status(pid)
                               for name, pid in sampler.pids().items()}
