@@ -5,7 +5,8 @@ coordinator process (tests/_incremental_job.py).
 - A full backup and deltas restore, into another number of shards, exactly
   (every bit of every model and optimizer variable) the model at the last
   delta and the Keras weights file written at that step: Adam (its table
-  written whole), LazyAdam, Adagrad, SGD and Ftrl, saved in 2 or 3 shards.
+  written whole), LazyAdam, Adagrad, SGD and Ftrl, saved in 2 or 3 shards;
+  also with deltas written in the background while the model trains on.
 - A delta holds the rows the steps since the previous backup touched, not
   the table.
 - A truncated, altered or missing delta file: an error naming the file, and
@@ -52,7 +53,9 @@ def equivalence(tmp_path_factory):
 
 CASES = [f"{opt}-{saved}-to-{restored}"
          for opt in ("adam", "lazy_adam", "adagrad", "sgd", "ftrl")
-         for saved, restored in ((2, 3), (3, 2))] + ["lazy_adam-2-to-1"]
+         for saved, restored in ((2, 3), (3, 2))] + [
+            "lazy_adam-2-to-1", "lazy_adam_background-2-to-3",
+            "adagrad_background-3-to-2"]
 
 
 @pytest.mark.timeout(1600)
