@@ -13,7 +13,6 @@ newest full backup and its deltas in order: the values a full backup at the
 same step holds, bit for bit, into any number of shards.
 """
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,6 +26,9 @@ import tensorflow as tf
 from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _io as _backup_io
+from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
+from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
+from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
 from keras_ps.tables import _dirty_rows
 from keras_ps import _tf_adapter
 from keras_ps.errors import BackupCorruptError
@@ -36,51 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Smaller tables are written whole by every backup.
 DEFAULT_MIN_TABLE_BYTES = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class BackupEntry:
-    """One backup written or restored.
-
-    Attributes:
-        id: its number in the directory (increasing).
-        kind: `"full"` or `"delta"`.
-        bytes: bytes of its files.
-        files: how many files it has.
-        table_rows: rows of row-tracked tables it holds (with their slots).
-        deltas: deltas in its chain up to it (0 for a full backup).
-        metadata: the dict given when it was saved.
-        seconds: how long saving (or restoring) it took.
-        problems: when restoring: why each newer backup could not be
-            restored (empty when the newest one was).
-    """
-
-    id: int
-    kind: str
-    bytes: int
-    files: int
-    table_rows: int
-    deltas: int
-    metadata: dict
-    seconds: float = 0.0
-    problems: tuple = ()
-
-
-def _entry_info(entry, deltas, seconds=0.0, problems=()):
-    return BackupEntry(
-        id=entry["id"], kind=entry["kind"], bytes=entry["bytes"],
-        files=len(entry["files"]), table_rows=entry["table_rows"],
-        deltas=deltas, metadata=entry.get("metadata") or {}, seconds=seconds,
-        problems=tuple(problems))
-
-
-def _check_int(name, value, minimum, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}"
-                         f"{' or None' if allow_none else ''}. Received: "
-                         f"{name}={value!r}.")
 
 
 def _connected(strategy):
@@ -93,20 +50,6 @@ def _connected(strategy):
     except ClusterConfigError:
         return False
     return True
-
-
-def has_backup(directory):
-    """Whether `directory` holds an incremental backup (its manifest)."""
-    return os.path.exists(os.path.join(directory, _backup_chain.MANIFEST_FILE))
-
-
-def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
-                  min_table_bytes=0):
-    """Raises ValueError naming the first bad IncrementalBackup option."""
-    _check_int("max_deltas", max_deltas, 1)
-    _check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
-    _check_int("keep_chains", keep_chains, 1)
-    _check_int("min_table_bytes", min_table_bytes, 0)
 
 
 class IncrementalBackup:
@@ -407,7 +350,7 @@ class IncrementalBackup:
     def _publish(self, manifest, entry, generation, deltas, started):
         _backup_chain.publish(self.directory, manifest)
         self._base = (entry["id"], generation)
-        info = _entry_info(entry, deltas, time.monotonic() - started)
+        info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
         logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
                     "table rows, %.2fs", entry["kind"], entry["id"],
                     info.bytes, info.files, entry["table_rows"], info.seconds)
@@ -451,7 +394,7 @@ class IncrementalBackup:
         if not manifest or not manifest["chains"]:
             return None
         chain = manifest["chains"][-1]
-        return _entry_info(chain[-1], len(chain) - 1)
+        return _backup_chain.entry_info(chain[-1], len(chain) - 1)
 
     def restore(self, fallback=True):
         """Loads the newest backup: its full backup, then its deltas in order.
@@ -491,7 +434,7 @@ class IncrementalBackup:
                     continue
                 generation = _dirty_rows.GENERATIONS.advance()
                 self._base = (entries[-1]["id"], generation)
-                info = _entry_info(entries[-1], length - 1,
+                info = _backup_chain.entry_info(entries[-1], length - 1,
                                    time.monotonic() - started, problems)
                 logger.info("[chief] restored %s backup %d (%d deltas) in "
                             "%.2fs", info.kind, info.id, info.deltas,
