@@ -111,6 +111,8 @@ BACKGROUND_CASES = [("lazy_adam", 2, 3), ("adagrad", 3, 2)]
 
 
 def equivalence(directory):
+    """Every case, or those named in KERAS_PS_TEST_CASES (comma-separated)."""
+    only = os.environ.get("KERAS_PS_TEST_CASES")
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         by_shards = strategies(cluster)
         for optimizer, saved_in, restored_in, background in (
@@ -118,6 +120,8 @@ def equivalence(directory):
                 + [c + (True,) for c in BACKGROUND_CASES]):
             case = (f"{optimizer}{'_background' if background else ''}-"
                     f"{saved_in}-to-{restored_in}")
+            if only and case not in only.split(","):
+                continue
             folder = os.path.join(directory, case)
             model = build(by_shards[saved_in], optimizer)
             train(model, 0)
