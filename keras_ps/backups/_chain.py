@@ -14,6 +14,7 @@ Folders the manifest does not name (a crashed entry's, a dropped chain's)
 are deleted after each publish. Pure Python.
 """
 
+import dataclasses
 import json
 import logging
 import os
@@ -165,3 +166,62 @@ def write_atomically(path, data):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupEntry:
+    """One backup written or restored.
+
+    Attributes:
+        id: its number in the directory (increasing).
+        kind: `"full"` or `"delta"`.
+        bytes: bytes of its files.
+        files: how many files it has.
+        table_rows: rows of row-tracked tables it holds (with their slots).
+        deltas: deltas in its chain up to it (0 for a full backup).
+        metadata: the dict given when it was saved.
+        seconds: how long saving (or restoring) it took.
+        problems: when restoring: why each newer backup could not be
+            restored (empty when the newest one was).
+    """
+
+    id: int
+    kind: str
+    bytes: int
+    files: int
+    table_rows: int
+    deltas: int
+    metadata: dict
+    seconds: float = 0.0
+    problems: tuple = ()
+
+
+def entry_info(entry, deltas, seconds=0.0, problems=()):
+    return BackupEntry(
+        id=entry["id"], kind=entry["kind"], bytes=entry["bytes"],
+        files=len(entry["files"]), table_rows=entry["table_rows"],
+        deltas=deltas, metadata=entry.get("metadata") or {}, seconds=seconds,
+        problems=tuple(problems))
+
+
+def has_backup(directory):
+    """Whether `directory` holds an incremental backup (its manifest)."""
+    return os.path.exists(os.path.join(directory, MANIFEST_FILE))
+
+
+def check_int(name, value, minimum, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}"
+                         f"{' or None' if allow_none else ''}. Received: "
+                         f"{name}={value!r}.")
+
+
+def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
+                  min_table_bytes=0):
+    """Raises ValueError naming the first bad IncrementalBackup option."""
+    check_int("max_deltas", max_deltas, 1)
+    check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
+    check_int("keep_chains", keep_chains, 1)
+    check_int("min_table_bytes", min_table_bytes, 0)

@@ -35,32 +35,73 @@ class Writer:
         self._catalog = catalog
         self._functions = {}
 
+    def _groups(self, device):
+        return [g for g in self._catalog.groups if g.device == device]
+
     def _function(self, device, full):
         key = (device, full)
         if key not in self._functions:
-            groups = [g for g in self._catalog.groups if g.device == device]
-            block_bytes = _row_chunks.chunk_bytes()
+            groups = self._groups(device)
 
             def write(prefix, since):
-                records = []
+                return _write_groups(prefix, groups, [
+                    None if g.kind == "bundle"
+                    else _rows_to_write(g, full, since) for g in groups],
+                    [g.variables for g in groups])
+
+            self._functions[key] = tf.function(write, autograph=False)
+        return self._functions[key]
+
+    def _snapshot_functions(self, device):
+        key = (device, "snapshot")
+        if key not in self._functions:
+            groups = self._groups(device)
+
+            def snapshot(since):
+                taken = []
                 for group in groups:
-                    path = tf.strings.join([prefix, group.name])
                     with tf.device(group.device):
                         if group.kind == "bundle":
-                            records.append(_row_files.write_whole(
-                                tf.strings.join([path, ".0"]),
-                                group.variables))
+                            # A value read is kept as it is: an update of
+                            # the variable after it copies the buffer first.
+                            taken.append([tf.raw_ops.ReadVariableOp(
+                                resource=v.handle, dtype=v.dtype)
+                                for v in group.variables])
                             continue
-                        records.append(_row_files.write_rows(
-                            path, _rows_to_write(group, full, since),
-                            group.parts[0].offset, group.variables,
-                            _row_files.rows_per_block(group.variables,
-                                                      block_bytes)))
-                return records
+                        ids = _rows_to_write(group, False, since)
+                        taken.append([ids] + _row_files.gather_rows(
+                            ids, group.variables))
+                return taken
 
-            self._functions[key] = (groups,
-                                    tf.function(write, autograph=False))
+            def write(prefix, taken):
+                return _write_groups(
+                    prefix, groups,
+                    [None if g.kind == "bundle" else t[0]
+                     for g, t in zip(groups, taken)],
+                    [t if g.kind == "bundle" else t[1:]
+                     for g, t in zip(groups, taken)])
+
+            # Traced once: the row counts differ at each delta.
+            signature = [tf.TensorSpec([], tf.string), [
+                [tf.TensorSpec(v.shape, v.dtype) for v in g.variables]
+                if g.kind == "bundle" else
+                [tf.TensorSpec([None], tf.int64)]
+                + [tf.TensorSpec([None] + v.shape[1:].as_list(), v.dtype)
+                   for v in g.variables] for g in groups]]
+            self._functions[key] = (
+                tf.function(snapshot, autograph=False),
+                tf.function(write, autograph=False,
+                            input_signature=signature))
         return self._functions[key]
+
+    def can_snapshot(self):
+        """Whether `snapshot` copies only a delta's worth on each device: no
+        group other than tables' is written in row files (those are
+        written whole by every backup)."""
+        return all(g.kind != "rows" for g in self._catalog.groups)
+
+    def _devices(self):
+        return sorted({g.device for g in self._catalog.groups})
 
     def write(self, prefix, since, full):
         """Writes every group into files named `prefix + group name + "." +
@@ -70,16 +111,39 @@ class Writer:
         Returns:
             (file records for the manifest, rows of tables written).
         """
-        devices = sorted({g.device for g in self._catalog.groups})
-
         def write(device):
-            groups, function = self._function(device, full)
-            records = function(tf.constant(prefix),
-                               tf.constant(since, tf.int32))
-            return groups, [r.numpy() for r in records]
+            records = self._function(device, full)(
+                tf.constant(prefix), tf.constant(since, tf.int32))
+            return self._groups(device), [r.numpy() for r in records]
 
+        return self._describe(per_device(write, self._devices()))
+
+    def snapshot(self, since):
+        """Copies, on each device, what `write(prefix, since, full=False)`
+        would write: the rows marked after `since` of its tables (with
+        their slots), the values of its small variables. The copies stay
+        on their devices; training may go on meanwhile.
+
+        Returns:
+            A Snapshot, whose `write(prefix)` writes them.
+        """
+        def snapshot(device):
+            return device, self._snapshot_functions(device)[0](
+                tf.constant(since, tf.int32))
+
+        return Snapshot(self, dict(per_device(snapshot, self._devices())))
+
+    def _write_snapshot(self, prefix, taken):
+        def write(device):
+            records = self._snapshot_functions(device)[1](
+                tf.constant(prefix), taken[device])
+            return self._groups(device), [r.numpy() for r in records]
+
+        return self._describe(per_device(write, sorted(taken)))
+
+    def _describe(self, done):
         files, table_rows = [], 0
-        for groups, records in per_device(write, devices):
+        for groups, records in done:
             for group, record in zip(groups, records):
                 fields = len(_row_files.RECORD_FIELDS)
                 for block in range(record.shape[1]):
@@ -95,6 +159,43 @@ class Writer:
                     if group.table:
                         table_rows += files[-1]["rows"]
         return files, table_rows
+
+
+def _write_groups(prefix, groups, ids, sources):
+    """Writes each group (its rows `ids[i]` of `sources[i]`, or, for a
+    bundle, `sources[i]` whole), each on its device; the records of each."""
+    block_bytes = _row_chunks.chunk_bytes()
+    records = []
+    for group, group_ids, group_sources in zip(groups, ids, sources):
+        path = tf.strings.join([prefix, group.name])
+        with tf.device(group.device):
+            if group.kind == "bundle":
+                records.append(_row_files.write_whole(
+                    tf.strings.join([path, ".0"]), group_sources))
+                continue
+            records.append(_row_files.write_rows(
+                path, group_ids, group.parts[0].offset, group_sources,
+                _row_files.rows_per_block(group.variables, block_bytes)))
+    return records
+
+
+class Snapshot:
+    """What a delta holds, copied on each device by `Writer.snapshot`;
+    `write(prefix)` has each device write its own files (once)."""
+
+    def __init__(self, writer, taken):
+        self._writer = writer
+        self._taken = taken  # {device: tensors there}
+
+    def write(self, prefix):
+        """Writes the files (each device its own, at once) and frees the
+        copies.
+
+        Returns:
+            (file records for the manifest, rows of tables written).
+        """
+        taken, self._taken = self._taken, None
+        return self._writer._write_snapshot(prefix, taken)
 
 
 def _rows_to_write(group, full, since):
@@ -189,7 +290,13 @@ class Applier:
 
     def _apply_rows(self, device, entry, files):
         for path, record, targets in files:
-            function = self._function(device, tuple(p for _, p in targets))
+            # A file whose rows all fall in a part is scattered without
+            # filtering (a copy of its rows fewer).
+            contained = tuple(
+                record["min"] >= p.offset
+                and record["max"] < p.offset + p.rows for _, p in targets)
+            function = self._function(device, tuple(p for _, p in targets),
+                                      contained)
             try:
                 function(tf.constant(path),
                          tf.constant(record["bytes"], tf.int64),
@@ -206,9 +313,10 @@ class Applier:
                 raise _backup_chain.corrupt_file_error(
                     path, entry, reason) from error
 
-    def _function(self, device, parts):
-        """The function applying a row file to `parts` (on `device`)."""
-        key = (device, tuple(id(p) for p in parts))
+    def _function(self, device, parts, contained):
+        """The function applying a row file to `parts` (on `device`);
+        `contained[i]`: every row of the file falls in `parts[i]`."""
+        key = (device, tuple(id(p) for p in parts), contained)
         if key not in self._functions:
             def apply(path, length, fingerprint, sizes, components):
                 with tf.device(device):
@@ -228,7 +336,8 @@ class Applier:
                                             part.variable.dtype),
                             [None] + part.variable.shape[1:].as_list())
                         _row_files.assign_rows(part.variable, part.offset,
-                                               ids, rows, contained=False)
+                                               ids, rows,
+                                               contained=contained[i])
 
             self._functions[key] = tf.function(apply, autograph=False)
         return self._functions[key]

@@ -43,10 +43,10 @@ def _rows(variable, local_ids):
                                      indices=local_ids, dtype=variable.dtype)
 
 
-def write_rows(prefix, local_ids, offset, variables, block_rows):
-    """Writes rows `local_ids` of `variables` to files `prefix + ".0"`,
+def write_rows(prefix, local_ids, offset, sources, block_rows):
+    """Writes rows `local_ids` of `sources` to files `prefix + ".0"`,
     `prefix + ".1"`, ..., `block_rows` rows each. Run it under the device
-    holding the variables (inside a `tf.function`: one remote call writes
+    holding the sources (inside a `tf.function`: one remote call writes
     every block).
 
     Args:
@@ -54,11 +54,13 @@ def write_rows(prefix, local_ids, offset, variables, block_rows):
         local_ids: int64 row ids within the variables (1-D).
         offset: the variables' first row in the whole (sharded) variable:
             the files hold `local_ids + offset`.
-        variables: `tf.Variable`s (rank >= 1) with the same number of rows.
+        sources: `tf.Variable`s (rank >= 1) with the same number of rows,
+            whose rows `local_ids` are written; or tensors holding those
+            rows already (`gather_rows`, a snapshot), in the same order.
         block_rows: rows per file.
 
     Returns:
-        An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(variables),
+        An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(sources),
         files]`: each file's length in bytes, fingerprint, row count, first
         and last id, then the size of each of its parts (ids, variables).
     """
@@ -67,12 +69,15 @@ def write_rows(prefix, local_ids, offset, variables, block_rows):
     blocks = (count + block_rows - 1) // block_rows
     records = [tf.TensorArray(tf.int64, size=0, dynamic_size=True,
                               element_shape=[])
-               for _ in range(len(RECORD_FIELDS) + 1 + len(variables))]
+               for _ in range(len(RECORD_FIELDS) + 1 + len(sources))]
 
     def write_block(block, *records):
-        ids = local_ids[block * block_rows:(block + 1) * block_rows]
+        first, stop = block * block_rows, (block + 1) * block_rows
+        ids = local_ids[first:stop]
         parts = [tf.io.serialize_tensor(ids + offset)]
-        parts += [tf.io.serialize_tensor(_rows(v, ids)) for v in variables]
+        parts += [tf.io.serialize_tensor(
+            _rows(s, ids) if isinstance(s, tf.Variable) else s[first:stop])
+            for s in sources]
         content = _write(
             tf.strings.join([prefix, ".", tf.strings.as_string(block)]), parts)
         values = (_length(content), fingerprint(content),
@@ -88,17 +93,28 @@ def write_rows(prefix, local_ids, offset, variables, block_rows):
     return tf.stack([r.stack() for r in results[1:]])
 
 
-def write_whole(path, variables):
-    """Writes `variables` whole into one file (a *bundle* of small
+def gather_rows(local_ids, variables):
+    """Copies of rows `local_ids` of `variables`: a snapshot `write_rows`
+    can write later, while the variables change."""
+    local_ids = tf.cast(tf.reshape(local_ids, [-1]), tf.int64)
+    return [_rows(v, local_ids) for v in variables]
+
+
+def write_whole(path, sources):
+    """Writes `sources` whole into one file (a *bundle* of small
     variables): the serialized value of each, in order, with no ids. Run it
     under the device holding them.
 
+    Args:
+        sources: `tf.Variable`s, or their values (a snapshot).
+
     Returns:
-        An int64 tensor of shape `[len(RECORD_FIELDS) + len(variables), 1]`,
+        An int64 tensor of shape `[len(RECORD_FIELDS) + len(sources), 1]`,
         as `write_rows` (rows, first and last id 0; no ids part).
     """
     parts = [tf.io.serialize_tensor(tf.raw_ops.ReadVariableOp(
-        resource=v.handle, dtype=v.dtype)) for v in variables]
+        resource=s.handle, dtype=s.dtype) if isinstance(s, tf.Variable)
+        else s) for s in sources]
     content = _write(path, parts)
     zero = tf.constant(0, tf.int64)
     return tf.reshape(tf.stack(

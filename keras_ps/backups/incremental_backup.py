@@ -13,7 +13,6 @@ newest full backup and its deltas in order: the values a full backup at the
 same step holds, bit for bit, into any number of shards.
 """
 
-import dataclasses
 import functools
 import logging
 import os
@@ -27,6 +26,9 @@ import tensorflow as tf
 from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _io as _backup_io
+from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
+from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
+from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
 from keras_ps.tables import _dirty_rows
 from keras_ps import _tf_adapter
 from keras_ps.errors import BackupCorruptError
@@ -36,51 +38,6 @@ logger = logging.getLogger(__name__)
 
 # Smaller tables are written whole by every backup.
 DEFAULT_MIN_TABLE_BYTES = 2**20
-
-
-@dataclasses.dataclass(frozen=True)
-class BackupEntry:
-    """One backup written or restored.
-
-    Attributes:
-        id: its number in the directory (increasing).
-        kind: `"full"` or `"delta"`.
-        bytes: bytes of its files.
-        files: how many files it has.
-        table_rows: rows of row-tracked tables it holds (with their slots).
-        deltas: deltas in its chain up to it (0 for a full backup).
-        metadata: the dict given when it was saved.
-        seconds: how long saving (or restoring) it took.
-        problems: when restoring: why each newer backup could not be
-            restored (empty when the newest one was).
-    """
-
-    id: int
-    kind: str
-    bytes: int
-    files: int
-    table_rows: int
-    deltas: int
-    metadata: dict
-    seconds: float = 0.0
-    problems: tuple = ()
-
-
-def _entry_info(entry, deltas, seconds=0.0, problems=()):
-    return BackupEntry(
-        id=entry["id"], kind=entry["kind"], bytes=entry["bytes"],
-        files=len(entry["files"]), table_rows=entry["table_rows"],
-        deltas=deltas, metadata=entry.get("metadata") or {}, seconds=seconds,
-        problems=tuple(problems))
-
-
-def _check_int(name, value, minimum, allow_none=False):
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}"
-                         f"{' or None' if allow_none else ''}. Received: "
-                         f"{name}={value!r}.")
 
 
 def _connected(strategy):
@@ -93,20 +50,6 @@ def _connected(strategy):
     except ClusterConfigError:
         return False
     return True
-
-
-def has_backup(directory):
-    """Whether `directory` holds an incremental backup (its manifest)."""
-    return os.path.exists(os.path.join(directory, _backup_chain.MANIFEST_FILE))
-
-
-def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
-                  min_table_bytes=0):
-    """Raises ValueError naming the first bad IncrementalBackup option."""
-    _check_int("max_deltas", max_deltas, 1)
-    _check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
-    _check_int("keep_chains", keep_chains, 1)
-    _check_int("min_table_bytes", min_table_bytes, 0)
 
 
 class IncrementalBackup:
@@ -149,6 +92,15 @@ class IncrementalBackup:
         min_table_bytes: a table whose rows (with its slots' rows) take
             fewer bytes is written whole (tracking it would save little);
             None: `DEFAULT_MIN_TABLE_BYTES` (1 MiB).
+        background_deltas: True: a delta returns once each ps has made a
+            copy of what it holds (the changed rows, the small variables:
+            a consistent snapshot); the ps write their files and the delta
+            is published in a background thread while training goes on.
+            The next save, `restore()` and `wait()` wait for it; a delta
+            that fails there is logged and not published (the next backup
+            holds its rows). Full backups are written before `save*()`
+            returns either way (a copy of the whole table would double the
+            ps' memory).
 
     Example:
     ```python
@@ -165,7 +117,7 @@ class IncrementalBackup:
 
     def __init__(self, objects, directory, max_deltas=20,
                  max_delta_bytes=None, keep_chains=2,
-                 min_table_bytes=None):
+                 min_table_bytes=None, background_deltas=False):
         self._objects = _backup_catalog.normalize(objects)
         if not directory:
             raise ValueError("IncrementalBackup needs a directory. Received: "
@@ -183,6 +135,8 @@ class IncrementalBackup:
         self._checked_devices = set()
         self._writer = self._applier = None
         self._base = None  # (entry id, generation) of what a delta builds on
+        self.background_deltas = bool(background_deltas)
+        self._pending = None  # a delta being written: (thread, outcome)
 
     # -- what is backed up ----------------------------------------------------------
     def _ready(self):
@@ -279,6 +233,7 @@ class IncrementalBackup:
         written (no backup to build on, compaction due). Returns its
         BackupEntry."""
         with self._lock:
+            self._finish_pending()
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None or self._compaction_due(manifest, base):
@@ -288,6 +243,7 @@ class IncrementalBackup:
     def save_full(self, metadata=None):
         """Writes every variable whole; starts a new chain."""
         with self._lock:
+            self._finish_pending()
             manifest = _backup_chain.read(self.directory)
             return self._save("full", metadata, manifest, None)
 
@@ -300,6 +256,7 @@ class IncrementalBackup:
                 build on (or a ps lost its variables since): `save_full()`.
         """
         with self._lock:
+            self._finish_pending()
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None:
@@ -337,6 +294,11 @@ class IncrementalBackup:
         os.makedirs(path)
         since = self._base[1] if kind == "delta" else -1
         generation = _dirty_rows.GENERATIONS.advance()
+        if (kind == "delta" and self.background_deltas
+                and self._writer.can_snapshot()):
+            return self._save_in_background(
+                self._writer.snapshot(since), path, entry_id, kind, folder,
+                metadata, manifest, base, generation, started)
         files, table_rows = self._writer.write(path + os.sep, since,
                                                full=kind == "full")
         entry = {"id": entry_id, "kind": kind, "folder": folder,
@@ -348,23 +310,91 @@ class IncrementalBackup:
                                   in catalog.variables.items()}
         updated = _backup_chain.with_entry(manifest, base, entry,
                                            self.keep_chains)
-        _backup_chain.publish(self.directory, updated)
-        self._base = (entry_id, generation)
         deltas = _backup_chain.locate(updated, entry_id)[1] - 1
-        info = _entry_info(entry, deltas, time.monotonic() - started)
+        return self._publish(updated, entry, generation, deltas, started)
+
+    def _save_in_background(self, snapshot, path, entry_id, kind, folder,
+                            metadata, manifest, base, generation, started):
+        """Writes and publishes a delta whose `snapshot` was taken, in a
+        thread; returns its BackupEntry (`bytes` 0: not known yet)."""
+        outcome = {}
+
+        def finish():
+            try:
+                with _tf_adapter.own_executor():
+                    files, table_rows = snapshot.write(path + os.sep)
+                entry = {"id": entry_id, "kind": kind, "folder": folder,
+                         "files": files,
+                         "bytes": sum(f["bytes"] for f in files),
+                         "table_rows": table_rows,
+                         "metadata": metadata or {}, "time": time.time()}
+                updated = _backup_chain.with_entry(manifest, base, entry,
+                                                   self.keep_chains)
+                deltas = _backup_chain.locate(updated, entry_id)[1] - 1
+                outcome["entry"] = self._publish(updated, entry, generation,
+                                                 deltas, started)
+            except Exception as error:  # noqa: BLE001  (kept for wait())
+                outcome["error"] = error
+
+        thread = threading.Thread(target=finish, daemon=True,
+                                  name=f"keras_ps-backup-{entry_id}")
+        thread.start()
+        self._pending = (thread, outcome)
+        seconds = time.monotonic() - started
+        logger.info("[chief] delta backup %d: copied on the ps in %.2fs, "
+                    "being written", entry_id, seconds)
+        return BackupEntry(id=entry_id, kind=kind, bytes=0, files=0,
+                           table_rows=0, deltas=base[1], metadata=metadata
+                           or {}, seconds=seconds)
+
+    def _publish(self, manifest, entry, generation, deltas, started):
+        _backup_chain.publish(self.directory, manifest)
+        self._base = (entry["id"], generation)
+        info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
         logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
-                    "table rows, %.2fs", kind, entry_id, info.bytes,
-                    info.files, table_rows, info.seconds)
+                    "table rows, %.2fs", entry["kind"], entry["id"],
+                    info.bytes, info.files, entry["table_rows"], info.seconds)
         return info
+
+    def wait(self):
+        """Waits for the delta being written in the background, if any.
+
+        Returns:
+            Its BackupEntry once published (`seconds`: from the save to the
+            publication), or None when none was pending.
+
+        Raises:
+            The error that stopped it (it was not published; the next
+            backup holds its rows).
+        """
+        with self._lock:
+            if self._pending is None:
+                return None
+            thread, outcome = self._pending
+            thread.join()
+            self._pending = None
+            if "error" in outcome:
+                raise outcome["error"]
+            return outcome["entry"]
+
+    def _finish_pending(self):
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001  (not fatal: logged)
+            logger.warning("[chief] a delta written in the background was "
+                           "not published (%s: %s); the next backup holds "
+                           "its rows", type(error).__name__, error)
 
     # -- restoring -------------------------------------------------------------------
     def latest(self):
         """The newest BackupEntry in the directory (not checked), or None."""
+        with self._lock:
+            self._finish_pending()
         manifest = _backup_chain.read(self.directory)
         if not manifest or not manifest["chains"]:
             return None
         chain = manifest["chains"][-1]
-        return _entry_info(chain[-1], len(chain) - 1)
+        return _backup_chain.entry_info(chain[-1], len(chain) - 1)
 
     def restore(self, fallback=True):
         """Loads the newest backup: its full backup, then its deltas in order.
@@ -384,6 +414,7 @@ class IncrementalBackup:
             ValueError: the backup was written by a different model.
         """
         with self._lock:
+            self._finish_pending()
             started = time.monotonic()
             catalog = self._ready()
             manifest = _backup_chain.read(self.directory)
@@ -403,7 +434,7 @@ class IncrementalBackup:
                     continue
                 generation = _dirty_rows.GENERATIONS.advance()
                 self._base = (entries[-1]["id"], generation)
-                info = _entry_info(entries[-1], length - 1,
+                info = _backup_chain.entry_info(entries[-1], length - 1,
                                    time.monotonic() - started, problems)
                 logger.info("[chief] restored %s backup %d (%d deltas) in "
                             "%.2fs", info.kind, info.id, info.deltas,

@@ -341,6 +341,12 @@ def image():
     reason = engine_skip_reason()
     if reason:
         pytest.skip(reason)
+    prebuild = os.environ.get("KERAS_PS_IMAGE_PREBUILD")
+    if prebuild:  # .ci/run started the build beside the other tests
+        rc = os.path.join(prebuild, "rc")
+        wait_until(lambda: os.path.exists(rc), timeout=1200,
+                   what=f"the background image build ({prebuild}/log)",
+                   interval=1.0)
     start = time.monotonic()
     result = subprocess.run([ENGINE_SH, "build", IMAGE], capture_output=True,
                             text=True, timeout=1200)

@@ -19,8 +19,8 @@ class _Table:
     """What the layer's helpers share: config, shards and the step counter
     (a plain object, kept out of Keras' and TF's attribute tracking)."""
 
-    def __init__(self, name, config, shards, step):
-        self.name, self.config, self.shards, self.step = name, config, shards, step
+    def __init__(self, name, config, shards):
+        self.name, self.config, self.shards = name, config, shards
 
 
 @keras.saving.register_keras_serializable(package="keras_ps")
@@ -123,16 +123,13 @@ class DynamicEmbedding(keras.layers.Layer):
             placement.mark_owned(part, shard.add_optimizer_slot)
             parts.append(part)
             shards.append(shard)
-        with placement.on(strategy, devices[0]):
-            step = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                               name="dynamic_step")
         self._default = None
         if self.default_row == "trainable":
             self._default = add_weight(shape=(1, self.output_dim),
                                        initializer="zeros", name="default_row")
         object.__setattr__(self, "_parts", parts)
         object.__setattr__(self, "_table", _Table(self.name, self.config,
-                                                  shards, step))
+                                                  shards))
         object.__setattr__(self, "_checkpoint", state_lib.TableCheckpoint(self._table))
         self._stats._table = self._table
         logger.info("[chief] %s: %d rows in %d shards %s", self.name,
@@ -175,26 +172,23 @@ class DynamicEmbedding(keras.layers.Layer):
         where = tf.dynamic_partition(tf.range(tf.size(unique)), owner, num_shards)
         shard_keys = tf.dynamic_partition(unique, owner, num_shards)
         shard_counts = tf.dynamic_partition(counts, owner, num_shards)
-        if training:
-            step = self._table.step.assign_add(1, read_value=True)
         if self._default is not None:
             default = tf.convert_to_tensor(self._default)
         else:
             default = tf.zeros([1, self.output_dim], self.compute_dtype)
         gathered = []
         for index, shard in enumerate(self._table.shards):
+            # Everything but the rows found stays on the ps: one exchange
+            # per ps and step (keys and counts there, rows back).
             if training:
                 slots = shard.train_slots(
-                    shard_keys[index], shard_counts[index], step,
+                    shard_keys[index], shard_counts[index],
                     lambda n, t, index=index: self._init_rows(n, t, index))
             else:
                 slots = shard.lookup(shard_keys[index])
-            has_row = slots >= 0
+            rows, has_row = shard.gather_rows(slots)
             with_row = tf.cast(tf.where(has_row)[:, 0], tf.int32)
             without = tf.cast(tf.where(tf.logical_not(has_row))[:, 0], tf.int32)
-            with tf.device(shard.device):
-                rows = tf.gather(placement.tf_variable(self._parts[index]),
-                                 tf.boolean_mask(slots, has_row))
             rows = tf.cast(rows, self.compute_dtype)
             fill = tf.tile(tf.cast(default, self.compute_dtype),
                            [tf.size(without), 1])

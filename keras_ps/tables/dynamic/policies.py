@@ -20,6 +20,11 @@ from keras_ps.tables.dynamic import hashing
 
 FREE = -1
 
+# A shard sweeps for rows past `max_age` every `max(1, max_age //
+# SWEEP_FRACTION)` steps (a scan of all its slots); in between, a row found
+# past its age at lookup is evicted then.
+SWEEP_FRACTION = 8
+
 
 def positions(keys, config):
     """[filter_hashes, n] counter positions of `keys` in a shard's filter."""
