@@ -184,8 +184,9 @@ def spread(values, digits=2):
 
 def markdown(runs, label=""):
     lines = [
-        "| system | steady steps/s | 240-step later call, s | its steps/s "
-        "| start-up of a later call, s | 2nd evaluate(100 steps), s "
+        "| system | steady steps/s | call 2: fit(240), s (steps/s) "
+        "| call 4: fit(240), s (steps/s) | start-up of call 3, s "
+        "| 2nd evaluate(100 steps), s "
         "| peak RSS GB (coord / ps0 / ps1 / w0 / w1) | load (1 min) |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -196,8 +197,10 @@ def markdown(runs, label=""):
         rss = max(ok, key=lambda x: sum(x["peak_rss_gb"].values()))["peak_rss_gb"]
         lines.append(
             f"| {label}{system} | {spread([x['steady_steps_per_s'] for x in ok], 1)} "
-            f"| {spread([s for x in ok for s in x['whole_call_s']])} "
-            f"| {spread([s for x in ok for s in x['whole_call_steps_per_s']], 1)} "
+            f"| {spread([x['whole_call_s'][0] for x in ok])} "
+            f"({spread([x['whole_call_steps_per_s'][0] for x in ok], 1)}) "
+            f"| {spread([x['whole_call_s'][1] for x in ok])} "
+            f"({spread([x['whole_call_steps_per_s'][1] for x in ok], 1)}) "
             f"| {spread([x['startup_s'] for x in ok])} "
             f"| {spread([x['evaluate_s'][1] for x in ok])} "
             f"| {' / '.join(f'{v:.1f}' for v in rss.values())} "
