@@ -9,7 +9,12 @@ own process:
 
   none         no backup: the reference training time
   incremental  keras_ps.IncrementalBackup.save(): a full backup first, then
-               deltas (a new full backup when the deltas add up to one)
+               deltas (a new full backup when the deltas add up to one or
+               after 20), training waiting for each to be published
+  background   the same with background_deltas=True (BackupAndRestore's
+               default): training waits only while each ps copies a
+               delta's rows; the files are written and the delta is
+               published while training goes on
   keras_h5     model.save_weights(...weights.h5): the full Keras weights file
                BackupAndRestore writes without `incremental` (R <= 1M only:
                at 10M each would write 7.7 GB)
@@ -20,11 +25,15 @@ independently, from LazyAdam's per-row step slot) x the bytes of a row with
 its slots (64 x 4 x 3 + 8), plus every other variable whole. Training time:
 steps/s of the measured epochs (the first epoch, with the tracing and the
 first full backup, is warm-up), without the time spent counting touched rows.
-Then one restore of the newest chain (full + deltas) into the same model.
+Per backup, "s per backup" is the time training waits for it after the
+join of the steps in flight (the join's own time given beside it). Then
+one restore of the newest chain (full + deltas) into the same model, with
+the process' peak RSS during it over its RSS before (the whole in-process
+cluster: both ps' shares and the rest).
 
     .venv/bin/python benchmarks/incremental_backups.py --rows 1000000 --repeats 3
     .venv/bin/python benchmarks/incremental_backups.py --rows 10000000 \\
-        --modes none,incremental --repeats 3
+        --modes none,background --repeats 2
 """
 
 import argparse
@@ -42,7 +51,7 @@ sys.path.insert(0, HERE)
 import fit_large_tables as large  # noqa: E402  (the model's data)
 
 EVERY = 100  # steps between backups
-MODES = ("none", "incremental", "keras_h5")
+MODES = ("none", "incremental", "background", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
 
@@ -67,7 +76,7 @@ def run_child(mode, rows, epochs, steps, directory):
     import tensorflow as tf
 
     import keras_ps
-    from keras_ps import _sharded_weights
+    from keras_ps.tables import _sharded_weights
     from keras_ps.partitioners import FixedShardsPartitioner
 
     resolver = keras_ps.create_in_process_cluster(2, 2)
@@ -97,8 +106,9 @@ def run_child(mode, rows, epochs, steps, directory):
             for shard in model.layers[0].weights]
 
     backup = None
-    if mode == "incremental":
-        backup = keras_ps.IncrementalBackup(model, directory)
+    if mode in ("incremental", "background"):
+        backup = keras_ps.IncrementalBackup(
+            model, directory, background_deltas=mode == "background")
     records, ends = [], []
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 
@@ -125,25 +135,34 @@ def run_child(mode, rows, epochs, steps, directory):
             state["step"] = step
             if mode == "none":
                 return
-            coordinator.join()
             started = time.perf_counter()
-            if mode == "incremental":
+            coordinator.join()
+            joined = time.perf_counter()
+            if backup is not None:
                 entry = backup.save()
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - joined
+                counting = time.perf_counter()
                 iterations = int(optimizer.iterations.numpy())
                 touched = touched_since(state["last_iterations"])
                 state["last_iterations"] = iterations
                 records.append(dict(
-                    step=step, kind=entry.kind, bytes=entry.bytes,
-                    seconds=seconds, table_rows=_table_rows(backup, entry.id),
-                    touched=touched,
+                    step=step, id=entry.id, kind=entry.kind,
+                    bytes=entry.bytes, join_s=joined - started,
+                    seconds=seconds, touched=touched,
                     minimum=touched * ROW_BYTES + sizes["dense_bytes"]))
+                # The delta written in the background before this one is
+                # published now: its size (a full backup is, at once).
+                for record in records:
+                    if "table_rows" not in record:
+                        _complete(backup, record)
+                state["overhead"] += time.perf_counter() - counting
             else:
                 path = os.path.join(directory, "backup.weights.h5")
                 model.save_weights(path, overwrite=True)
                 records.append(dict(step=step, kind="keras_h5",
                                     bytes=os.path.getsize(path),
-                                    seconds=time.perf_counter() - started))
+                                    join_s=joined - started,
+                                    seconds=time.perf_counter() - joined))
 
         def on_epoch_end(self, epoch, logs=None):
             ends.append((time.perf_counter(), state["overhead"]))
@@ -156,21 +175,61 @@ def run_child(mode, rows, epochs, steps, directory):
                   steps_per_s=(epochs - 1) * steps / (t1 - t0 - (o1 - o0)),
                   dense_bytes=sizes["dense_bytes"], row_bytes=ROW_BYTES)
     if backup is not None:
+        backup.wait()
+        for record in records:
+            if "table_rows" not in record:
+                _complete(backup, record)
+        rss = _RssPeak()
         started = time.perf_counter()
         entry = backup.restore()
-        result["restore"] = dict(seconds=time.perf_counter() - started,
-                                 deltas=entry.deltas, id=entry.id)
+        seconds = time.perf_counter() - started
+        before, peak = rss.stop()
+        # One process holds the whole cluster here: its RSS before the
+        # restore is the steady state of both ps (and the rest).
+        result["restore"] = dict(seconds=seconds, deltas=entry.deltas,
+                                 id=entry.id, rss_before=before,
+                                 rss_peak=peak)
     return result
 
 
-def _table_rows(backup, entry_id):
-    """Rows of the embedding table (the model's first weight) in a backup."""
-    from keras_ps import _backup_chain
+class _RssPeak:
+    """The RSS of this process now, and its peak until `stop()` (sampled
+    every 10 ms in a thread)."""
+
+    def __init__(self):
+        import threading
+
+        import psutil
+        self._process = psutil.Process()
+        self.before = self.peak = self._process.memory_info().rss
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stopped.wait(0.01):
+            self.peak = max(self.peak, self._process.memory_info().rss)
+
+    def stop(self):
+        self._stopped.set()
+        self._thread.join()
+        return self.before, self.peak
+
+
+def _complete(backup, record):
+    """Adds the bytes and table rows of the backup of `record` once the
+    manifest lists it (a delta written in the background is listed once
+    published)."""
+    from keras_ps.backups import _chain as _backup_chain
 
     manifest = _backup_chain.read(backup.directory)
-    return sum(r["rows"] for chain in manifest["chains"] for e in chain
-               if e["id"] == entry_id for r in e["files"]
-               if r["keys"][0] == "model/0")
+    for chain in manifest["chains"]:
+        for entry in chain:
+            if entry["id"] == record["id"]:
+                record["bytes"] = entry["bytes"]
+                record["table_rows"] = sum(
+                    r["rows"] for r in entry["files"]
+                    if r["keys"][0] == "model/0")
 
 
 def run(mode, rows, epochs, steps, parent, timeout=7200):
@@ -226,27 +285,35 @@ def summary(results):
              "| steps/s | / no backup |", "|---|---|---|---|---|---|"]
     if runs["none"]:
         lines.append(f"| no backup | | | | {speed('none')} |")
-    records = [x for r in runs["incremental"] for x in r["records"]]
-    deltas = [x for x in records if x["kind"] == "delta"]
-    fulls = [x for x in records if x["kind"] == "full"]
-    if deltas:
-        lines.append(
-            f"| incremental: delta | {_mb(statistics.median(x['bytes'] for x in deltas))}"
-            f" ({_median((x['table_rows'] for x in deltas), 0)} table rows; "
-            f"touched {_median((x['touched'] for x in deltas), 0)}) | "
-            f"{_median(x['bytes'] / x['minimum'] for x in deltas)}x | "
-            f"{_median(x['seconds'] for x in deltas)} | "
-            f"{speed('incremental')} |")
-    if fulls:
-        lines.append(
-            f"| incremental: full | {_mb(statistics.median(x['bytes'] for x in fulls))}"
-            f" ({len(fulls)} of {len(records)} backups) | | "
-            f"{_median(x['seconds'] for x in fulls)} | | |")
-    restores = [r["restore"] for r in runs["incremental"] if "restore" in r]
-    if restores:
-        lines.append(
-            f"| restore: full + {restores[0]['deltas']} deltas | | | "
-            f"{_median(x['seconds'] for x in restores)} | | |")
+    for mode, label in (("incremental", "incremental"),
+                        ("background", "incremental, deltas written in "
+                         "the background")):
+        records = [x for r in runs[mode] for x in r["records"]]
+        deltas = [x for x in records if x["kind"] == "delta"]
+        fulls = [x for x in records if x["kind"] == "full"]
+        if deltas:
+            lines.append(
+                f"| {label}: delta | "
+                f"{_mb(statistics.median(x['bytes'] for x in deltas))}"
+                f" ({_median((x['table_rows'] for x in deltas), 0)} table "
+                f"rows; touched {_median((x['touched'] for x in deltas), 0)})"
+                f" | {_spread([x['bytes'] / x['minimum'] for x in deltas])}x"
+                f" | {_median(x['seconds'] for x in deltas)} (join "
+                f"{_median(x['join_s'] for x in deltas)}) | {speed(mode)} |")
+        if fulls:
+            lines.append(
+                f"| {label}: full | "
+                f"{_mb(statistics.median(x['bytes'] for x in fulls))}"
+                f" ({len(fulls)} of {len(records)} backups) | | "
+                f"{_median(x['seconds'] for x in fulls)} | | |")
+        restores = [r["restore"] for r in runs[mode] if "restore" in r]
+        if restores:
+            lines.append(
+                f"| {label}: restore full + "
+                f"{_median((x['deltas'] for x in restores), 0)} deltas "
+                f"(peak RSS / RSS before: "
+                f"{_spread([x['rss_peak'] / x['rss_before'] for x in restores if 'rss_peak' in x], 3, 'x')}) | | | "
+                f"{_median(x['seconds'] for x in restores)} | | |")
     h5 = [x for r in runs["keras_h5"] for x in r["records"]]
     if h5:
         lines.append(
@@ -289,6 +356,8 @@ def main():
                   + (f" FAILED {result['error'][-800:]}" if "error" in result
                      else f", {result['steps_per_s']:.1f} steps/s"), flush=True)
             results.append(result)
+            if args.json:  # each run as it ends: kept if the rest is stopped
+                print("RUN " + json.dumps(result), flush=True)
     if args.json:
         print(json.dumps(results, indent=1))
     print("\n".join(summary(results)))

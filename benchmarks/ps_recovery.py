@@ -19,7 +19,7 @@ In one process, on one cluster and one model:
              first epoch (4 backups in that window), against the mean of
              phases A and C.
            - in each later epoch, at the end of step 250 (50 steps after the
-             backup at step 200), ps 0 is SIGKILLed and started again on its
+             backup at step 200; once step 250 has run), ps 0 is SIGKILLed and started again on its
              address at once (in a thread, as a restart policy would, the
              chief goes on). Timeline: kill; the chief's "lost its
              variables" warning (detection); its "recovered in" warning
@@ -130,9 +130,11 @@ class Sampler(threading.Thread):
                 and (pid is None or s[2] == pid)]
 
 
-def run_one(rows, kills, plan_name="full"):
+def run_one(rows, kills, plan_name="full", incremental="auto"):
     plan = PLANS[plan_name]
     logging.basicConfig(level=logging.WARNING)
+    # Each incremental backup written, published, restored.
+    logging.getLogger("keras_ps.backups.incremental_backup").setLevel(logging.INFO)
     import keras
     import numpy as np  # noqa: F401  (keras needs it; imported early)
     import tensorflow as tf
@@ -211,7 +213,21 @@ def run_one(rows, kills, plan_name="full"):
                     "bytes": os.path.getsize(
                         os.path.join(self.backup_dir, weights)) if weights
                     else None,
+                    "kind": state.get("kind", "keras_h5"),
+                    "incremental_id": state.get("incremental"),
                 })
+                if weights is None:
+                    # Sizes of the incremental backups published so far
+                    # (a delta written in the background is published by
+                    # the next save).
+                    from keras_ps.backups import _chain as _backup_chain
+                    manifest = _backup_chain.read(
+                        self._incremental.directory) or {"chains": []}
+                    sizes = {e["id"]: e["bytes"] for chain in
+                             manifest["chains"] for e in chain}
+                    for b in backups:
+                        if b["incremental_id"] in sizes:
+                            b["bytes"] = sizes[b["incremental_id"]]
 
             def restore_latest(self):
                 t0 = time.monotonic()
@@ -247,7 +263,7 @@ def run_one(rows, kills, plan_name="full"):
                         for name, pid in sampler.pids().items()}
 
         handler = ChiefLog(logging.WARNING)
-        fit_logger = logging.getLogger("keras_ps._fit_epochs")
+        fit_logger = logging.getLogger("keras_ps.training._fit_epochs")
         fit_logger.addHandler(handler)
 
         class KillAndRestart(keras.callbacks.Callback):
@@ -270,6 +286,11 @@ def run_one(rows, kills, plan_name="full"):
                         batch == plan["kill_batch"] and \
                         key not in self.done:
                     self.done.add(key)
+                    # The chief schedules ahead: wait until step 250 has
+                    # run (reading the logs waits for this execution), so
+                    # the kill comes 50 steps after the backup, not while
+                    # it is still being written in the background.
+                    len(logs)
                     old_pid = cluster.pid("ps", 0)
                     before = {name: proc_status(pid)
                               for name, pid in sampler.pids().items()}
@@ -288,7 +309,8 @@ def run_one(rows, kills, plan_name="full"):
                     thread.start()
                     event["thread"] = thread
 
-        backup_cb = TimedBackup(backup_dir, save_freq=SAVE_FREQ)
+        backup_cb = TimedBackup(backup_dir, save_freq=SAVE_FREQ,
+                                incremental=incremental)
         killer = KillAndRestart()
         b_start = time.monotonic()
         history = model.fit(data, epochs=plan["first_kill_epoch"] + kills,
@@ -365,6 +387,16 @@ def run_one(rows, kills, plan_name="full"):
                 "new_ps0_hwm_at_recovered": hwm_new[1] / gb if hwm_new else None,
                 "new_ps0_rss_at_recovered": hwm_new[0] / gb if hwm_new else None,
                 "ps1_hwm_before_kill": other_before[1] / gb,
+                "ps1_rss_before_kill": other_before[0] / gb,
+                # Peak during the restore over the steady state (RSS
+                # before the kill): the new ps 0 against the old one; ps 1
+                # (also restored) its peak sampled from the kill to the
+                # end of the recovery against its RSS before.
+                "new_ps0_peak_over_steady": (hwm_new[1] / old_rss)
+                if hwm_new else None,
+                "ps1_peak_over_steady": max(
+                    [s[3] for s in sampler.between(
+                        "ps1", kill, event["recovered"])] or [0]) / other_before[0],
                 "ps1_hwm_at_recovered": other_after[1] / gb,
                 "coordinator_rss_before_kill": coord_before[0] / gb,
                 "coordinator_hwm_before_kill": coord_before[1] / gb,
@@ -392,6 +424,11 @@ def run_one(rows, kills, plan_name="full"):
             "backup_write_s": [b["write_s"] for b in backups],
             "backup_gb": backups[-1]["bytes"] / gb if backups[-1]["bytes"]
             else None,
+            "incremental": incremental,
+            "delta_gb": [b["bytes"] / gb for b in backups
+                         if b["kind"] == "delta" and b["bytes"]],
+            "full_gb": [b["bytes"] / gb for b in backups
+                        if b["kind"] == "full" and b["bytes"]],
             "phase_b_s": b_s,
             "iterations": int(model.optimizer.iterations.numpy()),
             "ps_recoveries": history.history.get("ps_recoveries"),
@@ -413,13 +450,14 @@ def run_one(rows, kills, plan_name="full"):
         shutil.rmtree(backup_dir, ignore_errors=True)
 
 
-def run_child(rows, kills, plan, timeout=5400):
+def run_child(rows, kills, plan, incremental, timeout=5400):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     start = time.monotonic()
     try:
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_child", str(rows),
-             str(kills), plan], capture_output=True, text=True, env=env,
+             str(kills), plan, incremental], capture_output=True, text=True,
+            env=env,
             timeout=timeout)
     except subprocess.TimeoutExpired as error:
         tail = error.stderr or ""
@@ -433,6 +471,9 @@ def run_child(rows, kills, plan, timeout=5400):
                 + out.stderr[-3000:]}
     result = json.loads(lines[-1][len("RESULT "):])
     result["wall_s"] = time.monotonic() - start
+    # The chief's warnings (recoveries, a delta not published).
+    result["chief_warnings"] = [l for l in out.stderr.splitlines()
+                                if "[chief]" in l][-40:]
     return result
 
 
@@ -462,7 +503,7 @@ def describe(result, log):
         f"/ after), {measured}; implied x"
         f"{result['implied_overhead_ratio']:.2f}; backup "
         f"{statistics.median(result['backup_write_s']):.2f} s median, "
-        f"{result['backup_gb']:.2f} GB; wall {result.get('wall_s', 0):.0f} s")
+        f"{_sizes(result)}; wall {result.get('wall_s', 0):.0f} s")
     for rec in result["recoveries"]:
         if "error" in rec:
             log(f"  recovery: {rec['error']}")
@@ -476,6 +517,16 @@ def describe(result, log):
             f"peak {m['new_ps0_hwm_at_recovered']:.2f} GB; coordinator HWM "
             f"{m['coordinator_hwm_before_kill']:.2f} -> "
             f"{m['coordinator_hwm_at_recovered']:.2f} GB")
+
+
+def _sizes(result):
+    """The backups' sizes in GB: the last file, or full and delta medians."""
+    if result.get("backup_gb"):
+        return f"{result['backup_gb']:.2f} GB"
+    parts = [f"{kind} {statistics.median(result[key]):.3f} GB"
+             for kind, key in (("full", "full_gb"), ("delta", "delta_gb"))
+             if result.get(key)]
+    return ", ".join(parts) or "sizes unknown"
 
 
 def _complete(result):
@@ -514,7 +565,7 @@ def markdown(runs, command):
         "",
         "| R (table + slots) | steps/s no backups | steps/s backups every 100 "
         "| measured slowdown | backup write s | implied slowdown "
-        "| backup file GB |",
+        "| backup GB |",
         "|---|---|---|---|---|---|---|",
     ]
     ok = [r for r in runs if "error" not in r]
@@ -536,7 +587,7 @@ def markdown(runs, command):
             f"{'x' if any(r['backup_overhead_ratio'] for r in mine) else ''} "
             f"| {spread(writes)} ({len(writes)} backups) "
             f"| {spread([r['implied_overhead_ratio'] for r in mine])}x "
-            f"| {spread([r['backup_gb'] for r in mine])} |")
+            f"| {'; '.join(sorted({_sizes(r) for r in mine}))} |")
     lines += [
         "",
         "| R | kills | stall s | detected s | recovered s | waiting s "
@@ -562,10 +613,11 @@ def markdown(runs, command):
             f"| {spread(b('rolled_back'), 0)} |")
     lines += [
         "",
-        "| R | ps 0 RSS before kill GB | new ps 0 peak (VmHWM at recovery) GB "
+        "| R (incremental) | ps 0 RSS before kill GB | new ps 0 peak (VmHWM at recovery) GB "
         "| ps 1 VmHWM before / after GB | coordinator VmHWM before kill / "
-        "after recovery GB | coordinator peak over the run GB |",
-        "|---|---|---|---|---|---|",
+        "after recovery GB | coordinator peak over the run GB "
+        "| restore peak / steady RSS: new ps 0, ps 1 |",
+        "|---|---|---|---|---|---|---|",
     ]
     for rows in sorted({r["rows"] for r in ok}):
         recs = [(r, x) for r in ok if r["rows"] == rows for x in r["recoveries"]
@@ -576,12 +628,15 @@ def markdown(runs, command):
         def m(key):
             return [x["memory_gb"][key] for _, x in recs]
         lines.append(
-            f"| {rows / 1e6:g}M | {spread(m('ps0_rss_before_kill'))} "
+            f"| {rows / 1e6:g}M ({'/'.join(sorted({str(r.get('incremental', 'auto')) for r, _ in recs}))}) "
+            f"| {spread(m('ps0_rss_before_kill'))} "
             f"| {spread(m('new_ps0_hwm_at_recovered'))} "
             f"| {spread(m('ps1_hwm_before_kill'))} / {spread(m('ps1_hwm_at_recovered'))} "
             f"| {spread(m('coordinator_hwm_before_kill'))} / "
             f"{spread(m('coordinator_hwm_at_recovered'))} "
-            f"| {spread([r['coordinator_peak_gb'] for r in ok if r['rows'] == rows])} |")
+            f"| {spread([r['coordinator_peak_gb'] for r in ok if r['rows'] == rows])} "
+            f"| {spread([x['memory_gb'].get('new_ps0_peak_over_steady') for _, x in recs])}x, "
+            f"{spread([x['memory_gb'].get('ps1_peak_over_steady') for _, x in recs])}x |")
     return lines
 
 
@@ -598,13 +653,20 @@ def main():
     parser.add_argument("--plan", choices=sorted(PLANS), default="full",
                         help="phase B: full (4 backups measured, kill after "
                         "8 backups) or short (1 backup, then the kill)")
-    parser.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
+    parser.add_argument("--incremental", choices=("auto", "true", "false"),
+                        default="auto", help="BackupAndRestore's incremental:"
+                        " auto (incremental backups from 256 MiB of "
+                        "tables: 1M and up here), true, or false (Keras "
+                        "weights files through the chief)")
+    parser.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args()
     command = "python " + " ".join(
         ["benchmarks/ps_recovery.py"] + sys.argv[1:])
     if args._child:
+        incremental = {"auto": "auto", "true": True,
+                       "false": False}[args._child[3]]
         result = run_one(int(args._child[0]), int(args._child[1]),
-                         args._child[2])
+                         args._child[2], incremental)
         print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)
     if args.from_json:
@@ -621,7 +683,7 @@ def main():
     runs = []
     for repeat in range(args.repeats):
         for rows in [int(r) for r in args.rows.split(",")]:
-            result = run_child(rows, args.kills, args.plan)
+            result = run_child(rows, args.kills, args.plan, args.incremental)
             result["repeat"] = repeat
             runs.append(result)
             describe(result, log)

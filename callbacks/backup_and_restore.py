@@ -6,13 +6,13 @@ import logging
 import os
 import shutil
 
-from keras_ps import _files
+from keras_ps.backups import _chain
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
-from keras_ps import incremental_backup
-from keras_ps.incremental_backup import IncrementalBackup
+from keras_ps.backups import incremental_backup
+from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
-from keras_ps.resumable import ResumableCallback
+from keras_ps.training._fit_epochs import ResumableCallback
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,11 @@ class BackupAndRestore(ResumableCallback):
         max_deltas: with `incremental`, deltas between full backups.
         max_delta_bytes: with `incremental`, bytes of deltas after which the
             next backup is full (None: the size of the full backup).
+        background_deltas: with `incremental`, True (default): a delta
+            holds training only while each ps copies the rows it holds;
+            the ps write the files and the delta is published while
+            training goes on (see `keras_ps.IncrementalBackup`). False:
+            training waits until it is published.
         recover_ps: True (default): when a parameter server is lost during
             `fit` (killed and brought back on its address by a restart
             policy, or replaced), `fit` waits for it to answer again, gives
@@ -91,7 +96,7 @@ class BackupAndRestore(ResumableCallback):
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True,
                  recover_ps=True, incremental="auto", max_deltas=20,
-                 max_delta_bytes=None):
+                 max_delta_bytes=None, background_deltas=True):
         if incremental not in ("auto", True, False):
             raise ValueError(
                 "incremental must be 'auto', True or False. Received: "
@@ -122,8 +127,9 @@ class BackupAndRestore(ResumableCallback):
         self._serial = 0
         self.incremental = incremental
         incremental_backup.check_options(max_deltas, max_delta_bytes)
-        self._incremental_options = dict(max_deltas=max_deltas,
-                                         max_delta_bytes=max_delta_bytes)
+        self._incremental_options = dict(
+            max_deltas=max_deltas, max_delta_bytes=max_delta_bytes,
+            background_deltas=bool(background_deltas))
         self._incremental_path = os.path.join(self.backup_dir,
                                               _INCREMENTAL_FOLDER)
         self._incremental = None
@@ -269,6 +275,12 @@ class BackupAndRestore(ResumableCallback):
         self._backup(epoch + 1, 0)
 
     def on_train_end(self, logs=None):
+        if self._incremental is not None:
+            try:
+                self._incremental.wait()  # the last delta, published
+            except Exception as error:  # noqa: BLE001  (logged, as in fit)
+                logger.warning("[chief] the last delta was not published "
+                               "(%s: %s)", type(error).__name__, error)
         if self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
@@ -292,7 +304,7 @@ class BackupAndRestore(ResumableCallback):
             self.model.save_weights(os.path.join(self.backup_dir, name),
                                     overwrite=True)
             state = dict(state, weights=name)
-        _files.write_atomically(self._state_path, json.dumps(state))
+        _chain.write_atomically(self._state_path, json.dumps(state))
         if (previous is not None and previous.get("weights")
                 and previous["weights"] != name):
             try:

@@ -16,7 +16,7 @@ import types
 # Strategy plumbing: `tf.distribute.Strategy`/`StrategyExtended` are public
 # classes, but the hooks a new strategy must override (`_create_variable`,
 # `_update`, `_reduce_to`, `_call_for_each_replica`, ...) are their private
-# methods. keras_ps/strategy.py overrides them; this test pins they exist.
+# methods. keras_ps/strategy/strategy.py overrides them; this test pins they exist.
 STRATEGY_HOOKS = (
     "_create_variable", "_update", "_update_non_slot", "_reduce_to",
     "_gather_to_implementation", "_call_for_each_replica", "_local_results",
@@ -27,7 +27,7 @@ STRATEGY_HOOKS = (
 
 # ShardedVariable: `tf.__internal__.tracking.Trackable` and
 # `tf.__internal__.CompositeTensor` are exported, but how an object saves
-# itself is their private methods. keras_ps/sharded_variable.py overrides
+# itself is their private methods. keras_ps/tables/sharded_variable.py overrides
 # these (a checkpoint, and a SavedModel, hold one full tensor);
 # tests/sharding/test_tf_compat_sharded_variable.py pins they exist.
 TRACKABLE_HOOKS = (
@@ -222,3 +222,39 @@ def retrace_all_functions():
             obj._function_cache.clear()
             cleared += 1
     return cleared
+
+
+# -- The order of one traced step (keras_ps.shards.step_order) -----------------
+# Missing public API: which resources an op reads or writes, as automatic
+# control dependencies see them (a step's order must match theirs), whether
+# they count an op as stateful, an op kept out of their chain of stateful
+# ops, and a control input added to an op already made.
+def _control_deps():
+    from tensorflow.python.framework import auto_control_deps
+
+    return auto_control_deps
+
+
+def resource_inputs(op):
+    """[(resource tensor, read_only)] of `op`, as automatic control
+    dependencies count them."""
+    acd = _control_deps()
+    return [(tensor, kind == acd.ResourceType.READ_ONLY)
+            for tensor, kind in acd._get_resource_inputs(op)]  # pylint: disable=protected-access
+
+
+def op_is_stateful(op):
+    """Whether automatic control dependencies chain `op` with other stateful ops."""
+    return _control_deps().op_is_stateful(op)
+
+
+def run_independently(op):
+    """Keeps `op` out of its graph's chain of stateful ops (if it has one)."""
+    manager = getattr(op.graph, "experimental_acd_manager", None)
+    if manager is not None:
+        manager.run_independently(op)
+
+
+def add_control_input(op, control):
+    """Makes `op`, already in its graph, run after `control`."""
+    op._add_control_input(control)  # pylint: disable=protected-access

@@ -298,7 +298,7 @@ def _run(args, checkpoint_dir, log_dir, export_path, task_logs):
     try:
         strategy = keras_ps.ParameterServerStrategy(
             cluster.resolver,
-            variable_partitioner=keras_ps.partitioners.FixedShardsPartitioner(2))
+            variable_partitioner=keras_ps.tables.partitioners.FixedShardsPartitioner(2))
         with strategy.scope():
             model = build_model(args.steps_per_execution)
         shards = model.get_layer("embedding").embeddings.variables

@@ -13,7 +13,7 @@ import threading
 
 # keras_ps/__init__ sets GRPC_FAIL_FAST before anything starts gRPC; none of
 # these modules imports TensorFlow (a task serves sooner without its Python API).
-from keras_ps import _network
+from keras_ps.cluster import _network
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._config_errors import ClusterConfigError

@@ -10,7 +10,7 @@ import tensorflow as tf
 
 import keras_ps
 from _results import say
-from keras_ps._network import probe
+from keras_ps.cluster._network import probe
 
 
 
@@ -113,7 +113,7 @@ def main(mode):
             # Each closure reads a variable the user placed on its worker:
             # a restarted worker has lost it, so every call after its
             # re-admission fails the same way. That must end in an error.
-            from keras_ps._per_worker import PerWorkerValues
+            from keras_ps.strategy._per_worker import PerWorkerValues
             scales = []
             for i in range(2):
                 with tf.device(f"/job:worker/replica:0/task:{i}/device:CPU:0"):

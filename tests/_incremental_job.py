@@ -35,9 +35,9 @@ import tensorflow as tf
 
 import keras_ps
 from _results import say
-from keras_ps import _backup_chain
-from keras_ps import _sharded_weights
-from keras_ps import incremental_backup
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.tables import _sharded_weights
+from keras_ps.backups import incremental_backup
 from keras_ps.errors import BackupCorruptError
 from keras_ps.partitioners import FixedShardsPartitioner
 
@@ -105,17 +105,27 @@ def backup(model, directory, **kwargs):
 # -- equivalence ---------------------------------------------------------------------
 CASES = [(opt, 2, 3) for opt in OPTIMIZERS] + \
         [(opt, 3, 2) for opt in OPTIMIZERS] + [("lazy_adam", 2, 1)]
+# Deltas written in the background (background_deltas=True) while the
+# model trains on: the chain restores the model as it was at each save.
+BACKGROUND_CASES = [("lazy_adam", 2, 3), ("adagrad", 3, 2)]
 
 
 def equivalence(directory):
+    """Every case, or those named in KERAS_PS_TEST_CASES (comma-separated)."""
+    only = os.environ.get("KERAS_PS_TEST_CASES")
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         by_shards = strategies(cluster)
-        for optimizer, saved_in, restored_in in CASES:
-            case = f"{optimizer}-{saved_in}-to-{restored_in}"
+        for optimizer, saved_in, restored_in, background in (
+                [c + (False,) for c in CASES]
+                + [c + (True,) for c in BACKGROUND_CASES]):
+            case = (f"{optimizer}{'_background' if background else ''}-"
+                    f"{saved_in}-to-{restored_in}")
+            if only and case not in only.split(","):
+                continue
             folder = os.path.join(directory, case)
             model = build(by_shards[saved_in], optimizer)
             train(model, 0)
-            writer = backup(model, folder)
+            writer = backup(model, folder, background_deltas=background)
             entries = [writer.save()]
             for seed in (1, 2):
                 train(model, seed)
@@ -123,6 +133,9 @@ def equivalence(directory):
             expected = values(model)
             weights_file = os.path.join(directory, f"{case}.weights.h5")
             model.save_weights(weights_file)
+            if background:
+                train(model, 3)  # while the last delta is being written
+                writer.wait()
 
             restored = build(by_shards[restored_in], optimizer)
             entry = backup(restored, folder).restore()

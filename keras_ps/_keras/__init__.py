@@ -7,7 +7,9 @@ function as `__keras_ps_original__`, and has its internals pinned in
 tests/api/test_keras_internals.py, so a Keras upgrade that moves one fails
 loudly there. Supported range: see setup.cfg.
 
-- `hooks`: installing a wrapper over a Keras function, once.
+The package itself installs a wrapper over a Keras function, once (`wrap`),
+and finds Keras' own function behind it (`original`).
+
 - `fit_routing`: Model.fit/evaluate/predict of a keras_ps model go to keras_ps.
 - `atomic_updates`: `assign_add`/`assign_sub` of ps variables as one atomic op.
 - `sharding`: sharded layer weights (creation, lookup, saving).
@@ -16,3 +18,32 @@ loudly there. Supported range: see setup.cfg.
   row blocks on its ps.
 - `saving`: Keras weights files of weights on the ps, a block of rows at a time.
 """
+
+import threading
+
+_lock = threading.Lock()
+
+
+def wrap(owner, name, make_wrapper):
+    """Replaces `owner.name` with `make_wrapper(original)`, once per process.
+
+    The wrapper keeps Keras' own function as `__keras_ps_original__`; a second
+    call for the same attribute does nothing.
+    """
+    with _lock:
+        current = getattr(owner, name)
+        if hasattr(current, "__keras_ps_original__"):
+            return
+        wrapper = make_wrapper(current)
+        wrapper.__keras_ps_original__ = current
+        setattr(owner, name, wrapper)
+
+
+def original(owner, name):
+    """Keras' own function behind a hook (for the plain path and for tests)."""
+    function = getattr(owner, name)
+    return getattr(function, "__keras_ps_original__", function)
+
+
+def installed(owner, name):
+    return hasattr(getattr(owner, name), "__keras_ps_original__")

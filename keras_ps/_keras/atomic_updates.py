@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 
-from keras_ps._keras import hooks
+from keras_ps import _keras as hooks
 
 VARIABLE_CLASS = tf_core.Variable
 ATOMIC_METHODS = ("assign_add", "assign_sub")

@@ -14,8 +14,8 @@ import keras
 import tensorflow as tf
 from keras.src.trainers import trainer as trainer_lib
 
-from keras_ps import sharded_variable
-from keras_ps._keras import hooks
+from keras_ps.tables import partitioners
+from keras_ps import _keras as hooks
 
 # (owner, attribute) of every Keras internal this module wraps.
 COMPAT_TARGETS = ((trainer_lib.Trainer, "compile"),)
@@ -104,7 +104,7 @@ def _relocate(variable, strategy):
     """Re-creates the tf.Variable inside keras.Variable `variable` on a ps,
     with its current value."""
     inner = variable._value
-    with tf.init_scope(), strategy.scope(), sharded_variable.no_partitioning():
+    with tf.init_scope(), strategy.scope(), partitioners.no_partitioning():
         moved = tf.Variable(
             inner.read_value(), trainable=inner.trainable,
             name=inner.name.split(":")[0], aggregation=inner.aggregation,

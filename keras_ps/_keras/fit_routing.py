@@ -13,7 +13,7 @@ import functools
 from keras.src.backend.tensorflow import trainer as tf_trainer
 
 from keras_ps._keras import compat
-from keras_ps._keras import hooks
+from keras_ps import _keras as hooks
 
 TRAINER_CLASS = tf_trainer.TensorFlowTrainer
 TRAINER_METHODS = ("fit", "evaluate", "predict")

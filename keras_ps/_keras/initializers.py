@@ -5,7 +5,7 @@ initial value; neither the Keras initializer behind it nor the variable's
 shape. We wrap the TF backend's `Variable._initialize_with_initializer` so a
 weight or slot whose initializer draws each element on its own (zeros, ones,
 constant, uniform, normal, truncated normal) hands the creator a
-`keras_ps._blockwise_init.BlockInitialValue`: a large one is then made on its
+`keras_ps.tables._blockwise_init.BlockInitialValue`: a large one is then made on its
 ps in row blocks, without a second copy of it (see that module). Other
 initializers (Glorot, He, orthogonal, identity... whose numbers depend on the
 whole shape) and any variable not made under a keras_ps strategy keep Keras'
@@ -17,8 +17,8 @@ import functools
 import keras
 from keras.src.backend.tensorflow import core as tf_core
 
-from keras_ps import _blockwise_init
-from keras_ps._keras import hooks
+from keras_ps.tables import _blockwise_init
+from keras_ps import _keras as hooks
 
 VARIABLE_CLASS = tf_core.Variable
 

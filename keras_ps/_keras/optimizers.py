@@ -24,10 +24,10 @@ from keras.src.optimizers import ftrl as ftrl_lib
 from keras.src.optimizers import sgd as sgd_lib
 from keras.src.optimizers.schedules import learning_rate_schedule
 
-from keras_ps import _dirty_rows
-from keras_ps import _rowwise
-from keras_ps import _sharded_weights
-from keras_ps._keras import hooks
+from keras_ps.tables import _dirty_rows
+from keras_ps.tables import _rowwise
+from keras_ps.tables import _sharded_weights
+from keras_ps import _keras as hooks
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _install_fused_adam():
 # touched). We wrap `update_step` of the optimizers whose dense update leaves
 # a row with a zero gradient unchanged (SGD without momentum, Adagrad, Ftrl
 # without L2 shrinkage): for a sparse gradient of a variable on a ps, the
-# update runs on the gradient's rows only (keras_ps._rowwise), which gives
+# update runs on the gradient's rows only (keras_ps.tables._rowwise), which gives
 # Keras' dense result. Anything else (momentum, shrinkage, a variable off the
 # ps, a stateless scope) takes Keras' own update_step; a sparse gradient made
 # dense that way is reported once per weight (`warn_dense_update`).

@@ -2,7 +2,7 @@
 
 An incremental backup writes a table's changed rows only if every change to
 the table and to its optimizer slots goes through an update that marks the
-rows it touches (keras_ps._dirty_rows). That holds for the row-wise updates
+rows it touches (keras_ps.tables._dirty_rows). That holds for the row-wise updates
 keras_ps installs (keras_ps._keras.optimizers): SGD without momentum, Adagrad,
 Ftrl without L2 shrinkage and keras_ps' LazyAdam, on a weight on a ps whose
 optimizer has nothing that moves every row outside `update_step` (weight
@@ -34,7 +34,7 @@ _lock = threading.Lock()
 
 def register_row_slots(optimizer_class, slot_lists):
     """Declares that `optimizer_class.update_step` is row-wise for sparse
-    gradients, marks its rows (keras_ps._dirty_rows) and changes only the
+    gradients, marks its rows (keras_ps.tables._dirty_rows) and changes only the
     slots in `slot_lists` (keras_ps.optimizers.LazyAdam registers itself)."""
     with _lock:
         ROW_SLOT_LISTS[optimizer_class] = tuple(slot_lists)

@@ -10,7 +10,7 @@ says no. For a 10M x 64 table with Adam slots (7.2 GB on the ps) that put
 for memory. The hooks below, for weights on the ps only:
 
 - `H5IOStore.__setitem__`: a sharded weight (or a weight on a ps larger than
-  a block) is written by `keras_ps._row_chunks.write_dataset`, one full
+  a block) is written by `keras_ps.tables._row_chunks.write_dataset`, one full
   dataset filled a block of rows at a time;
 - `H5IOStore.__getitem__`: while an object whose weights live on the ps
   loads, a dataset larger than a block comes back as `DatasetRows`, which
@@ -35,10 +35,10 @@ from keras.src.backend.tensorflow import core as tf_core
 from keras.src.optimizers import base_optimizer
 from keras.src.saving import saving_lib
 
-from keras_ps import _row_chunks
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
-from keras_ps._keras import hooks
+from keras_ps.tables import _row_chunks
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import sharded_variable
+from keras_ps import _keras as hooks
 
 STORE_CLASS = saving_lib.H5IOStore
 SAVING_MODULE = saving_lib

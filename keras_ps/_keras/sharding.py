@@ -2,7 +2,7 @@
 
 Which weights are split: every `Layer.add_weight` call made while the
 current strategy has a `variable_partitioner` (its scope), as TF's own
-strategy splits every variable. The logic lives in keras_ps._sharded_weights
+strategy splits every variable. The logic lives in keras_ps.tables._sharded_weights
 (public Keras API only); the hooks below connect it to Keras. Which strategy
 is current, and its partitioner, is told by the function the strategy passes
 to `install` (this module sits below the strategy and does not import it).
@@ -17,9 +17,10 @@ from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.layers import layer as layer_lib
 from keras.src.saving import saving_lib
 
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
-from keras_ps._keras import hooks
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import partitioners
+from keras_ps.tables import sharded_variable
+from keras_ps import _keras as hooks
 from keras_ps._keras import saving
 
 LAYER_CLASS = layer_lib.Layer
@@ -69,7 +70,7 @@ def _sharded_add_weight(keras_add_weight):
 def _unpartitioned_initialize(keras_initialize):
     @functools.wraps(keras_initialize)
     def _initialize(self, value):
-        with sharded_variable.no_partitioning():
+        with partitioners.no_partitioning():
             return keras_initialize(self, value)
 
     return _initialize

@@ -7,7 +7,7 @@ policy, the hang watchdog, re-admission), `datasets` (per-worker datasets),
 `values` (RemoteValue), `config` (settings), `gate` (calls vs cluster updates).
 """
 
-from keras_ps._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.coordinator.coordinator import ClusterCoordinator
 from keras_ps.coordinator.values import RemoteValue
 from keras_ps.coordinator.values import RemoteValueStatus

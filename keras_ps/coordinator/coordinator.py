@@ -7,14 +7,10 @@ import weakref
 
 import tensorflow as tf
 
-from keras_ps import _network
-from keras_ps import _ps_state
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps import errors
-from keras_ps import strategy as strategy_lib
-from keras_ps._network import probe
-from keras_ps._per_worker import PerWorkerValues
+from keras_ps.cluster import _network
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure
@@ -25,8 +21,9 @@ from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
 from keras_ps.coordinator.values import RemoteValue
-from keras_ps.errors import NoWorkersAvailableError
-from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.strategy import _ps_state
+from keras_ps.strategy import strategy as strategy_lib
+from keras_ps.strategy._per_worker import PerWorkerValues
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +273,7 @@ class ClusterCoordinator:
         for index, address in sorted(lost.items()):
             remaining = max(0.0, deadline - time.monotonic())
             if not _network.wait_until_answers(address, remaining):
-                raise ParameterServerUnavailableError(
+                raise errors.ParameterServerUnavailableError(
                     f"Parameter server {index} at {address} lost its "
                     f"variables and did not answer again within {timeout:g}s. "
                     "Bring it back on the same address (a restart policy "
@@ -322,7 +319,7 @@ class ClusterCoordinator:
         self._queue.cancel_in_flight()
         if not self._queue.clear_after_fatal(
                 max(0.0, deadline - time.monotonic())):
-            raise ParameterServerUnavailableError(
+            raise errors.ParameterServerUnavailableError(
                 "Calls in flight did not end after a parameter server's "
                 "loss, even cancelled, so its variables cannot be made again "
                 "safely. Restart the job and resume from the last checkpoint.")
@@ -402,7 +399,7 @@ class ClusterCoordinator:
         restart policy can bring a ps back before any probe sees it gone):
         the marker variable the strategy keeps on each ps cannot be read."""
         return {i: address for i, address in enumerate(self._ps_addresses)
-                if not probe(address, self.config.probe_timeout)
+                if not _network.probe(address, self.config.probe_timeout)
                 or not self._ps_holds_state(i)}
 
     def _ps_holds_state(self, index):
@@ -433,7 +430,7 @@ class ClusterCoordinator:
             logger.warning("[chief] no healthy worker; waiting for one to return")
         timeout = self.config.no_worker_timeout
         if timeout and now - self._unhealthy_since > timeout:
-            raise NoWorkersAvailableError(
+            raise errors.NoWorkersAvailableError(
                 f"No worker has been reachable for {timeout:.0f}s "
                 f"(workers: {[w.address for w in self._workers]}). Restart the "
                 "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
@@ -446,7 +443,7 @@ class ClusterCoordinator:
         for w in list(self._workers):
             if w.state is worker_lib.WorkerState.HUNG:
                 return False
-            if w.state in worker_lib.IN_CLUSTER and not probe(
+            if w.state in worker_lib.IN_CLUSTER and not _network.probe(
                     w.address, self.config.probe_timeout):
                 return False
         return True

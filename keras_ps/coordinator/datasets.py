@@ -7,9 +7,9 @@ import time
 import tensorflow as tf
 
 from keras_ps import _constants
-from keras_ps._per_worker import PerWorkerValues
-from keras_ps._per_worker import dispatch_scope
-from keras_ps._per_worker import worker_device
+from keras_ps.strategy._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import dispatch_scope
+from keras_ps.strategy._per_worker import worker_device
 from keras_ps.coordinator import failure_handling
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 watchdog and the re-admission of a worker that answers again.
 
 Decide apart from act: `decide` is a pure function of what was observed (the
-error's type, probes of the worker and the ps tasks, keras_ps._network.probe); the worker thread acts
+error's type, probes of the worker and the ps tasks, keras_ps.cluster._network.probe); the worker thread acts
 on its `Decision` and logs why. Failures are classified by exception type
 only, never by message text.
 """
@@ -15,8 +15,8 @@ import time
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
-from keras_ps._network import probe
-from keras_ps import strategy as strategy_lib
+from keras_ps.cluster._network import probe
+from keras_ps.strategy import strategy as strategy_lib
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ from typing import Callable
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
-from keras_ps._network import probe
-from keras_ps._per_worker import PerWorkerValues
-from keras_ps._per_worker import dispatch_scope
-from keras_ps._per_worker import worker_device
+from keras_ps.cluster._network import probe
+from keras_ps.strategy._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import dispatch_scope
+from keras_ps.strategy._per_worker import worker_device
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator.closures import ClosureQueue
 from keras_ps.coordinator.config import CoordinatorConfig

@@ -3,7 +3,7 @@
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
-from keras_ps._per_worker import current_worker
+from keras_ps.strategy._per_worker import current_worker
 
 
 def worker_index():

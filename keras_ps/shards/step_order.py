@@ -33,10 +33,10 @@ Terms, for the ops of one step in program order:
 """
 
 import tensorflow as tf
-# Missing public API: which resources an op reads or writes, as automatic
-# control dependencies see them (the order below must match theirs), and the
-# manager that keeps the Asserts out of their chain of stateful ops.
-from tensorflow.python.framework import auto_control_deps as _acd
+
+# Which resources an op uses, as automatic control dependencies see them (the
+# order below must match theirs), comes from TF internals.
+from keras_ps import _tf_adapter
 
 
 # Ops that run functions: a cond, a loop, a call.
@@ -63,7 +63,7 @@ def order_step(ops, make_begin):
     with tf.control_dependencies(gates + unplaced):
         begin = make_begin()
     for write in step.final:
-        write._add_control_input(begin)  # pylint: disable=protected-access
+        _tf_adapter.add_control_input(write, begin)
     return begin
 
 
@@ -74,11 +74,9 @@ def _arrival(device, tensors, controls):
         holds = tf.constant(True)
         gate = tf.raw_ops.Assert(condition=holds, data=tensors or [holds],
                                  summarize=1)
-    acd = getattr(gate.graph, "experimental_acd_manager", None)
-    if acd is not None:
-        # Not chained after the step's other stateful ops: some of those
-        # come after its final writes, which will wait for this gate.
-        acd.run_independently(gate)
+    # Not chained after the step's other stateful ops: some of those come
+    # after its final writes, which will wait for this gate.
+    _tf_adapter.run_independently(gate)
     return gate
 
 
@@ -236,15 +234,15 @@ class _ResourceOrder:
 
     @staticmethod
     def _chained(op, read, written):
-        return not read and not written and _acd.op_is_stateful(op)
+        return not read and not written and _tf_adapter.op_is_stateful(op)
 
 
 def _resources(op):
     """({key: tensor} read, {key: tensor} written) by `op`, as automatic
     control dependencies count them."""
     read, written = {}, {}
-    for tensor, kind in _acd._get_resource_inputs(op):  # pylint: disable=protected-access
-        target = read if kind == _acd.ResourceType.READ_ONLY else written
+    for tensor, read_only in _tf_adapter.resource_inputs(op):
+        target = read if read_only else written
         target[tensor.ref()] = tensor
     return read, written
 

@@ -19,7 +19,7 @@ import json
 import os
 import re
 
-from keras_ps import _files
+from keras_ps.backups import _chain
 
 PREFIX = "ckpt-"
 MANIFEST_SUFFIX = ".json"
@@ -58,7 +58,7 @@ def temporary_weights_path(directory, name):
 def write_manifest(directory, name, epoch, step, final):
     manifest = {"name": name, "weights": name + WEIGHTS_SUFFIX,
                 "epoch": int(epoch), "step": int(step), "final": bool(final)}
-    _files.write_atomically(os.path.join(directory, name + MANIFEST_SUFFIX),
+    _chain.write_atomically(os.path.join(directory, name + MANIFEST_SUFFIX),
                      json.dumps(manifest))
 
 

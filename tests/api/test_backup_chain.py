@@ -1,4 +1,4 @@
-"""The manifest of an incremental backup directory (keras_ps._backup_chain):
+"""The manifest of an incremental backup directory (keras_ps.backups._chain):
 which states restore, in which order, what a new entry drops, and what is
 published. No cluster needed."""
 
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from keras_ps import _backup_chain
+from keras_ps.backups import _chain as _backup_chain
 from keras_ps.errors import BackupCorruptError
 
 pytestmark = pytest.mark.timeout(60)

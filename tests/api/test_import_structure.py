@@ -1,9 +1,10 @@
-"""The package's imports flow one way, with no cycles.
+"""The package's imports flow one way, down a table of layers, with no cycles.
 
-errors/config -> cluster -> strategy -> coordinator -> training (fit) ->
-callbacks; the Keras hooks (keras_ps/_keras) sit below the strategy, which
-hands them what they need; elastic sits beside the coordinator, which knows
-only `keras_ps.cluster.MembershipWatcher`.
+The layers, their packages and what each owns are drawn in
+docs/architecture.md; `LAYERS` below is the same table and a test checks
+that the two agree. A module imports its own package and the packages of
+strictly lower layers only: a new import that climbs (a back edge) or
+crosses within a layer fails here.
 """
 
 import ast
@@ -11,6 +12,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -20,30 +22,36 @@ from _paths import REPO
 
 pytestmark = pytest.mark.timeout(180)
 
-# Lower layers never import higher ones. A module's layer is that of the
-# longest prefix listed.
-LAYERS = {
-    "keras_ps._config_errors": 0, "keras_ps._constants": 0,
-    "keras_ps._files": 0, "keras_ps.errors": 0, "keras_ps.partitioners": 0,
-    "keras_ps._tf_adapter": 0, "keras_ps._network": 0, "keras_ps.cluster": 1,
-    "keras_ps._connection": 1, "keras_ps._sharded_variable_ops": 1,
-    "keras_ps._ps_state": 1,
-    "keras_ps._sliced_checkpoint": 0, "keras_ps._rowwise": 0,
-    "keras_ps._blockwise_init": 0, "keras_ps._row_chunks": 0,
-    "keras_ps._dirty_rows": 0, "keras_ps._row_files": 0,
-    "keras_ps._backup_chain": 0, "keras_ps._backup_io": 0,
-    "keras_ps._backup_catalog": 1,
-    "keras_ps.incremental_backup": 4,
-    "keras_ps.optimizers": 5, "keras_ps.shards": 4, "keras_ps.shards.fit": 4,
-    "keras_ps.resumable": 4, "keras_ps._fit_epochs": 4, "keras_ps.server": 2,
-    "keras_ps.elastic": 2, "keras_ps._per_worker": 1,
-    "keras_ps.sharded_variable": 1, "keras_ps._sharded_weights": 1,
-    "keras_ps._keras": 1, "keras_ps.strategy": 2, "keras_ps.coordinator": 3,
-    "keras_ps.inputs": 4, "keras_ps.training_logs": 4,
-    "keras_ps.exact_evaluation": 4, "keras_ps.training": 5,
-    "keras_ps.callbacks": 6, "keras_ps.sidecar": 6, "keras_ps.evaluator": 7,
-    "keras_ps.demo": 7, "keras_ps": 8,
-}
+# Layer -> its units. A unit is a package (all its modules) or a top-level
+# module; a module's unit is the longest listed prefix of its name.
+LAYERS = [
+    # 0: foundations without TensorFlow's Python API at import.
+    ["keras_ps._config_errors", "keras_ps._constants", "keras_ps._tf_adapter"],
+    ["keras_ps.errors"],
+    ["keras_ps.cluster", "keras_ps.tables"],
+    ["keras_ps._keras"],
+    ["keras_ps.strategy", "keras_ps.backups"],
+    ["keras_ps.coordinator", "keras_ps.elastic", "keras_ps.tables.dynamic"],
+    ["keras_ps.shards"],
+    ["keras_ps.training"],
+    ["keras_ps.sidecar"],
+    ["keras_ps.callbacks"],
+    # Public entry modules, then the commands (`python -m ...`).
+    ["keras_ps", "keras_ps.layers", "keras_ps.optimizers",
+     "keras_ps.partitioners"],
+    ["keras_ps.demo", "keras_ps.evaluator", "keras_ps.server"],
+]
+LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
+# Private top-level modules (everything else at the top is public or a package).
+PRIVATE_TOP_LEVEL = {"keras_ps._config_errors", "keras_ps._constants",
+                     "keras_ps._tf_adapter"}
+# Modules shorter than 40 lines: a package's __init__, or a public module
+# that only re-exports names from their package (kept where users import them).
+SHORT_MODULES_ALLOWED = {"keras_ps.layers", "keras_ps.partitioners"}
+# Why `_config_errors` is short: the three errors a process raises before it
+# may import TensorFlow (the server command, the elastic agent); keras_ps.errors
+# imports TensorFlow, so they cannot live there.
+SHORT_MODULES_ALLOWED.add("keras_ps._config_errors")
 # In-function imports of keras_ps modules allowed, each to keep TensorFlow
 # out of a process that must start without it (a comment there says so).
 LAZY_IMPORTS_ALLOWED = {
@@ -121,27 +129,30 @@ def _imports(path, modules):
     return top, lazy
 
 
-def _layer(module):
-    best = max((p for p in LAYERS if module == p or module.startswith(p + ".")),
-               key=len)
-    return LAYERS[best]
+def _unit(module):
+    """The listed unit `module` belongs to (None if unlisted)."""
+    found = [u for u in LAYER_OF if module == u or
+             (u != "keras_ps" and module.startswith(u + "."))]
+    return max(found, key=len, default=None)
 
 
 def test_imports_flow_down_the_layers_without_cycles():
     modules = _modules()
-    graph, misplaced, lazy_found = {}, [], []
+    graph, back_edges, lazy_found = {}, [], []
     for module, path in modules.items():
         top, lazy = _imports(path, modules)
         graph[module] = {m for m in top if m != module}
         for target in graph[module]:
-            # A package's __init__ re-exports its own modules.
-            if target.startswith(module + "."):
+            source_unit, target_unit = _unit(module), _unit(target)
+            if source_unit == target_unit:
                 continue
-            if _layer(target) > _layer(module):
-                misplaced.append(f"{module} -> {target}")
+            if LAYER_OF[target_unit] >= LAYER_OF[source_unit]:
+                back_edges.append(f"{module} -> {target} (layer "
+                                  f"{LAYER_OF[source_unit]} -> "
+                                  f"{LAYER_OF[target_unit]})")
         if lazy and os.path.relpath(path, REPO) not in LAZY_IMPORTS_ALLOWED:
             lazy_found.append(f"{module}: {sorted(lazy)}")
-    assert not misplaced, misplaced
+    assert not back_edges, back_edges
     assert not lazy_found, lazy_found
     # No cycles (depth-first search).
     state = {}
@@ -158,6 +169,55 @@ def test_imports_flow_down_the_layers_without_cycles():
     for module in graph:
         if module not in state:
             visit(module, [])
+
+
+def test_every_module_has_a_layer():
+    # A new package or top-level module is placed in the table (and in
+    # docs/architecture.md) before it is imported.
+    assert sorted(m for m in _modules() if _unit(m) is None) == []
+
+
+def test_top_level_holds_public_modules_and_packages():
+    private = {m for m, p in _modules().items()
+               if m.count(".") == 1 and m.split(".")[1].startswith("_")
+               and not p.endswith("__init__.py")}
+    assert private == PRIVATE_TOP_LEVEL
+
+
+def test_each_package_says_what_it_owns():
+    missing = []
+    for module, path in _modules().items():
+        if path.endswith("__init__.py"):
+            doc = ast.get_docstring(_trees()[path])
+            if not doc or len(doc.split()) < 15:
+                missing.append(module)
+    assert missing == []
+
+
+def test_architecture_doc_draws_the_same_layers():
+    # docs/architecture.md lists the layers as a table, one row per layer:
+    # | 2 | `keras_ps.cluster`, `keras_ps.tables` | ... |
+    with open(os.path.join(REPO, "docs", "architecture.md")) as f:
+        text = f.read()
+    documented = {}
+    for match in re.finditer(r"^\| *(\d+) *\|([^|]*)\|", text, re.M):
+        documented[int(match.group(1))] = sorted(
+            re.findall(r"`(keras_ps[\w.]*)`", match.group(2)))
+    assert documented == {i: sorted(units) for i, units in enumerate(LAYERS)}
+
+
+def test_no_fragments_and_no_long_modules():
+    sizes = {m: sum(1 for _ in open(p)) for m, p in _modules().items()}
+    short = {m: n for m, n in sizes.items() if n < 40
+             and not _modules()[m].endswith("__init__.py")
+             and m not in SHORT_MODULES_ALLOWED
+             and not m.endswith("_pb2")}
+    assert short == {}
+    # The allowed short public modules only re-export.
+    for module in SHORT_MODULES_ALLOWED - PRIVATE_TOP_LEVEL:
+        body = _trees()[_modules()[module]].body
+        assert all(isinstance(n, (ast.ImportFrom, ast.Assign, ast.Expr))
+                   for n in body), module
 
 
 def _run(code):

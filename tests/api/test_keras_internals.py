@@ -13,12 +13,13 @@ import tensorflow as tf
 import keras
 import keras_ps  # noqa: F401
 import keras_ps.training  # noqa: F401  (installs every hook; no cluster needed)
-from keras_ps import _row_chunks
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
+from keras_ps.tables import _row_chunks
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import partitioners
+from keras_ps.tables import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import fit_routing
-from keras_ps._keras import hooks
+from keras_ps import _keras as hooks
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import saving as keras_saving
 from keras_ps._keras import sharding as keras_sharding
@@ -153,17 +154,17 @@ def test_sharding_slots_group_once_complete():
 
 @pytest.mark.timeout(60)
 def test_sharding_no_partitioning_switch():
-    assert sharded_variable.partitioning_allowed()
-    with sharded_variable.no_partitioning():
-        with sharded_variable.no_partitioning():
-            assert not sharded_variable.partitioning_allowed()
-        assert not sharded_variable.partitioning_allowed()
-    assert sharded_variable.partitioning_allowed()
+    assert partitioners.partitioning_allowed()
+    with partitioners.no_partitioning():
+        with partitioners.no_partitioning():
+            assert not partitioners.partitioning_allowed()
+        assert not partitioners.partitioning_allowed()
+    assert partitioners.partitioning_allowed()
     seen = []
     initialize = hooks.original(keras.Variable, "_initialize")
 
     def spy(self, value):
-        seen.append(sharded_variable.partitioning_allowed())
+        seen.append(partitioners.partitioning_allowed())
         return initialize(self, value)
 
     with pytest.MonkeyPatch.context() as mp:

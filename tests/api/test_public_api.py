@@ -63,6 +63,40 @@ def test_tf_internals_of_ps_recovery_still_exist():
     assert read().numpy() == 6.0
 
 
+def test_tf_internals_of_step_order_still_exist():
+    """What keras_ps.shards.step_order asks of automatic control
+    dependencies: an op's resource inputs (read or written), whether an op is
+    chained as stateful, an op kept out of the chain, a control input added
+    to an op already made."""
+    from keras_ps import _tf_adapter
+    import tensorflow as tf
+
+    variable = tf.Variable(1.0)
+    seen = {}
+
+    @tf.function
+    def f():
+        read = variable.read_value()
+        write = variable.assign_add(1.0)
+        seen["read"] = _tf_adapter.resource_inputs(read.op.inputs[0].op)
+        seen["write"] = _tf_adapter.resource_inputs(write.op)
+        seen["stateful"] = _tf_adapter.op_is_stateful(write.op)
+        with tf.control_dependencies(None):
+            gate = tf.raw_ops.Assert(condition=tf.constant(True),
+                                     data=[tf.constant(1)])
+        _tf_adapter.run_independently(gate)
+        _tf_adapter.add_control_input(write.op, gate)
+        seen["controls"] = list(write.op.control_inputs)
+        seen["gate"] = gate
+        return write
+
+    f()
+    assert [read_only for _, read_only in seen["read"]] == [True]
+    assert [read_only for _, read_only in seen["write"]] == [False]
+    assert seen["stateful"] is True
+    assert seen["gate"] in seen["controls"]
+
+
 def test_every_error_class_is_a_picklable_keras_ps_error():
     import inspect
     import pickle
@@ -102,3 +136,39 @@ def test_setup_cfg_lists_every_package():
              if "__init__.py" in files}
     assert found <= listed, sorted(found - listed)
     assert "keras_ps.callbacks" in listed
+
+
+def _documented_imports():
+    """`import keras_ps...` and `from keras_ps... import ...` lines of the
+    README, docs/*.md and tutorials/*, as written (one line each)."""
+    import glob
+    import os
+    import re
+
+    from _paths import REPO
+
+    paths = ([os.path.join(REPO, "README.md")]
+             + glob.glob(os.path.join(REPO, "docs", "*.md"))
+             + glob.glob(os.path.join(REPO, "tutorials", "*")))
+    pattern = re.compile(
+        r"^\s*((?:from keras_ps[\w.]* import [\w, ]+)|"
+        r"(?:import (?:[\w.]+(?: as \w+)?, )*keras_ps[\w.]*(?: as \w+)?"
+        r"(?:, [\w.]+(?: as \w+)?)*))\s*(?:#.*)?$", re.M)
+    found = set()
+    for path in filter(os.path.isfile, paths):
+        with open(path) as f:
+            found.update(m.group(1).strip() for m in pattern.finditer(f.read()))
+    return sorted(found)
+
+
+def test_every_documented_import_works_in_a_fresh_process():
+    lines = _documented_imports()
+    assert len(lines) >= 5, lines
+    code = "".join(
+        f"try:\n    {line}\nexcept Exception as e:\n"
+        f"    failures.append(({line!r}, repr(e)))\n" for line in lines)
+    result = subprocess.run(
+        [sys.executable, "-c", "failures = []\n" + code + "print(failures)"],
+        capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", (lines, result.stdout)

@@ -46,7 +46,7 @@ def test_strategy_accepts_one_chief_and_chief_task_type(cluster, strategy):
     spec = {**cluster.spec, "chief": ["localhost:1"]}
     # The connection made by the shared strategy is reused only for the same
     # jobs, so this checks the arguments without connecting anew.
-    from keras_ps import strategy as strategy_lib
+    from keras_ps.strategy import strategy as strategy_lib
 
     strategy_lib._check_resolver(
         _resolver(spec, task_type="chief", task_id=0),

@@ -5,7 +5,8 @@ coordinator process (tests/_incremental_job.py).
 - A full backup and deltas restore, into another number of shards, exactly
   (every bit of every model and optimizer variable) the model at the last
   delta and the Keras weights file written at that step: Adam (its table
-  written whole), LazyAdam, Adagrad, SGD and Ftrl, saved in 2 or 3 shards.
+  written whole), LazyAdam, Adagrad, SGD and Ftrl, saved in 2 or 3 shards;
+  also with deltas written in the background while the model trains on.
 - A delta holds the rows the steps since the previous backup touched, not
   the table.
 - A truncated, altered or missing delta file: an error naming the file, and
@@ -33,33 +34,57 @@ JOB = os.path.join(TESTS, "_incremental_job.py")
 ROWS, TOUCHED = 60, 24  # as the job's table: ids are drawn below TOUCHED
 
 
-def run(mode, directory, timeout=900):
+def run(mode, directory, timeout=900, cases=None):
     os.makedirs(directory, exist_ok=True)
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    if cases:
+        env["KERAS_PS_TEST_CASES"] = ",".join(cases)
     out = subprocess.run([sys.executable, JOB, mode, str(directory)],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=timeout, cwd=TESTS,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+                         text=True, timeout=timeout, cwd=TESTS, env=env)
     return out.returncode, out.stdout
-
-
-@pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
-    code, output = run("equivalence", tmp_path_factory.mktemp("equivalence"),
-                       timeout=1500)
-    assert code == 0, output[-4000:]
-    return {r["case"]: r for r in reports(output)}
 
 
 CASES = [f"{opt}-{saved}-to-{restored}"
          for opt in ("adam", "lazy_adam", "adagrad", "sgd", "ftrl")
-         for saved, restored in ((2, 3), (3, 2))] + ["lazy_adam-2-to-1"]
+         for saved, restored in ((2, 3), (3, 2))] + [
+            "lazy_adam-2-to-1", "lazy_adam_background-2-to-3",
+            "adagrad_background-3-to-2"]
+# The default suite: each optimizer once, both directions, fewer shards
+# than saved and a background delta; `-m slow` runs every case.
+SHORT = ["adam-2-to-3", "lazy_adam-3-to-2", "adagrad-2-to-3", "sgd-3-to-2",
+         "ftrl-2-to-3", "lazy_adam-2-to-1", "lazy_adam_background-2-to-3"]
+
+
+def equivalence_of(cases, tmp_path_factory):
+    code, output = run("equivalence", tmp_path_factory.mktemp("equivalence"),
+                       timeout=1500, cases=cases)
+    assert code == 0, output[-4000:]
+    return {r["case"]: r for r in reports(output)}
+
+
+@pytest.fixture(scope="module")
+def equivalence(tmp_path_factory):
+    return equivalence_of(SHORT, tmp_path_factory)
 
 
 @pytest.mark.timeout(1600)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", SHORT)
 def test_full_plus_deltas_restore_bit_for_bit_into_other_shards(
         case, equivalence):
-    result = equivalence[case]
+    check_equivalence(case, equivalence[case])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1600)
+def test_every_case_restores_bit_for_bit(tmp_path_factory):
+    results = equivalence_of(CASES, tmp_path_factory)
+    assert sorted(results) == sorted(CASES)
+    for case in CASES:
+        check_equivalence(case, results[case])
+
+
+def check_equivalence(case, result):
     saved, restored = (int(x) for x in case.split("-")[-3::2])
     assert result["shards"] == [restored, saved]
     assert result["restored_id"] == result["last_id"]

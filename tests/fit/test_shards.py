@@ -523,7 +523,7 @@ def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
     with strategy.scope():
         model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse")
-    caplog.set_level(logging.WARNING, logger="keras_ps.shards.fit")
+    caplog.set_level(logging.WARNING, logger="keras_ps.training.sharded_fit")
     import numpy as np
 
     history = model.fit(keras_ps.ShardedInput(paths, read_fn=read_fn,

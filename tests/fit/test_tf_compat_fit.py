@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ps
-from keras_ps import _sharded_weights
+from keras_ps.tables import _sharded_weights
 from keras_ps.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""Dirty-row tracking (keras_ps._dirty_rows) on the shared real cluster:
+"""Dirty-row tracking (keras_ps.tables._dirty_rows) on the shared real cluster:
 each row-wise update of a tracked table marks exactly the rows it touched,
 on the table's ps; an update that is not row-wise marks every row; an
 untracked table's update has not one op more."""
@@ -9,8 +9,8 @@ import tensorflow as tf
 
 import keras
 import keras_ps  # noqa: F401  (installs the hooks)
-from keras_ps import _dirty_rows
-from keras_ps import _rowwise
+from keras_ps.tables import _dirty_rows
+from keras_ps.tables import _rowwise
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,7 +52,7 @@ def marked(tracker):
 
 
 def updates(strategy):
-    """name -> (table, update(gradient)) of each keras_ps._rowwise function."""
+    """name -> (table, update(gradient)) of each keras_ps.tables._rowwise function."""
     out = {}
     table = ps_variable(strategy)
     out["sgd"] = (table, lambda g, t=table: _rowwise.sgd(t, g, 0.1))

@@ -179,7 +179,7 @@ def trained(two_shards, coordinator, tmp_path_factory):
 
 def slot_values(model):
     """Adam's slots as full arrays, in the optimizer's order (shards joined)."""
-    from keras_ps import _sharded_weights
+    from keras_ps.tables import _sharded_weights
 
     return [np.asarray(v.numpy()) for v in
             _sharded_weights.collapse(model.optimizer.variables)]

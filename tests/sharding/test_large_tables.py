@@ -11,9 +11,9 @@ import tensorflow as tf
 
 import keras
 import keras_ps
-from keras_ps import _blockwise_init
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
+from keras_ps.tables import _blockwise_init
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import sharded_variable
 from keras_ps._keras import initializers as keras_initializers
 from keras_ps.partitioners import FixedShardsPartitioner
 

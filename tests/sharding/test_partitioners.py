@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_ps import partitioners as ours
+from keras_ps.tables import partitioners as ours
 from keras_ps.errors import PartitionerError
 
 theirs = tf.distribute.experimental.partitioners

@@ -1,4 +1,4 @@
-"""Row-wise updates of sparse gradients on the ps (keras_ps._rowwise, the
+"""Row-wise updates of sparse gradients on the ps (keras_ps.tables._rowwise, the
 row-wise section of keras_ps._keras.optimizers) and keras_ps.optimizers.LazyAdam,
 on the shared real multi-process cluster.
 
@@ -14,7 +14,7 @@ import tensorflow as tf
 
 import keras
 import keras_ps
-from keras_ps import _rowwise
+from keras_ps.tables import _rowwise
 from keras_ps._keras import optimizers as hooks
 
 pytestmark = pytest.mark.timeout(240)
@@ -82,7 +82,7 @@ def train_plain(model, id_dtype):
 
 
 class Spy:
-    """Counts calls of a keras_ps._rowwise function (made while tracing)."""
+    """Counts calls of a keras_ps.tables._rowwise function (made while tracing)."""
 
     def __init__(self, monkeypatch, name):
         self.calls = 0

@@ -15,8 +15,8 @@ import pytest
 
 import keras
 import keras_ps
-from keras_ps import _sharded_weights
-from keras_ps import sharded_variable
+from keras_ps.tables import _sharded_weights
+from keras_ps.tables import sharded_variable
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -42,7 +42,7 @@ _SERVE = (
     "config=config_pb2.ConfigProto(), start=True)\n"
     # Read before the probe's own import (keras_ps.coordinator imports TF).
     "full_api = 'tensorflow._api.v2' in sys.modules\n"
-    "from keras_ps._network import probe\n"
+    "from keras_ps.cluster._network import probe\n"
     "print(json.dumps({{'full_api': full_api, "
     "'answers': probe('localhost:{port}', 5.0)}}))\n")
 

@@ -11,7 +11,6 @@ from keras_ps.tables.dynamic import hashing
 from keras_ps.tables.dynamic import placement
 from keras_ps.tables.dynamic import slots as slots_lib
 from keras_ps.tables.dynamic import state as state_lib
-from keras_ps.tables.dynamic import stats as stats_lib
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +19,8 @@ class _Table:
     """What the layer's helpers share: config, shards and the step counter
     (a plain object, kept out of Keras' and TF's attribute tracking)."""
 
-    def __init__(self, name, config, shards, step):
-        self.name, self.config, self.shards, self.step = name, config, shards, step
+    def __init__(self, name, config, shards):
+        self.name, self.config, self.shards = name, config, shards
 
 
 @keras.saving.register_keras_serializable(package="keras_ps")
@@ -102,7 +101,7 @@ class DynamicEmbedding(keras.layers.Layer):
             filter_hashes=filter_hashes)
         self.default_row = default_row
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
-        self._stats = stats_lib.TableStats(None, name=self.name)
+        self._stats = TableStats(None, name=self.name)
 
     # -- building -------------------------------------------------------------------
     def build(self, input_shape=None):
@@ -124,16 +123,13 @@ class DynamicEmbedding(keras.layers.Layer):
             placement.mark_owned(part, shard.add_optimizer_slot)
             parts.append(part)
             shards.append(shard)
-        with placement.on(strategy, devices[0]):
-            step = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                               name="dynamic_step")
         self._default = None
         if self.default_row == "trainable":
             self._default = add_weight(shape=(1, self.output_dim),
                                        initializer="zeros", name="default_row")
         object.__setattr__(self, "_parts", parts)
         object.__setattr__(self, "_table", _Table(self.name, self.config,
-                                                  shards, step))
+                                                  shards))
         object.__setattr__(self, "_checkpoint", state_lib.TableCheckpoint(self._table))
         self._stats._table = self._table
         logger.info("[chief] %s: %d rows in %d shards %s", self.name,
@@ -176,26 +172,23 @@ class DynamicEmbedding(keras.layers.Layer):
         where = tf.dynamic_partition(tf.range(tf.size(unique)), owner, num_shards)
         shard_keys = tf.dynamic_partition(unique, owner, num_shards)
         shard_counts = tf.dynamic_partition(counts, owner, num_shards)
-        if training:
-            step = self._table.step.assign_add(1, read_value=True)
         if self._default is not None:
             default = tf.convert_to_tensor(self._default)
         else:
             default = tf.zeros([1, self.output_dim], self.compute_dtype)
         gathered = []
         for index, shard in enumerate(self._table.shards):
+            # Everything but the rows found stays on the ps: one exchange
+            # per ps and step (keys and counts there, rows back).
             if training:
                 slots = shard.train_slots(
-                    shard_keys[index], shard_counts[index], step,
+                    shard_keys[index], shard_counts[index],
                     lambda n, t, index=index: self._init_rows(n, t, index))
             else:
                 slots = shard.lookup(shard_keys[index])
-            has_row = slots >= 0
+            rows, has_row = shard.gather_rows(slots)
             with_row = tf.cast(tf.where(has_row)[:, 0], tf.int32)
             without = tf.cast(tf.where(tf.logical_not(has_row))[:, 0], tf.int32)
-            with tf.device(shard.device):
-                rows = tf.gather(placement.tf_variable(self._parts[index]),
-                                 tf.boolean_mask(slots, has_row))
             rows = tf.cast(rows, self.compute_dtype)
             fill = tf.tile(tf.cast(default, self.compute_dtype),
                            [tf.size(without), 1])
@@ -298,3 +291,33 @@ def initial_rows(initializer, count, dim, seed):
         "DynamicEmbedding draws each new row itself and knows RandomUniform, "
         "RandomNormal, TruncatedNormal, Zeros, Ones and Constant. Received: "
         f"embeddings_initializer={kind}. Use one of those.")
+
+
+# -- the table's numbers in the epoch logs -----------------------------------
+# The table's live rows, admissions and evictions as Keras metric results.
+#
+# A metric of the layer, so `Model.fit` puts the numbers in every epoch's logs
+# (and so in `History` and TensorBoard) with nothing else to configure. They
+# are running totals read from the shards' counters on the ps; resetting the
+# metrics (at each epoch) does not reset them.
+class TableStats(keras.metrics.Metric):
+    """`<layer>_live_rows`, `<layer>_admissions`, `<layer>_evictions`."""
+
+    def __init__(self, table, name):
+        super().__init__(name=name)
+        self._table = table
+
+    def update_state(self, *args, **kwargs):
+        del args, kwargs
+
+    def reset_state(self):
+        pass
+
+    def result(self):
+        totals = tf.add_n([tf.cast(shard.read_stats(), tf.int64)
+                           for shard in self._table.shards])
+        evicted = (totals[slots_lib.EVICTED_BY_AGE]
+                   + totals[slots_lib.EVICTED_BY_CAPACITY])
+        return {f"{self.name}_live_rows": totals[slots_lib.LIVE],
+                f"{self.name}_admissions": totals[slots_lib.ADMITTED],
+                f"{self.name}_evictions": evicted}

@@ -12,8 +12,8 @@ import contextlib
 import keras
 import tensorflow as tf
 
-from keras_ps._keras import hooks
-from keras_ps._sharded_weights import SAVED_BY_OWNER_ATTR, SLOT_OWNER_ATTR
+from keras_ps import _keras as hooks
+from keras_ps.tables._sharded_weights import SAVED_BY_OWNER_ATTR, SLOT_OWNER_ATTR
 from keras_ps.strategy import ParameterServerStrategy
 
 

@@ -14,12 +14,12 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import admission
-from keras_ps.tables.dynamic import eviction
+from keras_ps.tables.dynamic import policies
+from keras_ps.tables.dynamic import slot_queues
 
 logger = logging.getLogger(__name__)
 
-FREE = eviction.FREE
+FREE = policies.FREE
 
 # Columns of a shard's `stats` counters (running totals, and the live rows).
 ADMITTED, EVICTED_BY_AGE, EVICTED_BY_CAPACITY, LIVE = range(4)
@@ -50,6 +50,10 @@ class SlotShard:
         self.key_dtype = key_dtype
         empty_key = "" if key_dtype == tf.string else 0
         n = self.num_slots
+        # A full age sweep every `sweep_every` steps; in between, a row
+        # found too old at lookup is treated as already evicted.
+        self.sweep_every = (max(1, config.max_age // policies.SWEEP_FRACTION)
+                            if config.max_age is not None else None)
         with tf.init_scope():
             self.slot_keys = make_variable(
                 f"slot_keys_{index}", tf.fill([n], tf.constant(empty_key, key_dtype)))
@@ -57,6 +61,13 @@ class SlotShard:
                 f"last_seen_{index}", tf.fill([n], tf.constant(FREE, tf.int64)))
             self.hits = make_variable(f"hits_{index}", tf.zeros([n], tf.int64))
             self.stats = make_variable(f"stats_{index}", tf.zeros([4], tf.int64))
+            # The table's training step, counted on each shard (every
+            # training call steps every shard), so no shard waits on another.
+            self.step = make_variable(f"step_{index}", tf.constant(0, tf.int64))
+            self.last_sweep = make_variable(f"last_sweep_{index}",
+                                            tf.constant(0, tf.int64))
+            self.free = slot_queues.FreeStack(index, n, make_variable)
+            self.lru = slot_queues.LruQueue(index, n, make_variable)
             self.filter = None
             if config.min_count > 1:
                 self.filter = make_variable(
@@ -78,19 +89,36 @@ class SlotShard:
         self.optimizer_slots.append((name, variable, initial))
 
     # -- lookups ----------------------------------------------------------------------
+    def _stale(self, slots, step):
+        """Which of `slots` (-1: none) hold a row older than `max_age` at `step`."""
+        if self.config.max_age is None:
+            return tf.zeros(tf.shape(slots), tf.bool)
+        seen = tf.gather(self.last_seen.read_value(), tf.maximum(slots, 0))
+        return tf.logical_and(slots >= 0, step - seen > self.config.max_age)
+
     def lookup(self, keys):
         """Slots of `keys` (1-D), -1 for keys without a row. Reads only."""
         with tf.device(self.device):
-            return _flat(self.table.lookup(keys))
+            slots = _flat(self.table.lookup(keys))
+            stale = self._stale(slots, self.step.read_value())
+            return tf.where(stale, tf.constant(-1, tf.int64), slots)
 
-    def train_slots(self, keys, counts, step, init_rows):
+    def gather_rows(self, slots):
+        """On the ps: `(rows, has_row)`, the rows of the keys with a slot
+        (in order) and which keys have one. Only `rows` leaves the ps."""
+        with tf.device(self.device):
+            has_row = slots >= 0
+            rows = tf.gather(self.rows, tf.boolean_mask(slots, has_row))
+            return rows, has_row
+
+    def train_slots(self, keys, counts, init_rows):
         """Slots of `keys` (1-D, distinct) for a training step, admitting and
-        evicting as configured; -1 for keys still without a row.
+        evicting as configured; -1 for keys still without a row. Steps the
+        shard's step counter.
 
         Args:
             keys: distinct keys routed to this shard.
             counts: int32, how often each key occurs in the batch.
-            step: the table's training step (int64 scalar, from 1).
             init_rows: `(count, step) -> [count, dim]` values of new rows.
 
         Raises (when the step runs):
@@ -98,25 +126,47 @@ class SlotShard:
         """
         with tf.device(self.device):
             return self.lock.execute(
-                lambda: self._train_slots(keys, counts, step, init_rows),
+                lambda: self._train_slots(keys, counts, init_rows),
                 exclusive_resource_access=False)
 
-    def _free(self, slots, column):
+    def _free(self, slots, column, step=None):
+        """Frees `slots`, counted in `column` (or, with `step`, by age when
+        older than `max_age`, else in `column`)."""
+        seen = tf.gather(self.last_seen.read_value(), slots)
         keys = tf.gather(self.slot_keys.read_value(), slots)
         removed = self.table.remove(keys)
         with tf.control_dependencies([removed]):
             self.last_seen.scatter_update(tf.IndexedSlices(
                 tf.fill(tf.shape(slots), tf.constant(FREE, tf.int64)), slots))
+        self.free.push(slots)
         count = tf.size(slots, out_type=tf.int64)
-        self.stats.scatter_add(tf.IndexedSlices(
-            tf.stack([count, -count]), tf.constant([column, LIVE], tf.int64)))
+        if step is not None and self.config.max_age is not None:
+            old = tf.reduce_sum(tf.cast(step - seen > self.config.max_age, tf.int64))
+            self.stats.scatter_add(tf.IndexedSlices(
+                tf.stack([old, count - old, -count]),
+                tf.constant([EVICTED_BY_AGE, column, LIVE], tf.int64)))
+        else:
+            self.stats.scatter_add(tf.IndexedSlices(
+                tf.stack([count, -count]), tf.constant([column, LIVE], tf.int64)))
 
-    def _train_slots(self, keys, counts, step, init_rows):
+    def sweep(self, step):
+        """Frees every row older than `max_age` at `step`."""
+        self._free(policies.expired(self.last_seen.read_value(), step,
+                                    self.config.max_age), EVICTED_BY_AGE)
+        return self.last_sweep.assign(step)
+
+    def _train_slots(self, keys, counts, init_rows):
         config = self.config
+        step = self.step.assign_add(1, read_value=True)
         if config.max_age is not None:
-            self._free(eviction.expired(self.last_seen.read_value(), step,
-                                        config.max_age), EVICTED_BY_AGE)
+            tf.cond(step - self.last_sweep.read_value() >= self.sweep_every,
+                    lambda: self.sweep(step), self.last_sweep.read_value)
         slots = _flat(self.table.lookup(keys))
+        if config.max_age is not None:
+            # Rows that expired since the last sweep go now.
+            stale = self._stale(slots, step)
+            self._free(tf.boolean_mask(slots, stale), EVICTED_BY_AGE)
+            slots = tf.where(stale, tf.constant(-1, tf.int64), slots)
         found = slots >= 0
         seen = tf.boolean_mask(slots, found)
         self.last_seen.scatter_update(tf.IndexedSlices(
@@ -128,18 +178,19 @@ class SlotShard:
         candidates = tf.boolean_mask(keys, missing)
         candidate_counts = tf.boolean_mask(counts, missing)
         if self.filter is not None:
-            admit = admission.count_and_admit(
+            admit = policies.count_and_admit(
                 self.filter, candidates, candidate_counts, config)
             candidates = tf.boolean_mask(candidates, admit)
             candidate_counts = tf.boolean_mask(candidate_counts, admit)
         wanted = tf.size(candidates, out_type=tf.int64)
 
-        free = eviction.free_slots(self.last_seen.read_value())
-        short = tf.maximum(wanted - tf.size(free, out_type=tf.int64), 0)
+        short = tf.maximum(wanted - self.free.size(), 0)
         if config.evict_lru:
-            victims = eviction.least_recent(self.last_seen.read_value(), step, short)
-            self._free(victims, EVICTED_BY_CAPACITY)
-            free = tf.concat([free, victims], 0)
+            # The least recently seen rows; those past max_age count as
+            # evicted by age (a sweep would have taken them).
+            self._free(self.lru.take(short, self.last_seen, step),
+                       EVICTED_BY_CAPACITY, step=step)
+            available = self.free.size()
         else:
             check = tf.debugging.assert_less_equal(
                 short, tf.constant(0, tf.int64), message=(
@@ -150,10 +201,10 @@ class SlotShard:
                     "keys. Fix: raise capacity, set max_age to evict old "
                     "rows, or set evict_lru=True. Keys still needing a row: "))
             with tf.control_dependencies([check]):
-                free = tf.identity(free)
+                available = self.free.size()
 
-        admitted_count = tf.minimum(wanted, tf.size(free, out_type=tf.int64))
-        new_slots = free[:admitted_count]
+        admitted_count = tf.minimum(wanted, available)
+        new_slots = self.free.pop(admitted_count)
         admitted = candidates[:admitted_count]
         new_counts = tf.cast(candidate_counts[:admitted_count], tf.int64)
         inserted = self.table.insert(admitted, new_slots)
@@ -174,14 +225,24 @@ class SlotShard:
             updates.append(tf.raw_ops.ResourceScatterUpdate(
                 resource=variable.handle, indices=new_slots,
                 updates=tf.cast(fresh, variable.dtype)))
+        # The new keys' slots, without a second lookup of every key.
+        position = tf.cast(tf.where(missing)[:, 0], tf.int64)
+        if self.filter is not None:
+            position = tf.boolean_mask(position, admit)
+        slots = tf.tensor_scatter_nd_update(
+            slots, position[:admitted_count, tf.newaxis], new_slots)
         with tf.control_dependencies([inserted] + updates):
-            return _flat(self.table.lookup(keys))
+            return tf.identity(slots)
 
     # -- state (checkpoints and export) ----------------------------------------------
     def export_state(self):
         """The shard's live keys and, in slot order, their rows, last-seen
-        steps, hit counts and optimizer slot rows (numpy), read on the ps."""
+        steps, hit counts and optimizer slot rows (numpy), read on the ps.
+        Rows past `max_age` are evicted first, as the next step would."""
         with tf.device(self.device):
+            if self.config.max_age is not None:
+                self.lock.execute(lambda: self.sweep(self.step.read_value()),
+                                  exclusive_resource_access=False)
             keys, slots = self.table.export()
             order = tf.argsort(slots)
             keys, slots = tf.gather(keys, order), tf.gather(slots, order)
@@ -195,9 +256,10 @@ class SlotShard:
                 state[f"optimizer_{name}"] = tf.gather(variable, slots)
         return {k: v.numpy() for k, v in state.items()}
 
-    def import_state(self, state):
+    def import_state(self, state, step):
         """Replaces the shard's keys with `state` (as `export_state` gives,
-        at most `num_slots` keys; the slots are filled from 0)."""
+        at most `num_slots` keys; the slots are filled from 0) and sets its
+        step counter to `step`."""
         n = len(state["keys"])
         if n > self.num_slots:
             raise ValueError(f"{n} keys for {self.num_slots} slots")
@@ -207,6 +269,10 @@ class SlotShard:
             self.table.remove(old)
             keys = tf.constant(state["keys"], self.key_dtype)
             self.table.insert(keys, tf.constant(slots))
+            self.free.reset(n)
+            self.lru.clear()
+            self.step.assign(step)
+            self.last_sweep.assign(step)
             self.slot_keys.scatter_update(tf.IndexedSlices(keys, slots))
             last_seen = np.full([self.num_slots], FREE, np.int64)
             last_seen[:n] = state["last_seen"]

@@ -29,7 +29,8 @@ def gather(table):
     parts = [shard.export_state() for shard in table.shards]
     state = {name: np.concatenate([p[name] for p in parts])
              for name in parts[0] if name in _PER_KEY or name.startswith("optimizer_")}
-    state["step"] = np.asarray(table.step.numpy(), np.int64)
+    state["step"] = np.asarray(max(int(s.step.numpy()) for s in table.shards),
+                               np.int64)
     state["stats"] = np.sum([s.read_stats().numpy() for s in table.shards], axis=0)
     if table.shards[0].filter is not None:
         state["filter"] = np.stack([s.filter.numpy() for s in table.shards])
@@ -58,7 +59,7 @@ def assign(table, state):
             mine = np.sort(mine[newest[:shard.num_slots]])
         part = {name: value[mine] for name, value in state.items()
                 if name in _PER_KEY or name.startswith("optimizer_")}
-        shard.import_state(part)
+        shard.import_state(part, int(state["step"]))
         live.append(len(mine))
     if dropped:
         logger.warning("[chief] %s: %d restored keys did not fit their shard "
@@ -70,7 +71,6 @@ def assign(table, state):
         stats = np.zeros([4], np.int64) if index else totals.copy()
         stats[slots_lib.LIVE] = live[index]
         shard.stats.assign(stats)
-    table.step.assign(int(state["step"]))
     saved_filter = np.asarray(state["filter"])
     if table.shards[0].filter is not None and saved_filter.ndim == 2:
         if saved_filter.shape[0] != num_shards:

@@ -1,0 +1,227 @@
+"""The manifest of an incremental backup directory: chains of full + deltas.
+
+A directory holds chains, oldest first. A chain is a full backup followed by
+deltas, each delta holding what changed since the entry before it; every
+prefix of a chain (its full, then its first k deltas) is one restorable
+state, the state when its last entry was written. Each entry's files live
+in a folder of their own (`full-000007/`, `delta-000008/`).
+
+`manifest.json` lists the chains, each entry with its files' lengths and
+fingerprints. It is the one thing published: an entry's files are written
+first, then a new manifest replaces the old one by an atomic rename, so a
+crash while writing leaves the previous manifest, whose files are intact.
+Folders the manifest does not name (a crashed entry's, a dropped chain's)
+are deleted after each publish. Pure Python.
+"""
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+
+from keras_ps.errors import BackupCorruptError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILE = "manifest.json"
+FORMAT = 1
+_ENTRY_FOLDER = re.compile(r"^(full|delta)-\d{6,}$")
+
+
+def folder_name(kind, entry_id):
+    return f"{kind}-{entry_id:06d}"
+
+
+def empty():
+    return {"format": FORMAT, "next_id": 1, "chains": []}
+
+
+def read(directory):
+    """The manifest of `directory`, or None when it has none.
+
+    Raises:
+        BackupCorruptError: the manifest is not one keras_ps wrote.
+    """
+    path = os.path.join(directory, MANIFEST_FILE)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as error:
+        raise BackupCorruptError(
+            f"The incremental backup manifest {path!r} cannot be read "
+            f"({error}). It is only ever replaced whole, so something else "
+            "changed it. Fix: restore it from a copy, or delete the backup "
+            "directory to start from scratch.") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BackupCorruptError(
+            f"The incremental backup manifest {path!r} has format "
+            f"{manifest.get('format') if isinstance(manifest, dict) else None!r}"
+            f"; this keras_ps reads format {FORMAT}. Fix: use the keras_ps "
+            "version that wrote it, or delete the backup directory.")
+    return manifest
+
+
+def publish(directory, manifest):
+    """Replaces the manifest atomically, then deletes unnamed entry folders."""
+    write_atomically(os.path.join(directory, MANIFEST_FILE),
+                            json.dumps(manifest, indent=1))
+    remove_unlisted(directory, manifest)
+
+
+def remove_unlisted(directory, manifest):
+    """Deletes the entry folders of `directory` that `manifest` does not list."""
+    listed = {entry["folder"] for chain in manifest["chains"] for entry in chain}
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if _ENTRY_FOLDER.match(name) and name not in listed:
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+
+def locate(manifest, entry_id):
+    """(chain index, length of the chain up to that entry) of entry
+    `entry_id`, or None when the manifest no longer lists it."""
+    for c, chain in enumerate(manifest["chains"]):
+        for i, entry in enumerate(chain):
+            if entry["id"] == entry_id:
+                return c, i + 1
+    return None
+
+
+def states_newest_first(manifest):
+    """Every restorable state as (chain index, prefix length), newest
+    first: the newest chain whole, then without its last delta, ..., then
+    its full alone, then the chain before it, and so on."""
+    for c in range(len(manifest["chains"]) - 1, -1, -1):
+        for length in range(len(manifest["chains"][c]), 0, -1):
+            yield c, length
+
+
+def with_entry(manifest, base, entry, keep_chains):
+    """A new manifest with `entry` added.
+
+    A full entry starts a new chain; the oldest chains beyond `keep_chains`
+    are dropped. A delta continues the state `base` (chain index, length):
+    entries after it in that chain and chains after it are dropped (they
+    belong to a state that was not restored).
+    """
+    chains = [list(chain) for chain in manifest["chains"]]
+    if entry["kind"] == "full":
+        chains.append([entry])
+        chains = chains[-keep_chains:]
+    else:
+        c, length = base
+        chains = chains[:c + 1]
+        chains[c] = chains[c][:length] + [entry]
+    return {"format": FORMAT, "next_id": max(manifest["next_id"],
+                                             entry["id"] + 1),
+            "chains": chains}
+
+
+def check_file(path, entry, record):
+    """Raises BackupCorruptError naming `path` (a file of `entry`) if it is
+    missing or its size is not the one recorded (a truncated write)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        raise BackupCorruptError(
+            f"Backup file {path!r} of {entry['kind']} backup {entry['id']} "
+            "is missing. Fix: the backup directory must be the same shared "
+            "folder for the chief and every ps; restore() falls back to the "
+            "newest complete backup before it.") from None
+    if size != record["bytes"]:
+        raise BackupCorruptError(
+            f"Backup file {path!r} of {entry['kind']} backup {entry['id']} "
+            f"has {size} bytes where {record['bytes']} were written: it was "
+            "truncated or overwritten. restore() falls back to the newest "
+            "complete backup before it.")
+
+
+def corrupt_file_error(path, entry, reason):
+    return BackupCorruptError(
+        f"Backup file {path!r} of {entry['kind']} backup {entry['id']} is "
+        f"corrupt: {reason}. restore() falls back to the newest complete "
+        "backup before it.")
+
+
+def delta_bytes(chain, length):
+    """Bytes of the deltas in the first `length` entries of `chain`."""
+    return sum(entry["bytes"] for entry in chain[1:length])
+
+
+
+def write_atomically(path, data):
+    """Writes `data` (str or bytes) to `path` via a temporary file and rename."""
+    tmp = os.path.join(os.path.dirname(path),
+                       f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    mode = "wb" if isinstance(data, bytes) else "w"
+    with open(tmp, mode) as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackupEntry:
+    """One backup written or restored.
+
+    Attributes:
+        id: its number in the directory (increasing).
+        kind: `"full"` or `"delta"`.
+        bytes: bytes of its files.
+        files: how many files it has.
+        table_rows: rows of row-tracked tables it holds (with their slots).
+        deltas: deltas in its chain up to it (0 for a full backup).
+        metadata: the dict given when it was saved.
+        seconds: how long saving (or restoring) it took.
+        problems: when restoring: why each newer backup could not be
+            restored (empty when the newest one was).
+    """
+
+    id: int
+    kind: str
+    bytes: int
+    files: int
+    table_rows: int
+    deltas: int
+    metadata: dict
+    seconds: float = 0.0
+    problems: tuple = ()
+
+
+def entry_info(entry, deltas, seconds=0.0, problems=()):
+    return BackupEntry(
+        id=entry["id"], kind=entry["kind"], bytes=entry["bytes"],
+        files=len(entry["files"]), table_rows=entry["table_rows"],
+        deltas=deltas, metadata=entry.get("metadata") or {}, seconds=seconds,
+        problems=tuple(problems))
+
+
+def has_backup(directory):
+    """Whether `directory` holds an incremental backup (its manifest)."""
+    return os.path.exists(os.path.join(directory, MANIFEST_FILE))
+
+
+def check_int(name, value, minimum, allow_none=False):
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}"
+                         f"{' or None' if allow_none else ''}. Received: "
+                         f"{name}={value!r}.")
+
+
+def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
+                  min_table_bytes=0):
+    """Raises ValueError naming the first bad IncrementalBackup option."""
+    check_int("max_deltas", max_deltas, 1)
+    check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
+    check_int("keep_chains", keep_chains, 1)
+    check_int("min_table_bytes", min_table_bytes, 0)

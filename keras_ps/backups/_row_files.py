@@ -1,0 +1,173 @@
+"""Row files: rows of variables written and read on the device holding them.
+
+An incremental backup (keras_ps.backups.incremental_backup) stores each group of
+variables that share rows (a table shard and its optimizer slots, or one
+variable alone) as a series of row files, written by the ps that holds the
+group: the rows are gathered, serialized and written there, so none of them
+passes through the coordinator. Restoring reads each file on the ps that
+holds the rows now, which may be split differently: a file holds global row
+ids.
+
+A row file is the concatenation of `tf.io.serialize_tensor` of the int64
+global row ids, then of the rows of each variable of the group, in order
+(shape `[len(ids)] + variable.shape[1:]`); a bundle (small variables written
+whole) is the same without the ids. The manifest records each part's size,
+and the file's length and farmhash fingerprint, checked before it is parsed.
+Pure TensorFlow.
+"""
+
+import math
+
+import tensorflow as tf
+
+# Fields of each file's record, as `write_rows` returns them (one row each).
+RECORD_FIELDS = ("bytes", "fingerprint", "rows", "min", "max")
+
+
+def rows_per_block(variables, block_bytes):
+    """Rows of a group of `variables` written per file (about `block_bytes`,
+    at least 1), counting the 8-byte id of each row."""
+    row_bytes = 8 + sum(
+        math.prod(v.shape[1:]) * v.dtype.size if v.shape.rank else v.dtype.size
+        for v in variables)
+    return max(1, block_bytes // row_bytes)
+
+
+def fingerprint(content):
+    """The farmhash fingerprint of a scalar string, as an int64 scalar."""
+    return tf.bitcast(tf.fingerprint(tf.reshape(content, [1]))[0], tf.int64)
+
+
+def _rows(variable, local_ids):
+    return tf.raw_ops.ResourceGather(resource=variable.handle,
+                                     indices=local_ids, dtype=variable.dtype)
+
+
+def write_rows(prefix, local_ids, offset, sources, block_rows):
+    """Writes rows `local_ids` of `sources` to files `prefix + ".0"`,
+    `prefix + ".1"`, ..., `block_rows` rows each. Run it under the device
+    holding the sources (inside a `tf.function`: one remote call writes
+    every block).
+
+    Args:
+        prefix: string scalar, the files' path without the block number.
+        local_ids: int64 row ids within the variables (1-D).
+        offset: the variables' first row in the whole (sharded) variable:
+            the files hold `local_ids + offset`.
+        sources: `tf.Variable`s (rank >= 1) with the same number of rows,
+            whose rows `local_ids` are written; or tensors holding those
+            rows already (`gather_rows`, a snapshot), in the same order.
+        block_rows: rows per file.
+
+    Returns:
+        An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(sources),
+        files]`: each file's length in bytes, fingerprint, row count, first
+        and last id, then the size of each of its parts (ids, variables).
+    """
+    local_ids = tf.cast(tf.reshape(local_ids, [-1]), tf.int64)
+    count = tf.size(local_ids, out_type=tf.int64)
+    blocks = (count + block_rows - 1) // block_rows
+    records = [tf.TensorArray(tf.int64, size=0, dynamic_size=True,
+                              element_shape=[])
+               for _ in range(len(RECORD_FIELDS) + 1 + len(sources))]
+
+    def write_block(block, *records):
+        first, stop = block * block_rows, (block + 1) * block_rows
+        ids = local_ids[first:stop]
+        parts = [tf.io.serialize_tensor(ids + offset)]
+        parts += [tf.io.serialize_tensor(
+            _rows(s, ids) if isinstance(s, tf.Variable) else s[first:stop])
+            for s in sources]
+        content = _write(
+            tf.strings.join([prefix, ".", tf.strings.as_string(block)]), parts)
+        values = (_length(content), fingerprint(content),
+                  tf.size(ids, out_type=tf.int64),
+                  tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset,
+                  *[_length(part) for part in parts])
+        index = tf.cast(block, tf.int32)
+        return (block + 1,) + tuple(
+            r.write(index, v) for r, v in zip(records, values))
+
+    results = tf.while_loop(lambda block, *_: block < blocks, write_block,
+                            (tf.constant(0, tf.int64), *records))
+    return tf.stack([r.stack() for r in results[1:]])
+
+
+def gather_rows(local_ids, variables):
+    """Copies of rows `local_ids` of `variables`: a snapshot `write_rows`
+    can write later, while the variables change."""
+    local_ids = tf.cast(tf.reshape(local_ids, [-1]), tf.int64)
+    return [_rows(v, local_ids) for v in variables]
+
+
+def write_whole(path, sources):
+    """Writes `sources` whole into one file (a *bundle* of small
+    variables): the serialized value of each, in order, with no ids. Run it
+    under the device holding them.
+
+    Args:
+        sources: `tf.Variable`s, or their values (a snapshot).
+
+    Returns:
+        An int64 tensor of shape `[len(RECORD_FIELDS) + len(sources), 1]`,
+        as `write_rows` (rows, first and last id 0; no ids part).
+    """
+    parts = [tf.io.serialize_tensor(tf.raw_ops.ReadVariableOp(
+        resource=s.handle, dtype=s.dtype) if isinstance(s, tf.Variable)
+        else s) for s in sources]
+    content = _write(path, parts)
+    zero = tf.constant(0, tf.int64)
+    return tf.reshape(tf.stack(
+        [_length(content), fingerprint(content), zero, zero, zero]
+        + [_length(part) for part in parts]), [-1, 1])
+
+
+def _length(string):
+    return tf.cast(tf.strings.length(string), tf.int64)
+
+
+def _write(path, parts):
+    """Writes the concatenation of `parts` to `path`; returns it."""
+    content = tf.strings.join(parts)
+    tf.io.write_file(path, content)
+    return content
+
+
+def read_file(path):
+    """(content, length, fingerprint) of a row file, read on the device in
+    scope; only the two int64 scalars need to be fetched to check it."""
+    content = tf.io.read_file(path)
+    return (content, tf.cast(tf.strings.length(content), tf.int64),
+            fingerprint(content))
+
+
+def part(content, sizes, index, dtype):
+    """Part `index` of a checked file's `content` (whose parts have `sizes`,
+    an int64 vector), parsed as a tensor of `dtype`."""
+    start = tf.reduce_sum(sizes[:index])
+    return tf.io.parse_tensor(
+        tf.strings.substr(content, start, sizes[index]), dtype)
+
+
+def assign_rows(variable, first, ids, rows, contained):
+    """Writes the `rows` whose global `ids` fall in `variable` (which holds
+    global rows `[first, first + variable.shape[0])`) into it, on its
+    device.
+
+    Args:
+        ids: int64 global ids of `rows`; None: `rows` is the variable's
+            whole value.
+        contained: True when every id is known to fall in the variable (no
+            filtering needed).
+    """
+    with tf.device(variable.device):
+        if ids is None or not variable.shape.rank:
+            variable.assign(tf.reshape(rows, variable.shape))
+            return
+        if not contained:
+            last = first + int(variable.shape[0])
+            keep = tf.logical_and(ids >= first, ids < last)
+            ids, rows = tf.boolean_mask(ids, keep), tf.boolean_mask(rows, keep)
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=variable.handle, indices=ids - first,
+            updates=tf.cast(rows, variable.dtype))

@@ -1,0 +1,445 @@
+"""IncrementalBackup: back up huge embedding tables often, writing only the
+rows that changed.
+
+A full backup of a 10M x 64 table with LazyAdam is 7.7 GB; a batch of 4,096
+Zipf ids touches a few thousand rows. Here a table that its optimizer
+updates row by row (SGD without momentum, Adagrad, Ftrl, keras_ps' LazyAdam)
+has its changed rows tracked on its ps (keras_ps.tables._dirty_rows), and a *delta*
+holds only those rows, with their optimizer slot rows, plus every other
+variable whole. Each ps writes its own rows (keras_ps.backups._row_files); only file
+names and sizes reach the coordinator, which publishes the backup by
+renaming a small manifest (keras_ps.backups._chain). Restoring applies the
+newest full backup and its deltas in order: the values a full backup at the
+same step holds, bit for bit, into any number of shards.
+"""
+
+import functools
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+
+import tensorflow as tf
+
+from keras_ps.backups import _catalog as _backup_catalog
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.backups import _io as _backup_io
+from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
+from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
+from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
+from keras_ps.tables import _dirty_rows
+from keras_ps import _tf_adapter
+from keras_ps.errors import BackupCorruptError
+from keras_ps.errors import ClusterConfigError
+
+logger = logging.getLogger(__name__)
+
+# Smaller tables are written whole by every backup.
+DEFAULT_MIN_TABLE_BYTES = 2**20
+
+
+def _connected(strategy):
+    """False once `strategy`'s cluster connection was replaced (its
+    variables are gone)."""
+    check = getattr(strategy, "check_connected", None)
+    try:
+        if check is not None:
+            check()
+    except ClusterConfigError:
+        return False
+    return True
+
+
+class IncrementalBackup:
+    """Full and incremental backups of a model and its optimizer.
+
+    `save_full()` writes every variable. `save_delta()` writes, for each
+    table updated row by row (SGD without momentum, Adagrad, Ftrl without
+    L2 shrinkage, `keras_ps.optimizers.LazyAdam`; weight on a ps, no weight
+    decay on it, no EMA, no gradient accumulation), the rows updated since
+    the previous backup with their optimizer slot rows (LazyAdam's row step
+    counters included), and every other variable whole (dense layers,
+    `optimizer.iterations`, a table under dense Adam). `save()` picks:
+    a delta, or a full backup when there is none to build on yet or the
+    chain reached `max_deltas` or `max_delta_bytes` (compaction). `restore()`
+    loads the newest full backup and its deltas in order.
+
+    Files are written by the ps holding the rows, so `directory` must be one
+    folder that the chief and every ps see at the same path (a shared volume);
+    this is checked at the first save or restore. A backup is published by
+    an atomic rename of `manifest.json`: a crash while writing leaves the
+    previous backups restorable. Use one directory per model.
+
+    Row tracking starts at the first `save*()`, `restore()` or `check()`
+    (functions traced before are traced again); it marks what the optimizer
+    updates. A table changed any other way (`assign`, `load_weights`) needs
+    a `save_full()` next. Call `save*()` between steps (after
+    `coordinator.join()`), so that the backup is of one moment.
+
+    Args:
+        objects: a Keras model (its optimizer, built, is included), or a dict
+            of names to Keras models, layers and optimizers.
+        directory: where the backups live (created if missing).
+        max_deltas: `save()` writes a full backup after this many deltas.
+        max_delta_bytes: ...or once the chain's deltas add up to this many
+            bytes; None: the size of the chain's full backup (restoring
+            would read more than twice what a full backup holds).
+        keep_chains: full backups (each with its deltas) kept; the older
+            one is what `restore()` falls back to if the newest full backup
+            is damaged.
+        min_table_bytes: a table whose rows (with its slots' rows) take
+            fewer bytes is written whole (tracking it would save little);
+            None: `DEFAULT_MIN_TABLE_BYTES` (1 MiB).
+        background_deltas: True: a delta returns once each ps has made a
+            copy of what it holds (the changed rows, the small variables:
+            a consistent snapshot); the ps write their files and the delta
+            is published in a background thread while training goes on.
+            The next save, `restore()` and `wait()` wait for it; a delta
+            that fails there is logged and not published (the next backup
+            holds its rows). Full backups are written before `save*()`
+            returns either way (a copy of the whole table would double the
+            ps' memory).
+
+    Example:
+    ```python
+    backup = keras_ps.IncrementalBackup(model, "/shared/backup")
+    for step in range(steps):
+        coordinator.schedule(train_step, args=(iterator,))
+        if step % 100 == 99:
+            coordinator.join()
+            backup.save(metadata={"step": step + 1})
+    ...
+    entry = backup.restore()   # after a restart: entry.metadata["step"]
+    ```
+    """
+
+    def __init__(self, objects, directory, max_deltas=20,
+                 max_delta_bytes=None, keep_chains=2,
+                 min_table_bytes=None, background_deltas=False):
+        self._objects = _backup_catalog.normalize(objects)
+        if not directory:
+            raise ValueError("IncrementalBackup needs a directory. Received: "
+                             f"directory={directory!r}.")
+        if min_table_bytes is None:
+            min_table_bytes = DEFAULT_MIN_TABLE_BYTES
+        check_options(max_deltas, max_delta_bytes, keep_chains, min_table_bytes)
+        self.min_table_bytes = min_table_bytes
+        self.directory = os.fspath(directory)
+        self.max_deltas = max_deltas
+        self.max_delta_bytes = max_delta_bytes
+        self.keep_chains = keep_chains
+        self._lock = threading.RLock()
+        self._catalog = None
+        self._checked_devices = set()
+        self._writer = self._applier = None
+        self._base = None  # (entry id, generation) of what a delta builds on
+        self.background_deltas = bool(background_deltas)
+        self._pending = None  # a delta being written: (thread, outcome)
+
+    # -- what is backed up ----------------------------------------------------------
+    def _ready(self):
+        """The catalog, with row tracking on for its tables."""
+        if self._catalog is None:
+            catalog = _backup_catalog.Catalog(self._objects,
+                                              self.min_table_bytes)
+            os.makedirs(self.directory, exist_ok=True)
+            self._check_shared(catalog)
+            self._track(catalog)
+            self._writer = _backup_io.Writer(catalog)
+            self._applier = _backup_io.Applier(catalog)
+            self._catalog = catalog
+        return self._catalog
+
+    def check(self):
+        """Finds what is backed up and checks the directory is shared;
+        starts tracking the tables' rows.
+
+        Raises:
+            ValueError: a ps cannot write into `directory` where this
+                process sees it, or the optimizer is not built yet.
+        """
+        with self._lock:
+            self._ready()
+
+    def table_bytes(self):
+        """Bytes of the tables (with their slots) whose changed rows a delta
+        writes; finds them without tracking anything."""
+        catalog = self._catalog or _backup_catalog.Catalog(
+            self._objects, self.min_table_bytes)
+        return sum(g.nbytes for g in catalog.tables)
+
+    @property
+    def tracked_tables(self):
+        """Paths of the weights whose changed rows a delta writes."""
+        catalog = self._ready()
+        return sorted({catalog.variables[g.keys[0]][0] for g in catalog.tables})
+
+    def _track(self, catalog):
+        started = False
+        for group in catalog.tables:
+            table = group.variables[0]
+            if _dirty_rows.tracker_of(table) is not None:
+                continue
+            strategy = group.strategy
+            with strategy.scope(), \
+                    strategy.extended.colocate_vars_with(table):
+                generation = _dirty_rows.GENERATIONS.variable_for(
+                    (table.device, id(strategy)), lambda current: tf.Variable(
+                        current, dtype=tf.int32, trainable=False,
+                        name="keras_ps_generation"),
+                    functools.partial(_connected, strategy))
+                dirty = tf.Variable(
+                    lambda: tf.zeros([group.parts[0].rows], tf.int32),
+                    trainable=False,
+                    name=table.name.split(":")[0] + "_dirty_rows")
+            _dirty_rows.track(table, _dirty_rows.RowTracker(dirty, generation))
+            started = True
+        if started:
+            # Steps traced before must be traced again to mark their rows.
+            _tf_adapter.retrace_all_functions()
+            logger.info("[chief] tracking the changed rows of %d table shards",
+                        len(catalog.tables))
+
+    def _check_shared(self, catalog):
+        """Each remote device writes a file the chief must read back."""
+        devices = sorted({g.device for g in catalog.groups
+                          if "/job:" in (g.device or "")} - self._checked_devices)
+        for device in devices:
+            token = uuid.uuid4().hex
+            path = os.path.join(self.directory, f".probe-{token}")
+            with tf.device(device):
+                tf.io.write_file(path, token)
+            try:
+                with open(path) as f:
+                    seen = f.read()
+            except OSError:
+                seen = None
+            if seen != token:
+                raise ValueError(
+                    f"{device} wrote {path!r}, but this process does not see "
+                    "that file: the ps write their rows of an incremental "
+                    "backup themselves, so the directory must be one folder "
+                    "shared by the chief and every ps at the same path. "
+                    f"Received: directory={self.directory!r}. Fix: mount one "
+                    "shared volume at that path everywhere.")
+            os.remove(path)
+            self._checked_devices.add(device)
+
+    # -- saving -------------------------------------------------------------------------
+    def save(self, metadata=None):
+        """A delta, or a full backup when a delta cannot be or should not be
+        written (no backup to build on, compaction due). Returns its
+        BackupEntry."""
+        with self._lock:
+            self._finish_pending()
+            manifest = _backup_chain.read(self.directory)
+            base = self._base_location(manifest)
+            if base is None or self._compaction_due(manifest, base):
+                return self._save("full", metadata, manifest, None)
+            return self._save("delta", metadata, manifest, base)
+
+    def save_full(self, metadata=None):
+        """Writes every variable whole; starts a new chain."""
+        with self._lock:
+            self._finish_pending()
+            manifest = _backup_chain.read(self.directory)
+            return self._save("full", metadata, manifest, None)
+
+    def save_delta(self, metadata=None):
+        """Writes the rows changed since the previous backup (and every
+        variable that is not a row-tracked table, whole).
+
+        Raises:
+            ValueError: there is no backup this object wrote or restored to
+                build on (or a ps lost its variables since): `save_full()`.
+        """
+        with self._lock:
+            self._finish_pending()
+            manifest = _backup_chain.read(self.directory)
+            base = self._base_location(manifest)
+            if base is None:
+                raise ValueError(
+                    "A delta needs the backup it builds on: this "
+                    "IncrementalBackup has written or restored none in "
+                    f"{self.directory!r} yet (or a ps was given its variables "
+                    "back since, without restore()). Fix: call save_full() "
+                    "first, or save(), which picks.")
+            return self._save("delta", metadata, manifest, base)
+
+    def _base_location(self, manifest):
+        if self._base is None or manifest is None:
+            return None
+        self._ready()
+        if not _dirty_rows.GENERATIONS.agree():
+            return None
+        return _backup_chain.locate(manifest, self._base[0])
+
+    def _compaction_due(self, manifest, base):
+        chain = manifest["chains"][base[0]]
+        limit = (self.max_delta_bytes if self.max_delta_bytes is not None
+                 else chain[0]["bytes"])
+        return (base[1] - 1 >= self.max_deltas
+                or _backup_chain.delta_bytes(chain, base[1]) >= limit)
+
+    def _save(self, kind, metadata, manifest, base):
+        started = time.monotonic()
+        catalog = self._ready()
+        manifest = manifest or _backup_chain.empty()
+        entry_id = manifest["next_id"]
+        folder = _backup_chain.folder_name(kind, entry_id)
+        path = os.path.join(self.directory, folder)
+        shutil.rmtree(path, ignore_errors=True)  # a crashed attempt's files
+        os.makedirs(path)
+        since = self._base[1] if kind == "delta" else -1
+        generation = _dirty_rows.GENERATIONS.advance()
+        if (kind == "delta" and self.background_deltas
+                and self._writer.can_snapshot()):
+            return self._save_in_background(
+                self._writer.snapshot(since), path, entry_id, kind, folder,
+                metadata, manifest, base, generation, started)
+        files, table_rows = self._writer.write(path + os.sep, since,
+                                               full=kind == "full")
+        entry = {"id": entry_id, "kind": kind, "folder": folder,
+                 "files": files, "bytes": sum(f["bytes"] for f in files),
+                 "table_rows": table_rows, "metadata": metadata or {},
+                 "time": time.time()}
+        if kind == "full":
+            entry["variables"] = {k: [p, list(s), d] for k, (p, s, d)
+                                  in catalog.variables.items()}
+        updated = _backup_chain.with_entry(manifest, base, entry,
+                                           self.keep_chains)
+        deltas = _backup_chain.locate(updated, entry_id)[1] - 1
+        return self._publish(updated, entry, generation, deltas, started)
+
+    def _save_in_background(self, snapshot, path, entry_id, kind, folder,
+                            metadata, manifest, base, generation, started):
+        """Writes and publishes a delta whose `snapshot` was taken, in a
+        thread; returns its BackupEntry (`bytes` 0: not known yet)."""
+        outcome = {}
+
+        def finish():
+            try:
+                with _tf_adapter.own_executor():
+                    files, table_rows = snapshot.write(path + os.sep)
+                entry = {"id": entry_id, "kind": kind, "folder": folder,
+                         "files": files,
+                         "bytes": sum(f["bytes"] for f in files),
+                         "table_rows": table_rows,
+                         "metadata": metadata or {}, "time": time.time()}
+                updated = _backup_chain.with_entry(manifest, base, entry,
+                                                   self.keep_chains)
+                deltas = _backup_chain.locate(updated, entry_id)[1] - 1
+                outcome["entry"] = self._publish(updated, entry, generation,
+                                                 deltas, started)
+            except Exception as error:  # noqa: BLE001  (kept for wait())
+                outcome["error"] = error
+
+        thread = threading.Thread(target=finish, daemon=True,
+                                  name=f"keras_ps-backup-{entry_id}")
+        thread.start()
+        self._pending = (thread, outcome)
+        seconds = time.monotonic() - started
+        logger.info("[chief] delta backup %d: copied on the ps in %.2fs, "
+                    "being written", entry_id, seconds)
+        return BackupEntry(id=entry_id, kind=kind, bytes=0, files=0,
+                           table_rows=0, deltas=base[1], metadata=metadata
+                           or {}, seconds=seconds)
+
+    def _publish(self, manifest, entry, generation, deltas, started):
+        _backup_chain.publish(self.directory, manifest)
+        self._base = (entry["id"], generation)
+        info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
+        logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
+                    "table rows, %.2fs", entry["kind"], entry["id"],
+                    info.bytes, info.files, entry["table_rows"], info.seconds)
+        return info
+
+    def wait(self):
+        """Waits for the delta being written in the background, if any.
+
+        Returns:
+            Its BackupEntry once published (`seconds`: from the save to the
+            publication), or None when none was pending.
+
+        Raises:
+            The error that stopped it (it was not published; the next
+            backup holds its rows).
+        """
+        with self._lock:
+            if self._pending is None:
+                return None
+            thread, outcome = self._pending
+            thread.join()
+            self._pending = None
+            if "error" in outcome:
+                raise outcome["error"]
+            return outcome["entry"]
+
+    def _finish_pending(self):
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001  (not fatal: logged)
+            logger.warning("[chief] a delta written in the background was "
+                           "not published (%s: %s); the next backup holds "
+                           "its rows", type(error).__name__, error)
+
+    # -- restoring -------------------------------------------------------------------
+    def latest(self):
+        """The newest BackupEntry in the directory (not checked), or None."""
+        with self._lock:
+            self._finish_pending()
+        manifest = _backup_chain.read(self.directory)
+        if not manifest or not manifest["chains"]:
+            return None
+        chain = manifest["chains"][-1]
+        return _backup_chain.entry_info(chain[-1], len(chain) - 1)
+
+    def restore(self, fallback=True):
+        """Loads the newest backup: its full backup, then its deltas in order.
+
+        Args:
+            fallback: True: a backup with a missing or damaged file is
+                skipped (logged, and listed in the result's `problems`) for
+                the newest complete one before it. False: raise.
+
+        Returns:
+            The restored BackupEntry (its `metadata` is what was saved with
+            it), or None when the directory holds no backup.
+
+        Raises:
+            BackupCorruptError: a file is missing or damaged (naming it) and
+                `fallback` is False, or no backup is complete.
+            ValueError: the backup was written by a different model.
+        """
+        with self._lock:
+            self._finish_pending()
+            started = time.monotonic()
+            catalog = self._ready()
+            manifest = _backup_chain.read(self.directory)
+            if not manifest or not manifest["chains"]:
+                return None
+            problems = []
+            for c, length in _backup_chain.states_newest_first(manifest):
+                entries = manifest["chains"][c][:length]
+                catalog.check_matches(entries[0]["variables"], self.directory)
+                try:
+                    self._applier.apply(self.directory, entries)
+                except BackupCorruptError as error:
+                    if not fallback:
+                        raise
+                    problems.append(str(error))
+                    logger.warning("[chief] %s", error)
+                    continue
+                generation = _dirty_rows.GENERATIONS.advance()
+                self._base = (entries[-1]["id"], generation)
+                info = _backup_chain.entry_info(entries[-1], length - 1,
+                                   time.monotonic() - started, problems)
+                logger.info("[chief] restored %s backup %d (%d deltas) in "
+                            "%.2fs", info.kind, info.id, info.deltas,
+                            info.seconds)
+                return info
+            raise BackupCorruptError(
+                f"No backup in {self.directory!r} is complete: "
+                f"{' | '.join(problems)}")

@@ -1,0 +1,118 @@
+"""This process' connection to a cluster, as its coordinator.
+
+TF's eager runtime holds one cluster connection per process
+(`tf.config.experimental_connect_to_cluster`). Connecting again to the same
+cluster would invalidate every remote handle, so strategies on one cluster
+share a connection. Connecting to a different cluster replaces it: the
+coordinators of the old connection are shut down first (their threads would
+otherwise call into handles TF has dropped), and the old strategies refuse to
+make new ones.
+"""
+
+import logging
+import threading
+import time
+
+import tensorflow as tf
+
+from keras_ps import _constants
+from keras_ps.cluster import _network
+from keras_ps.errors import ClusterUnreachableError
+
+logger = logging.getLogger(__name__)
+
+COORDINATOR_JOB = "chief"
+# What a worker task may see: the ps tasks and the coordinator, never another
+# worker, so a dead worker cannot break another worker's context.
+WORKER_DEVICE_FILTERS = ("/job:ps", f"/job:{COORDINATOR_JOB}")
+PS_DEVICE_FILTERS = ("/job:worker", f"/job:{COORDINATOR_JOB}")
+
+
+class Connection:
+    """One connection of this process to one cluster."""
+
+    def __init__(self, jobs):
+        self.jobs = jobs
+        self.replaced = False
+        self._on_replace = []
+
+    def on_replace(self, callback):
+        """Calls `callback()` when another cluster's connection replaces this one."""
+        self._on_replace.append(callback)
+
+    def _replace(self):
+        self.replaced = True
+        for callback in self._on_replace:
+            callback()
+
+
+_current = None
+_lock = threading.Lock()
+
+
+def cluster_device_filters(jobs):
+    filters = tf.config.experimental.ClusterDeviceFilters()
+    for i in range(len(jobs["worker"])):
+        filters.set_device_filters("worker", i, list(WORKER_DEVICE_FILTERS))
+    for i in range(len(jobs["ps"])):
+        filters.set_device_filters("ps", i, list(PS_DEVICE_FILTERS))
+    return filters
+
+
+def connect(spec):
+    """The connection to the cluster `spec` ({job: [address, ...]}).
+
+    Waits until every ps and worker task answers (a task still starting or
+    restarting is waited for, up to KERAS_PS_CONNECT_TIMEOUT seconds).
+
+    Raises:
+        ClusterUnreachableError: some task did not answer in time.
+    """
+    global _current
+    jobs = {job: list(spec[job]) for job in ("ps", "worker")}
+    if spec.get(COORDINATOR_JOB):
+        jobs[COORDINATOR_JOB] = list(spec[COORDINATOR_JOB][:1])
+    with _lock:
+        if _current is not None and _current.jobs == jobs:
+            return _current
+        _wait_until_tasks_answer(jobs)
+        if _current is not None:
+            logger.warning(
+                "[chief] connecting to another cluster (ps %s, workers %s); "
+                "the coordinators of the previous one are shut down",
+                jobs["ps"], jobs["worker"])
+            _current._replace()
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(jobs), rpc_layer="grpc")
+        tf.config.experimental_connect_to_cluster(
+            resolver, job_name=COORDINATOR_JOB, task_index=0,
+            make_master_device_default=False,
+            cluster_device_filters=cluster_device_filters(jobs))
+        _current = Connection(jobs)
+        return _current
+
+
+def _wait_until_tasks_answer(jobs):
+    timeout = _constants.env_float(_constants.CONNECT_TIMEOUT_ENV_VAR,
+                                   _constants.DEFAULT_CONNECT_TIMEOUT)
+    deadline = time.monotonic() + timeout
+    waiting = [(job, i, address) for job in ("ps", "worker")
+               for i, address in enumerate(jobs[job])]
+    logged = False
+    while True:
+        waiting = [t for t in waiting if not _network.probe(t[2], 1.0)]
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            names = ", ".join(f"{job}:{i} ({address})"
+                              for job, i, address in waiting)
+            raise ClusterUnreachableError(
+                f"Task(s) {names} did not answer within {timeout:g}s, so "
+                "keras_ps cannot connect to the cluster. Start them "
+                "(`python -m keras_ps.server`), check their addresses, or "
+                f"raise {_constants.CONNECT_TIMEOUT_ENV_VAR}.")
+        if not logged:
+            logger.info("[chief] waiting for %s to answer",
+                        [f"{job}:{i}" for job, i, _ in waiting])
+            logged = True
+        time.sleep(0.1)

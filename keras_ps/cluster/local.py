@@ -1,0 +1,202 @@
+"""Local clusters for tests and demos: servers in this process, or one real
+process per task on this machine's loopback (`LocalCluster`).
+
+TensorFlow is imported only by `create_in_process_cluster`; `LocalCluster`
+starts each task as `python -m keras_ps.server`.
+"""
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import portpicker
+
+from keras_ps._config_errors import ClusterConfigError
+from keras_ps.cluster import _network
+from keras_ps.cluster.spec import resolver_from_spec
+
+logger = logging.getLogger(__name__)
+
+
+def _local_spec(num_workers, num_ps):
+    def pick():
+        return f"localhost:{portpicker.pick_unused_port()}"
+
+    return {
+        "worker": [pick() for _ in range(num_workers)],
+        "ps": [pick() for _ in range(num_ps)],
+    }
+
+
+_IN_PROCESS_SERVERS = []
+
+
+def create_in_process_cluster(num_workers, num_ps):
+    """Starts ps and worker servers inside this process (as TF's tutorial does).
+
+    Returns:
+        A cluster resolver for the new cluster. The servers live until the
+        process exits.
+    """
+    import tensorflow as tf  # only here: LocalCluster's parent needs no TF
+
+    spec = _local_spec(num_workers, num_ps)
+    cluster = tf.train.ClusterSpec(spec)
+    config = tf.compat.v1.ConfigProto()
+    # Every server in this process shares the cores: without enough inter-op
+    # threads, a worker's blocking ops starve each other and calls hang.
+    config.inter_op_parallelism_threads = num_workers + 1
+    for job, tasks in spec.items():
+        for i in range(len(tasks)):
+            _IN_PROCESS_SERVERS.append(
+                tf.distribute.Server(
+                    cluster, job_name=job, task_index=i, protocol="grpc",
+                    config=config, start=True,
+                )
+            )
+    return resolver_from_spec(spec)
+
+
+def wait_for_port(address, timeout, process=None):
+    """Waits until the task's gRPC server at `address` answers; False on
+    timeout, or at once when `process` has exited."""
+    return _network.wait_until_answers(address, timeout, process)
+
+
+class LocalCluster:
+    """A ps/worker cluster of real processes on this machine's loopback.
+
+    Each task runs `python -m keras_ps.server` in its own process, on a free
+    port, and can be stopped (SIGTERM), killed (SIGKILL), paused (SIGSTOP),
+    resumed and restarted on the same address.
+
+    Args:
+        num_workers: number of worker tasks.
+        num_ps: number of parameter-server tasks.
+        log_dir: where each task's output goes, created if missing (a
+            temporary folder if None).
+        env: extra environment variables for every task.
+
+    Example:
+    ```python
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+    ```
+    """
+
+    def __init__(self, num_workers=2, num_ps=1, log_dir=None, env=None,
+                 start_timeout=60.0):
+        if num_workers < 1 or num_ps < 1:
+            raise ClusterConfigError(
+                "A LocalCluster needs at least one worker and one ps. "
+                f"Received: num_workers={num_workers}, num_ps={num_ps}."
+            )
+        if log_dir is not None and os.path.exists(log_dir) and \
+                not os.path.isdir(log_dir):
+            raise ClusterConfigError(
+                f"log_dir={log_dir!r} exists and is not a directory. Pass a "
+                "directory for the tasks' logs (it is created if missing), "
+                "or None for a temporary one.")
+        self.spec = _local_spec(num_workers, num_ps)
+        self.log_dir = log_dir or tempfile.mkdtemp(prefix="keras_ps_cluster_")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._env = dict(env or {})
+        self._start_timeout = start_timeout
+        self._procs = {}
+        self._logs = {}
+        for job in ("ps", "worker"):
+            for i in range(len(self.spec[job])):
+                self._launch(job, i)
+        for job in ("ps", "worker"):
+            for i in range(len(self.spec[job])):
+                self._wait_ready(job, i)
+
+    @property
+    def resolver(self):
+        """A cluster resolver for this cluster (the coordinator is this process)."""
+        return resolver_from_spec(self.spec)
+
+    def address(self, job, index):
+        return self.spec[job][index]
+
+    def pid(self, job, index):
+        return self._procs[(job, index)].pid
+
+    def _launch(self, job, index):
+        env = dict(os.environ)
+        env.update(self._env)
+        env.pop("TF_CONFIG", None)
+        env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
+        log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
+        log = open(log_path, "ab")
+        self._logs[(job, index)] = log
+        self._procs[(job, index)] = subprocess.Popen(
+            [sys.executable, "-m", "keras_ps.server",
+             "--cluster_spec", json.dumps(self.spec),
+             "--job_name", job, "--task_index", str(index),
+             # Tasks end with this process, even when it is SIGKILLed.
+             "--exit_with_parent"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        logger.info("[cluster] started %s:%d at %s (pid %d)", job, index,
+                    self.spec[job][index], self._procs[(job, index)].pid)
+
+    def _wait_ready(self, job, index):
+        proc = self._procs[(job, index)]
+        if not wait_for_port(self.spec[job][index], self._start_timeout, proc):
+            raise RuntimeError(
+                f"Task {job}:{index} did not start within "
+                f"{self._start_timeout}s; see {self.log_dir}/{job}-{index}.log"
+            )
+
+    def kill(self, job, index):
+        """SIGKILLs a task (as a preemption would) and reaps it."""
+        proc = self._procs[(job, index)]
+        proc.kill()
+        proc.wait()
+        logger.info("[cluster] killed %s:%d", job, index)
+
+    def stop(self, job, index, timeout=10.0):
+        """SIGTERMs a task and waits for it to exit; returns its exit code."""
+        proc = self._procs[(job, index)]
+        proc.terminate()
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait()
+
+    def pause(self, job, index):
+        self._procs[(job, index)].send_signal(signal.SIGSTOP)
+
+    def resume(self, job, index):
+        self._procs[(job, index)].send_signal(signal.SIGCONT)
+
+    def restart(self, job, index):
+        """Starts a stopped or killed task again on the same address."""
+        proc = self._procs[(job, index)]
+        if proc.poll() is None:
+            self.kill(job, index)
+        # The server binds with SO_REUSEADDR, so the killed process' socket
+        # in TIME_WAIT does not block the same port.
+        self._launch(job, index)
+        self._wait_ready(job, index)
+
+    def shutdown(self):
+        for proc in self._procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self._procs.values():
+            proc.wait()
+        for log in self._logs.values():
+            log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

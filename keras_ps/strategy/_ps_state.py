@@ -1,0 +1,145 @@
+"""What lives on each parameter server, and whether it still does.
+
+A ps brought back on its address by a restart policy (Docker's `restart:`,
+Kubernetes, a fast preemption replacement) answers every connectivity probe
+and, once a worker is re-admitted, even runs ops in this job's context: only
+the variables it held are gone. So whether a ps lost its state is asked of a
+variable that lives on it: each ps holds a small incarnation marker, read
+back on demand. A read that fails (any error) means the ps no longer holds
+what this job placed there.
+
+The strategy also records every variable it places on a ps (weakly), by
+device, so that a ps that lost its state can be given its variables back in
+place (`recreate`).
+"""
+
+import dataclasses
+import logging
+import os
+import threading
+import weakref
+
+import tensorflow as tf
+
+from keras_ps.tables import _blockwise_init
+from keras_ps import _tf_adapter
+
+logger = logging.getLogger(__name__)
+
+
+def ps_device(index):
+    return f"/job:ps/replica:0/task:{index}/device:CPU:0"
+
+
+def ps_index(device):
+    """The ps task index of a device string, or None if not on a ps."""
+    spec = tf.DeviceSpec.from_string(device or "")
+    if spec.job != "ps" or spec.task is None:
+        return None
+    return spec.task
+
+
+@dataclasses.dataclass(frozen=True)
+class PsRecovery:
+    """What `recover_parameter_servers` did, and how long each part took.
+
+    Attributes:
+        lost: indices of the ps that had lost their variables.
+        variables: how many variables were made again on them.
+        waiting_seconds: waiting for calls in flight and for the lost ps
+            to answer.
+        reconnect_seconds: pushing the cluster to every task again.
+        recreate_seconds: making the variables again.
+    """
+
+    lost: tuple
+    variables: int = 0
+    waiting_seconds: float = 0.0
+    reconnect_seconds: float = 0.0
+    recreate_seconds: float = 0.0
+
+
+class PsMarkers:
+    """One scalar variable per ps, holding this job's incarnation number.
+
+    Args:
+        num_ps: how many ps tasks the cluster has.
+    """
+
+    def __init__(self, num_ps):
+        self._incarnation = int.from_bytes(os.urandom(7), "little")
+        self._lock = threading.Lock()
+        self._markers = [self._create(i) for i in range(num_ps)]
+
+    def _create(self, index):
+        with tf.device(ps_device(index)):
+            return _tf_adapter.plain_variable(
+                initial_value=self._incarnation, dtype=tf.int64,
+                trainable=False, name=f"keras_ps_marker_ps{index}")
+
+    def holds_state(self, index):
+        """Whether ps `index` still holds this job's variables (one read of
+        its marker; False when the ps is unreachable or was restarted)."""
+        with self._lock:
+            marker = self._markers[index]
+        try:
+            return int(marker.read_value().numpy()) == self._incarnation
+        except tf.errors.OpError as error:
+            logger.info("[ps:%d] its marker variable is gone (%s): the ps was "
+                        "restarted or cannot be reached", index,
+                        type(error).__name__)
+            return False
+
+    def renew(self, index):
+        """Places a new marker on ps `index` (after it was given its state back)."""
+        marker = self._create(index)
+        with self._lock:
+            self._markers[index] = marker
+
+
+class PlacedVariables:
+    """Weak references to the variables a strategy placed on each ps."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_ps = {}
+
+    def add(self, variable):
+        index = ps_index(getattr(variable, "device", None))
+        if index is None:
+            return
+        with self._lock:
+            # Keyed by id: a tf.Variable is not hashable.
+            self._by_ps.setdefault(index, weakref.WeakValueDictionary())[
+                id(variable)] = variable
+
+    def on_ps(self, index):
+        """The live variables placed on ps `index`."""
+        with self._lock:
+            return list(self._by_ps.get(index, {}).values())
+
+
+def _zeros(shape, dtype):
+    """Zeros of `shape`, made in row blocks on the ps when large."""
+    shape = tf.TensorShape(shape)
+    return _blockwise_init.BlockInitialValue(
+        full=lambda: tf.zeros(shape, dtype),
+        block=lambda index, rows: tf.zeros([rows] + shape[1:].as_list(), dtype),
+        shape=shape, dtype=dtype)
+
+
+def recreate(variables):
+    """Gives each variable a new resource of its shape and dtype, filled with
+    zeros, on its own device (a ps that was restarted and lost them).
+
+    The Python objects stay what layers, optimizers and checkpoints hold;
+    a checkpoint restored next fills them. A large variable is made in row
+    blocks, so the ps peaks at the variable plus one block.
+    """
+    for variable in variables:
+        with tf.device(variable.device):
+            donor = _blockwise_init.create(_tf_adapter.plain_variable, dict(
+                initial_value=_zeros(variable.shape, variable.dtype),
+                dtype=variable.dtype, trainable=variable.trainable,
+                name=variable.name.split(":")[0]))
+        _tf_adapter.rebind_variable(variable, donor)

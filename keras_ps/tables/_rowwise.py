@@ -1,0 +1,155 @@
+"""Row-wise optimizer updates: only the rows a sparse gradient names.
+
+Pure TensorFlow (no Keras internals). Each function takes the `tf.Variable`s
+of one weight (or one shard) and its slots, and a `tf.IndexedSlices`
+gradient, and updates only the gradient's rows, in place, with as few ops as
+TF has kernels for. When the table is tracked for incremental backups
+(keras_ps.tables._dirty_rows), each also marks the rows it updated; otherwise that
+adds nothing. Callers run them under `tf.device(variable.device)`, so
+the work happens on the ps holding the variable and only the gradient's rows
+travel.
+
+Every function first sums the rows of repeated ids (`deduplicate`): a dense
+gradient holds each row once, the sum of its repeats, and the formulas below
+are those of the dense update applied to that dense gradient.
+"""
+
+import tensorflow as tf
+
+from keras_ps.tables import _dirty_rows
+
+
+def deduplicate(gradient):
+    """(values, indices) of `gradient` with each index once, repeats summed.
+
+    Args:
+        gradient: a `tf.IndexedSlices` over axis 0 (indices of any rank).
+    """
+    indices = tf.reshape(gradient.indices, [-1])
+    values = tf.reshape(gradient.values, tf.concat(
+        [[-1], tf.shape(gradient.values)[tf.rank(gradient.indices):]], 0))
+    unique, position = tf.unique(indices)
+    summed = tf.math.unsorted_segment_sum(values, position, tf.size(unique))
+    return summed, unique
+
+
+def sgd(variable, gradient, learning_rate):
+    """`variable -= learning_rate * gradient` on the gradient's rows (one op).
+
+    Repeated ids need no summing: the scatter adds each repeat."""
+    values = tf.cast(gradient.values, variable.dtype)
+    lr = tf.cast(learning_rate, variable.dtype)
+    indices = tf.reshape(gradient.indices, [-1])
+    values = tf.reshape(values, tf.concat(
+        [[-1], tf.shape(values)[tf.rank(gradient.indices):]], 0))
+    update = tf.raw_ops.ResourceScatterSub(
+        resource=variable.handle, indices=indices, updates=values * lr)
+    _dirty_rows.mark_rows(variable, indices, after=[update])
+
+
+def adagrad(variable, accumulator, gradient, learning_rate, epsilon):
+    """Keras 3's Adagrad on the gradient's rows:
+    `accumulator += g^2; variable -= lr * g / sqrt(accumulator + epsilon)`.
+
+    (TF's ResourceSparseApplyAdagradV2 puts epsilon outside the square root,
+    `sqrt(accumulator) + epsilon`, so it is not used.) Three ops: scatter-add
+    into the accumulator, gather its new rows, scatter-sub into the variable.
+    """
+    values, indices = deduplicate(gradient)
+    values = tf.cast(values, variable.dtype)
+    tf.raw_ops.ResourceScatterAdd(resource=accumulator.handle, indices=indices,
+                                  updates=tf.square(values))
+    rows = tf.raw_ops.ResourceGather(resource=accumulator.handle,
+                                     indices=indices, dtype=variable.dtype)
+    lr = tf.cast(learning_rate, variable.dtype)
+    eps = tf.cast(epsilon, variable.dtype)
+    update = tf.raw_ops.ResourceScatterSub(
+        resource=variable.handle, indices=indices,
+        updates=lr * values / tf.sqrt(rows + eps))
+    _dirty_rows.mark_rows(variable, indices, after=[update])
+
+
+def ftrl(variable, accumulator, linear, gradient, learning_rate, l1, l2, beta,
+         learning_rate_power):
+    """Keras 3's Ftrl (without L2 shrinkage) on the gradient's rows, with TF's
+    one-kernel `ResourceSparseApplyFtrl`.
+
+    Keras computes `quadratic = accum_new^-p / lr + 2 * (l2 + beta / (2 lr))`
+    where the kernel computes `accum_new^-p / lr + 2 * l2`: the kernel is given
+    `l2 + beta / (2 lr)`. The rest of the formula is the same.
+    """
+    values, indices = deduplicate(gradient)
+    dtype = variable.dtype
+    lr = tf.cast(learning_rate, dtype)
+    update = tf.raw_ops.ResourceSparseApplyFtrl(
+        var=variable.handle, accum=accumulator.handle, linear=linear.handle,
+        grad=tf.cast(values, dtype), indices=indices, lr=lr,
+        l1=tf.cast(l1, dtype), l2=tf.cast(l2, dtype) + tf.cast(beta, dtype) / (2 * lr),
+        lr_power=tf.cast(learning_rate_power, dtype), use_locking=True)
+    _dirty_rows.mark_rows(variable, indices, after=[update])
+
+
+def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
+              beta_2, epsilon):
+    """Adam on the gradient's rows only; see keras_ps.optimizers.LazyAdam.
+
+    For each row `r` named by the gradient, at step `t` (1-based), with `k =
+    t - last_step[r]` (steps since the row was last updated; `t` for a row
+    never updated, whose moments are 0), `alpha = lr * sqrt(1 - beta_2^t) /
+    (1 - beta_1^t)` and `rho = beta_1 / sqrt(beta_2)`:
+
+        drift = alpha * m[r] / (sqrt(v[r]) + epsilon)
+                * (rho + rho^2 + ... + rho^(k-1))
+        m[r] = beta_1^k * m[r] + (1 - beta_1) * g[r]
+        v[r] = beta_2^k * v[r] + (1 - beta_2) * g[r]^2
+        variable[r] -= drift + alpha * m[r] / (sqrt(v[r]) + epsilon)
+        last_step[r] = t
+
+    The moments are exactly dense Adam's (its zero-gradient steps only decay
+    them). `drift` is what dense Adam's k - 1 skipped steps would have moved
+    the row by, `alpha_j * beta_1^i m / sqrt(beta_2^i v)`, summed with the
+    current `alpha` and epsilon kept once (exact when the learning rate and
+    bias correction no longer change and epsilon is small against sqrt(v)):
+    the skipped-steps correction proposed on TensorFlow's tracker
+    ("SparseAdam"), applied when the row is next touched. Three gathers, three scatter-updates, one
+    scatter-sub.
+
+    Args:
+        variable, m, v: `tf.Variable`s of one shape; `last_step`: an int64
+            `tf.Variable` of shape `[variable.shape[0]]`.
+        gradient: `tf.IndexedSlices`.
+        step: the 1-based step number `t` (int64 scalar).
+        learning_rate, beta_1, beta_2, epsilon: scalars.
+    """
+    values, indices = deduplicate(gradient)
+    dtype = variable.dtype
+    g = tf.cast(values, dtype)
+    step = tf.cast(step, tf.int64)
+    t = tf.cast(step, dtype)
+    b1, b2 = tf.cast(beta_1, dtype), tf.cast(beta_2, dtype)
+    eps = tf.cast(epsilon, dtype)
+    last = tf.raw_ops.ResourceGather(resource=last_step.handle, indices=indices,
+                                     dtype=tf.int64)
+    k = tf.cast(step - last, dtype)
+    k = tf.reshape(k, [-1] + [1] * (variable.shape.rank - 1))
+    m_rows = tf.raw_ops.ResourceGather(resource=m.handle, indices=indices, dtype=dtype)
+    v_rows = tf.raw_ops.ResourceGather(resource=v.handle, indices=indices, dtype=dtype)
+    alpha = (tf.cast(learning_rate, dtype) * tf.sqrt(1 - tf.pow(b2, t))
+             / (1 - tf.pow(b1, t)))
+    rho = b1 / tf.sqrt(b2)
+    skipped = rho * (1 - tf.pow(rho, k - 1)) / (1 - rho)  # rho + ... + rho^(k-1)
+    drift = alpha * skipped * m_rows / (tf.sqrt(v_rows) + eps)
+    m_rows = tf.pow(b1, k) * m_rows + (1 - b1) * g
+    v_rows = tf.pow(b2, k) * v_rows + (1 - b2) * tf.square(g)
+    updates = [
+        tf.raw_ops.ResourceScatterUpdate(resource=m.handle, indices=indices,
+                                         updates=m_rows),
+        tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=indices,
+                                         updates=v_rows),
+        tf.raw_ops.ResourceScatterUpdate(
+            resource=last_step.handle, indices=indices,
+            updates=tf.fill(tf.shape(indices), step)),
+        tf.raw_ops.ResourceScatterSub(
+            resource=variable.handle, indices=indices,
+            updates=drift + alpha * m_rows / (tf.sqrt(v_rows) + eps))]
+    _dirty_rows.mark_rows(variable, indices, after=updates)

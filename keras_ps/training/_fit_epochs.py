@@ -1,0 +1,223 @@
+"""What every `fit` loop does at the end of an epoch and of training (the
+steps loop in keras_ps/training/training.py and the shards loop in
+keras_ps/training/sharded_fit.py), and the callbacks that tell it where to
+resume (`ResumableCallback`)."""
+
+import logging
+import time
+
+import keras
+import tensorflow as tf
+
+from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.training.inputs import should_validate
+
+logger = logging.getLogger(__name__)
+
+
+def validation_logs(model, validation_data, batch_size, steps):
+    """`val_`-prefixed metrics of `model.evaluate` on `validation_data`
+    (evaluated on the workers: the model's evaluate is keras_ps')."""
+    val_x, val_y, val_w = keras.utils.unpack_x_y_sample_weight(
+        validation_data) if isinstance(validation_data, tuple) else (
+        validation_data, None, None)
+    logs = model.evaluate(val_x, val_y, sample_weight=val_w,
+                          batch_size=batch_size, steps=steps, verbose=0,
+                          return_dict=True)
+    return {f"val_{k}": v for k, v in logs.items()}
+
+
+def finish_epoch(model, callback_list, epoch, epoch_logs, validation_data,
+                 validation_batch_size, validation_steps, validation_freq):
+    """Adds the validation logs when this epoch validates, ends the epoch's
+    callbacks; returns whether training stops here."""
+    if validation_data is not None and should_validate(epoch, validation_freq):
+        epoch_logs.update(validation_logs(
+            model, validation_data, validation_batch_size, validation_steps))
+    callback_list.on_epoch_end(epoch, epoch_logs)
+    return model.stop_training
+
+
+def end_training(model, callback_list, epochs, training_logs):
+    """Finalizes the optimizer's variables, ends the callbacks; the history."""
+    if isinstance(model.optimizer, keras.optimizers.Optimizer) and epochs > 0:
+        model.optimizer.finalize_variable_values(model.trainable_weights)
+    callback_list.on_train_end(logs=training_logs)
+    return model.history
+
+
+# -- losing a parameter server --------------------------------------------------
+# Recoveries in a row with no step trained between them: past this, the loss
+# keeps coming back (a ps that crashes at start, a backup that kills it) and
+# fit raises instead of recovering forever.
+MAX_RECOVERIES_WITHOUT_PROGRESS = 3
+
+
+class Progress:
+    """Where a fit loop is, in steps (shards, for a ShardedInput) since the
+    start of training (epoch * steps per epoch + step), and what was rolled
+    back.
+
+    Attributes:
+        reached: the end of the last execution scheduled (of the last shard
+            done).
+        recoveries, rolled_back: ps recoveries and steps (shards) trained
+            again since the last `epoch_logs()`.
+    """
+
+    def __init__(self, steps_per_epoch, reporting, unit="steps"):
+        self.steps_per_epoch = steps_per_epoch
+        self.reporting = reporting
+        self.unit = unit
+        self.reached = 0
+        self.recoveries = 0
+        self.rolled_back = 0
+
+    def at(self, epoch, step):
+        return epoch * self.steps_per_epoch + step
+
+    def epoch_logs(self):
+        """The epoch's `ps_recoveries` and `steps_rolled_back` (or
+        `shards_rolled_back`), present in every epoch's logs of a fit that
+        can recover, so History's lists stay aligned; then counted from zero
+        again."""
+        if not self.reporting:
+            return {}
+        logs = {"ps_recoveries": self.recoveries,
+                f"{self.unit}_rolled_back": self.rolled_back}
+        self.recoveries = self.rolled_back = 0
+        return logs
+
+
+def recovering_callback(callback_list):
+    """The callback that restores a lost ps' variables (keras_ps'
+    BackupAndRestore with recover_ps=True), or None."""
+    for callback in callback_list.callbacks:
+        if isinstance(callback, ResumableCallback) and callback.recover_ps:
+            return callback
+    return None
+
+
+def train_with_ps_recovery(coordinator, backup, train_from, position,
+                           progress):
+    """`train_from(position)`; when a parameter server is lost and `backup`
+    has a backup, gives the ps its variables back, restores every ps from
+    the newest backup and trains again from the backup's position.
+
+    Args:
+        coordinator: the fit's ClusterCoordinator.
+        backup: a ResumableCallback with `recover_ps`, or None (no recovery).
+        train_from: `(epoch, step) -> result`, the fit's epochs loop; it
+            keeps `progress.reached` up to date.
+        position: (epoch, step) to start at.
+        progress: the fit's Progress.
+
+    Raises:
+        ParameterServerUnavailableError: a ps was lost and there is no
+            backup to restore it from, it did not come back in time, or it
+            was lost again and again with no step trained in between.
+    """
+    lost_in_a_row = 0
+    recover = False
+    while True:
+        try:
+            if recover:
+                position = _recover(coordinator, backup, progress)
+                recover = False
+            finished = _closures_run(coordinator)
+            return train_from(position)
+        except tf.errors.OpError as error:
+            if backup is None:
+                raise
+            lost = coordinator.lost_parameter_servers()
+            if not lost:
+                raise
+            names = ", ".join(f"ps {i} ({a})" for i, a in sorted(lost.items()))
+            if not backup.has_backup():
+                raise ParameterServerUnavailableError(
+                    f"{names} lost the variables this job placed there, and "
+                    f"{backup.describe()} has written no backup yet to give "
+                    "them back from. Restart the job (ps tasks included); to "
+                    "keep training through a ps loss next time, have a "
+                    "backup early (a smaller save_freq).") from error
+            trained = _closures_run(coordinator) > finished
+            lost_in_a_row = 1 if trained else lost_in_a_row + 1
+            if lost_in_a_row > MAX_RECOVERIES_WITHOUT_PROGRESS:
+                raise ParameterServerUnavailableError(
+                    f"{names} lost their variables again: {lost_in_a_row} "
+                    "times in a row with no step trained in between, so fit "
+                    "stops recovering. Check why the ps keeps failing (its "
+                    "log, its memory limit), then restart the job; it "
+                    f"resumes from {backup.describe()}.") from error
+            logger.warning("[chief] %s lost its variables (%s); recovering "
+                           "from %s", names, type(error).__name__,
+                           backup.describe())
+            recover = True
+
+
+def _closures_run(coordinator):
+    return sum(w.closures_run for w in coordinator.workers)
+
+
+def _recover(coordinator, backup, progress):
+    """Gives the lost ps their variables back and restores the newest
+    backup; returns the backup's (epoch, step)."""
+    started = time.monotonic()
+    recovery = coordinator.recover_parameter_servers()
+    restored_at = time.monotonic()
+    position = backup.restore_latest()
+    rolled_back = max(0, progress.reached - progress.at(*position))
+    progress.recoveries += 1
+    progress.rolled_back += rolled_back
+    progress.reached = progress.at(*position)
+    logger.warning(
+        "[chief] ps %s recovered in %.2fs (%.2fs waiting for calls and the "
+        "ps, %.2fs reconnecting, %.2fs re-creating %d variables, %.2fs "
+        "reading the backup); training again from epoch %d, %s %d (%d %s "
+        "rolled back)", list(recovery.lost), time.monotonic() - started,
+        recovery.waiting_seconds, recovery.reconnect_seconds,
+        recovery.recreate_seconds, recovery.variables,
+        time.monotonic() - restored_at, position[0], progress.unit[:-1],
+        position[1], rolled_back, progress.unit)
+    return position
+
+
+
+class ResumableCallback(keras.callbacks.Callback):
+    """A callback that tells `fit` where to resume after `on_train_begin`.
+
+    `keras_ps.callbacks.BackupAndRestore` is one: after loading a backup it
+    returns the (epoch, step within the epoch) the backup was taken at.
+
+    Attributes:
+        state_providers: name -> callable returning a JSON-able value, saved
+            with each backup (fit on a `keras_ps.ShardedInput` stores the
+            epoch's shard ledger here).
+        restored_state: the values restored with the newest backup (a dict),
+            or None.
+        recover_ps: whether `fit` gives a lost parameter server its
+            variables back and continues from `restore_latest()` (instead
+            of raising `ParameterServerUnavailableError`).
+    """
+
+    def __init__(self, recover_ps=False):
+        super().__init__()
+        self.state_providers = {}
+        self.restored_state = None
+        self.recover_ps = recover_ps
+
+    def restore_latest(self):
+        """Loads the newest backup; returns its (epoch, step) or None."""
+        return None
+
+    def has_backup(self):
+        """Whether a backup exists to restore from."""
+        return False
+
+    def describe(self):
+        """Where the backups are, for error messages."""
+        return type(self).__name__
+
+    def resume_position(self):
+        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
+        return None
