@@ -8,6 +8,7 @@ keras_ps strategy go through Keras unchanged.
 """
 
 import functools
+import weakref
 
 import keras
 import tensorflow as tf
@@ -53,10 +54,22 @@ def _scoped_compile(keras_compile):
             return keras_compile(self, *args, **kwargs)
         with strategy.scope():
             result = keras_compile(self, *args, **kwargs)
+        _compiles[self] = _compiles.get(self, 0) + 1
         place_model_state(self, strategy)
         return result
 
     return compile
+
+
+# How many times each keras_ps model was compiled. Keras drops its traced
+# `train_function` and `test_function` at every `compile()`; keras_ps keeps
+# its own traced steps across fit/evaluate calls while this count holds.
+_compiles = weakref.WeakKeyDictionary()
+
+
+def compile_count(model):
+    """How many times `model` was compiled under a keras_ps strategy."""
+    return _compiles.get(model, 0)
 
 
 def _on_ps(inner):

@@ -35,8 +35,9 @@ def pack_size(run):
 class PackedFunctions:
     """The traced `run_all(calls)` of each (function, pack size).
 
-    Entries live as long as the user's function does: each `fit` makes new
-    step functions, and a finished fit's are released with it.
+    Entries live as long as the user's function does: `fit` keeps a model's
+    step functions until the model is compiled again or discarded, and their
+    packed functions are released with them.
     """
 
     def __init__(self):

@@ -10,6 +10,7 @@ end of each epoch.
 """
 
 import logging
+import weakref
 
 import keras
 import tensorflow as tf
@@ -18,6 +19,7 @@ from keras_ps.training import _fit_epochs
 from keras_ps.training import exact_evaluation
 from keras_ps.training import inputs
 from keras_ps import shards
+from keras_ps._keras import compat
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.training.inputs import DatasetCreator
@@ -32,10 +34,15 @@ logger = logging.getLogger(__name__)
 # -- scheduled functions ---------------------------------------------------------
 class _StepFunctions:
     """`count` steps of `model.<step_name>` per scheduled tf.function, traced
-    once per count (an epoch's last execution may be shorter)."""
+    once per count (an epoch's last execution may be shorter) and input
+    structure (tf.function traces a new one by itself).
+
+    Holds the model weakly: the functions are kept across fit/evaluate calls
+    (see `_step_functions`) and must not keep a discarded model alive.
+    """
 
     def __init__(self, model, step_name):
-        self._model = model
+        self._model = weakref.ref(model)
         self._step_name = step_name
         self._functions = {}
 
@@ -47,9 +54,10 @@ class _StepFunctions:
         return fn
 
     def _multi_step(self, count):
-        step = getattr(self._model, self._step_name)
+        model_ref, step_name = self._model, self._step_name
 
         def multi_step(iterator):
+            step = getattr(model_ref(), step_name)
             logs = step(next(iterator))
             if count > 1:
                 def body(i, _):
@@ -58,8 +66,29 @@ class _StepFunctions:
                     lambda i, _: i < count - 1, body, (tf.constant(0), logs))
             return logs
 
-        multi_step.__name__ = f"keras_ps_{self._step_name}_x{count}"
+        multi_step.__name__ = f"keras_ps_{step_name}_x{count}"
         return multi_step
+
+
+# model -> {step name: (compile count, _StepFunctions)}.
+_by_model = weakref.WeakKeyDictionary()
+
+
+def _step_functions(model, step_name):
+    """The model's step functions, kept across fit/evaluate calls as Keras
+    keeps `model.train_function`: until the next `compile()`.
+
+    A later call then traces nothing, and its packed functions (held by the
+    coordinator as long as these live) are already on the workers: a new
+    function costs a trace on the coordinator and an instantiation on every
+    worker, which dominated the start-up of a later call.
+    """
+    compiled = compat.compile_count(model)
+    kept = _by_model.setdefault(model, {})
+    entry = kept.get(step_name)
+    if entry is None or entry[0] != compiled:
+        entry = kept[step_name] = (compiled, _StepFunctions(model, step_name))
+    return entry[1]
 
 
 def _executions(steps, per_execution):
@@ -153,7 +182,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         inputs.training_input(x, y, sample_weight, batch_size, shuffle))
     fit_routing.symbolic_build(model, strategy, dataset.element_spec)
     iterator = iter(dataset)
-    steps_fn = _StepFunctions(model, "train_step")
+    steps_fn = _step_functions(model, "train_step")
     per_execution = max(1, int(model.steps_per_execution or 1))
 
     callback_list = _make_callbacks(model, callbacks, verbose, epochs,
@@ -264,7 +293,7 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     fit_routing.symbolic_build(model, model.distribute_strategy,
                                   dataset.element_spec)
     iterator = iter(dataset)
-    steps_fn = _StepFunctions(model, "test_step")
+    steps_fn = _step_functions(model, "test_step")
     per_execution = max(1, int(model.steps_per_execution or 1))
     callback_list = _make_callbacks(model, callbacks, verbose, 1, steps)
     callback_list.on_test_begin()

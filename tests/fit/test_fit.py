@@ -286,3 +286,72 @@ def test_repeated_fit_releases_its_packed_functions(fit_strategy):
     grown_mb = (process.memory_info().rss - rss) / 2**20
     print(f"RSS grew {grown_mb:.1f} MB over 12 fits")
     assert grown_mb < 150
+
+
+def _count_traces(model):
+    """Counts the traces of the model's train and test steps (a step's Python
+    runs only while a tf.function traces it)."""
+    traced = {"train": 0, "test": 0}
+    keras_train_step, keras_test_step = model.train_step, model.test_step
+
+    def train_step(data):
+        traced["train"] += 1
+        return keras_train_step(data)
+
+    def test_step(data):
+        traced["test"] += 1
+        return keras_test_step(data)
+
+    model.train_step, model.test_step = train_step, test_step
+    return traced
+
+
+def test_later_fit_and_evaluate_calls_trace_nothing_new(fit_strategy):
+    x, y = _data()
+    model = _model(fit_strategy, steps_per_execution=4)
+    traced = _count_traces(model)
+    data = _creator(x, y)
+    model.fit(data, epochs=1, steps_per_epoch=8, verbose=0)
+    model.evaluate(data, steps=8, verbose=0)
+    after_first = dict(traced)
+    assert after_first["train"] > 0 and after_first["test"] > 0
+    # Later calls, with the same input object or a new one of the same
+    # structure, run the steps traced by the first.
+    model.fit(data, epochs=2, steps_per_epoch=8, verbose=0)
+    history = model.fit(_creator(x, y), epochs=1, steps_per_epoch=8,
+                        verbose=0)
+    model.evaluate(_creator(x, y), steps=8, verbose=0)
+    assert traced == after_first
+    assert int(model.optimizer.iterations.numpy()) == 32
+    assert history.history["accuracy"][-1] > 0.8
+
+
+def test_changed_input_or_compile_traces_again(fit_strategy):
+    x, y = _data()
+    model = _model(fit_strategy, steps_per_execution=4)
+    traced = _count_traces(model)
+    model.fit(_creator(x, y), epochs=1, steps_per_epoch=8, verbose=0)
+    before = traced["train"]
+
+    # Batches with sample weights: a new input structure is traced for.
+    def weighted(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y, np.ones(len(x), "float32")))
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        return ds.batch(32).repeat()
+
+    model.fit(keras_ps.DatasetCreator(weighted), epochs=1, steps_per_epoch=8,
+              verbose=0)
+    assert traced["train"] > before
+    assert int(model.optimizer.iterations.numpy()) == 16
+
+    # A new compile (here a new optimizer) makes new steps, as Keras resets
+    # its `train_function`: the new optimizer is the one that trains.
+    old_optimizer = model.optimizer
+    before = traced["train"]
+    with fit_strategy.scope():
+        model.compile(keras.optimizers.SGD(0.1), "binary_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=4)
+    model.fit(_creator(x, y), epochs=1, steps_per_epoch=8, verbose=0)
+    assert traced["train"] > before
+    assert int(model.optimizer.iterations.numpy()) == 8
+    assert int(old_optimizer.iterations.numpy()) == 16

@@ -1,0 +1,237 @@
+"""Model.fit called several times in one process: start-up of a later call.
+
+A script that trains in calls of a few hundred steps (a day's data, a loop
+with evaluation between calls) pays each call's start-up again. This measures,
+side by side in one run, keras_ps against TF's native path (TF's
+ParameterServerStrategy + ClusterCoordinator + tf_keras), with the ps and
+worker tasks in their own processes as users run them (`keras_ps.LocalCluster`:
+`python -m keras_ps.server` per task, a plain `tf.distribute.Server`, which
+TF's native coordinator drives as well). The coordinator is the measuring
+process; each system runs in its own process, one at a time.
+
+Model as benchmarks/fit_large_tables.py: Embedding(R, 64) on 2 ps
+(FixedShardsPartitioner(2)), 2 workers, batch 256 x 16 Zipf-like ids over the
+whole table, MLP 128-64-1, steps_per_execution=10. One DatasetCreator object
+for every call of a process (a user defines the input once).
+
+Calls, in this order, in one process:
+  1. fit(100 steps)                     warm-up: the first call traces
+  2. fit(240 steps)                     a whole later call, start-up included
+  3. fit(4 epochs x 100 steps)          start-up = epoch 1 - median(epochs 2-4);
+                                        steady state = 300 steps / epochs 2-4
+  4. fit(240 steps)                     a whole later call again
+  5. evaluate(steps=100) twice          the second one's time
+
+Peak RSS: each process' high-water mark (VmHWM) at the end: the coordinator
+and each ps and worker task.
+
+    .venv/bin/python benchmarks/fit_calls.py --rows 1000000 --repeats 3
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
+from fit_large_tables import dataset_fn_for  # noqa: E402
+
+SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam")
+WHOLE_CALL_STEPS = 240
+EPOCH_STEPS = 100
+EVAL_STEPS = 100
+
+
+def _hwm_gb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def run_one(system, rows):
+    native = system.startswith("tf_native")
+    optimizer_name = system.rsplit("_", 1)[1]
+    if native:
+        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TF is imported
+    import tensorflow as tf
+
+    import keras_ps  # LocalCluster starts plain tf.distribute.Server tasks
+    cluster = keras_ps.LocalCluster(num_workers=2, num_ps=2)
+    if native:
+        import tf_keras as keras
+        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(cluster.spec), rpc_layer="grpc")
+        strategy = tf.distribute.ParameterServerStrategy(
+            resolver, variable_partitioner=tf.distribute.experimental
+            .partitioners.FixedShardsPartitioner(2))
+        creator = keras.utils.experimental.DatasetCreator(
+            dataset_fn_for(tf, rows))
+    else:
+        import keras
+        from keras_ps.partitioners import FixedShardsPartitioner
+        strategy = keras_ps.ParameterServerStrategy(
+            cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
+        creator = keras_ps.DatasetCreator(dataset_fn_for(tf, rows))
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        if optimizer_name == "lazyadam":
+            optimizer = keras_ps.optimizers.LazyAdam(0.01)
+        else:
+            optimizer = keras.optimizers.Adagrad(0.1)
+        model = keras.Sequential([
+            keras.Input((IDS,), dtype="int64"),
+            keras.layers.Embedding(rows, DIM),
+            keras.layers.Flatten(),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid"),
+        ])
+        model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
+                      steps_per_execution=STEPS_PER_EXECUTION)
+
+    epoch_ends = []
+
+    class EpochTimer(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_ends.append(time.perf_counter())
+
+    def timed_fit(epochs, steps):
+        epoch_ends.clear()
+        start = time.perf_counter()
+        model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
+                  callbacks=[EpochTimer()])
+        marks = [start] + epoch_ends
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+    first_call_s = sum(timed_fit(1, EPOCH_STEPS))
+    whole = [sum(timed_fit(1, WHOLE_CALL_STEPS))]
+    epochs = timed_fit(4, EPOCH_STEPS)
+    whole.append(sum(timed_fit(1, WHOLE_CALL_STEPS)))
+    steady = 3 * EPOCH_STEPS / sum(epochs[1:])
+    evaluate_s = []
+    for _ in range(2):
+        start = time.perf_counter()
+        model.evaluate(creator, steps=EVAL_STEPS, verbose=0)
+        evaluate_s.append(time.perf_counter() - start)
+    rss = {"coordinator": _hwm_gb(os.getpid())}
+    for job in ("ps", "worker"):
+        for i in range(2):
+            rss[f"{job}{i}"] = _hwm_gb(cluster.pid(job, i))
+    iterations = int(model.optimizer.iterations.numpy())
+    cluster.shutdown()
+    return {
+        "system": system, "rows": rows,
+        "steady_steps_per_s": steady,
+        "epoch_s": epochs,
+        "startup_s": epochs[0] - statistics.median(epochs[1:]),
+        "first_call_s": first_call_s,
+        "whole_call_s": whole,
+        "whole_call_steps_per_s": [WHOLE_CALL_STEPS / s for s in whole],
+        "evaluate_s": evaluate_s,
+        "peak_rss_gb": rss,
+        "iterations": iterations,
+    }
+
+
+def run_child(system, rows, timeout=1800):
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("TF_USE_LEGACY_KERAS", None)
+    out = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--_child", system,
+         str(rows)], capture_output=True, text=True, env=env, timeout=timeout)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        return {"system": system, "rows": rows,
+                "error": f"exit {out.returncode}: " + out.stderr[-1500:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def load():
+    return os.getloadavg()
+
+
+def measure(rows, systems, repeats, log):
+    runs = []
+    for r in range(repeats):
+        for system in systems:
+            before = load()
+            result = run_child(system, rows)
+            result.update(repeat=r, load_before=before, load_after=load())
+            runs.append(result)
+            if "error" in result:
+                log(f"{system} R={rows:,} run {r}: FAILED {result['error'][-400:]}")
+                continue
+            log(f"{system:18s} R={rows:>10,} run {r}: steady "
+                f"{result['steady_steps_per_s']:6.1f} steps/s, 240-step call "
+                f"{'/'.join(f'{s:.2f}' for s in result['whole_call_s'])} s, "
+                f"start-up {result['startup_s']:.2f} s, evaluate "
+                f"{result['evaluate_s'][1]:.2f} s, load {before[0]:.1f}")
+    return runs
+
+
+def spread(values, digits=2):
+    if not values:
+        return "-"
+    return (f"{min(values):.{digits}f} / **{statistics.median(values):.{digits}f}**"
+            f" / {max(values):.{digits}f}")
+
+
+def markdown(runs, label=""):
+    lines = [
+        "| system | steady steps/s | call 2: fit(240), s (steps/s) "
+        "| call 4: fit(240), s (steps/s) | start-up of call 3, s "
+        "| 2nd evaluate(100 steps), s "
+        "| peak RSS GB (coord / ps0 / ps1 / w0 / w1) | load (1 min) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for system in SYSTEMS:
+        ok = [x for x in runs if x["system"] == system and "error" not in x]
+        if not ok:
+            continue
+        rss = max(ok, key=lambda x: sum(x["peak_rss_gb"].values()))["peak_rss_gb"]
+        lines.append(
+            f"| {label}{system} | {spread([x['steady_steps_per_s'] for x in ok], 1)} "
+            f"| {spread([x['whole_call_s'][0] for x in ok])} "
+            f"({spread([x['whole_call_steps_per_s'][0] for x in ok], 1)}) "
+            f"| {spread([x['whole_call_s'][1] for x in ok])} "
+            f"({spread([x['whole_call_steps_per_s'][1] for x in ok], 1)}) "
+            f"| {spread([x['startup_s'] for x in ok])} "
+            f"| {spread([x['evaluate_s'][1] for x in ok])} "
+            f"| {' / '.join(f'{v:.1f}' for v in rss.values())} "
+            f"| {spread([x['load_before'][0] for x in ok], 1)} |")
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=int, default=1_000_000)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--json", help="also write the raw runs here")
+    parser.add_argument("--from-json", help="format saved runs instead")
+    parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args._child:
+        system, rows = args._child
+        print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
+        os._exit(0)
+    if args.from_json:
+        with open(args.from_json) as f:
+            runs = json.load(f)
+    else:
+        runs = measure(args.rows, args.systems.split(","), args.repeats,
+                       lambda *a: print(*a, file=sys.stderr, flush=True))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(runs, f)
+    print("\n".join(markdown(runs)))
+
+
+if __name__ == "__main__":
+    main()
