@@ -114,11 +114,12 @@ def run_straggler(mode):
             worker = keras_ps.coordinator.worker_index()
             sleep = tf.where(tf.equal(worker, SLOW_WORKER),
                              read_us * SLOW_FACTOR, read_us + 0)
-            records = tf.data.FixedLengthRecordDataset(filename, 4).map(
-                lambda r: tf.io.decode_raw(r, tf.float32)[0])
+            records = tf.data.FixedLengthRecordDataset(filename, 4)
             # TF's sleep op also sleeps before reporting the end of its input;
             # take() ends the file without asking it again: one sleep a record.
-            return records.apply(_tf_adapter.sleep_dataset(sleep)).take(per_file)
+            # The sleep before the map: see _tf_adapter.sleep_dataset.
+            return records.apply(_tf_adapter.sleep_dataset(sleep)).take(
+                per_file).map(lambda r: tf.io.decode_raw(r, tf.float32)[0])
 
         data = keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=BATCH,
                                      shuffle=False)

@@ -176,7 +176,13 @@ def write_variable_proto(variable, proto, options):
 
 def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
-    (TF's non-public test op; for benchmarks and tests of slow input)."""
+    (TF's non-public test op; for benchmarks and tests of slow input).
+
+    Apply it before any `map`: it holds its lock while its input makes the
+    next element, and its cancel callback takes that lock, so a step
+    cancelled (a ps lost mid-step cancels the step's other parts) while a
+    mapped function runs under it deadlocks the worker's TF runtime for good.
+    """
     from tensorflow.python.data.experimental.ops import testing
 
     return testing.sleep(microseconds)

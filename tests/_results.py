@@ -1,8 +1,14 @@
 """How a test's child process reports: one `RESULT {json}` line per report."""
 
+import faulthandler
 import json
+import signal
 
 PREFIX = "RESULT "
+
+# A child that imports this prints every thread's stack on SIGUSR1: a test
+# whose child timed out sends it before the kill, so the hang is seen.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def say(**values):

@@ -31,8 +31,9 @@ logger = logging.getLogger(__name__)
 # of worker threads and one watchdog.
 _by_strategy = weakref.WeakKeyDictionary()
 _by_strategy_lock = threading.Lock()
-# Seconds a ps recovery waits for the calls in flight at the loss to fail by
-# themselves before it cancels them.
+# Seconds a ps recovery waits for the calls in flight at the loss to end by
+# themselves (those that touch the lost ps fail at once: servers fail fast)
+# before it cancels them.
 _PS_LOSS_GRACE = 2.0
 
 

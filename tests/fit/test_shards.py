@@ -282,9 +282,14 @@ def _run(mode, data_dir, timeout, *args, **env):
     try:
         output, _ = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGUSR1)  # its threads' stacks, for the report
+        try:
+            job.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
         os.killpg(job.pid, signal.SIGKILL)
         output, _ = job.communicate()
-        raise AssertionError(f"{mode} job timed out:\n{output[-4000:]}")
+        raise AssertionError(f"{mode} job timed out:\n{output[-12000:]}")
     assert job.returncode == 0, output[-4000:]
     return _result(output)
 
