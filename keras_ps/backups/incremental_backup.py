@@ -13,7 +13,6 @@ newest full backup and its deltas in order: the values a full backup at the
 same step holds, bit for bit, into any number of shards.
 """
 
-import functools
 import logging
 import os
 import shutil
@@ -26,30 +25,18 @@ import tensorflow as tf
 from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _io as _backup_io
+from keras_ps.backups import _tracking
 from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
 from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
 from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
 from keras_ps.tables import _dirty_rows
 from keras_ps import _tf_adapter
 from keras_ps.errors import BackupCorruptError
-from keras_ps.errors import ClusterConfigError
 
 logger = logging.getLogger(__name__)
 
 # Smaller tables are written whole by every backup.
 DEFAULT_MIN_TABLE_BYTES = 2**20
-
-
-def _connected(strategy):
-    """False once `strategy`'s cluster connection was replaced (its
-    variables are gone)."""
-    check = getattr(strategy, "check_connected", None)
-    try:
-        if check is not None:
-            check()
-    except ClusterConfigError:
-        return False
-    return True
 
 
 class IncrementalBackup:
@@ -146,7 +133,7 @@ class IncrementalBackup:
                                               self.min_table_bytes)
             os.makedirs(self.directory, exist_ok=True)
             self._check_shared(catalog)
-            self._track(catalog)
+            _tracking.track(catalog)
             self._writer = _backup_io.Writer(catalog)
             self._applier = _backup_io.Applier(catalog)
             self._catalog = catalog
@@ -175,32 +162,6 @@ class IncrementalBackup:
         """Paths of the weights whose changed rows a delta writes."""
         catalog = self._ready()
         return sorted({catalog.variables[g.keys[0]][0] for g in catalog.tables})
-
-    def _track(self, catalog):
-        started = False
-        for group in catalog.tables:
-            table = group.variables[0]
-            if _dirty_rows.tracker_of(table) is not None:
-                continue
-            strategy = group.strategy
-            with strategy.scope(), \
-                    strategy.extended.colocate_vars_with(table):
-                generation = _dirty_rows.GENERATIONS.variable_for(
-                    (table.device, id(strategy)), lambda current: tf.Variable(
-                        current, dtype=tf.int32, trainable=False,
-                        name="keras_ps_generation"),
-                    functools.partial(_connected, strategy))
-                dirty = tf.Variable(
-                    lambda: tf.zeros([group.parts[0].rows], tf.int32),
-                    trainable=False,
-                    name=table.name.split(":")[0] + "_dirty_rows")
-            _dirty_rows.track(table, _dirty_rows.RowTracker(dirty, generation))
-            started = True
-        if started:
-            # Steps traced before must be traced again to mark their rows.
-            _tf_adapter.retrace_all_functions()
-            logger.info("[chief] tracking the changed rows of %d table shards",
-                        len(catalog.tables))
 
     def _check_shared(self, catalog):
         """Each remote device writes a file the chief must read back."""
@@ -323,6 +284,12 @@ class IncrementalBackup:
             try:
                 with _tf_adapter.own_executor():
                     files, table_rows = snapshot.write(path + os.sep)
+                if not _dirty_rows.GENERATIONS.agree():
+                    # Its copies may have been read from the zeros a lost
+                    # ps was given back: a delta to drop, not to restore.
+                    raise RuntimeError(
+                        f"a ps lost its variables while delta {entry_id} was "
+                        "written")
                 entry = {"id": entry_id, "kind": kind, "folder": folder,
                          "files": files,
                          "bytes": sum(f["bytes"] for f in files),
