@@ -1,6 +1,7 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
-Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart|worker_state_lost
+Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart|worker_state_lost|
+                                   worker_stop|preempted_while_cancelling
 """
 
 import sys
@@ -208,8 +209,76 @@ def worker_stop():
             readmitted=back, after_resume=ran)
 
 
+def preempted_while_cancelling():
+    """TF's one-worker-preemption-with-cancellation case on a real cluster:
+    a long closure runs on one worker, a closure fails on the other, and
+    the long one's worker is SIGKILLed meanwhile (then restarted). join()
+    raises the error; the long closure's fetch() raises CancelledError (it
+    is not run again elsewhere); closures scheduled next run."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        # No map under the sleeps: a cancelled read must not deadlock.
+        slow = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+                testing.sleep(60_000_000))))
+        delayed = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(0.0).repeat().apply(
+                testing.sleep(3_000_000))))
+
+        @tf.function
+        def long_step(it):
+            return total.assign_add(next(it))
+
+        @tf.function
+        def bad_step(it):
+            return tf.debugging.check_numerics(next(it) / 0.0, "loss is NaN")
+
+        @tf.function
+        def step():
+            return total.assign_add(1.0)
+
+        long_result = coordinator.schedule(long_step, args=(slow,))
+        deadline = time.monotonic() + 120
+        running = []
+        while not running:  # the long closure is in flight on a worker
+            assert time.monotonic() < deadline, "the long closure never ran"
+            running = [w.index for w in coordinator.workers
+                       if w.in_flight_seconds() is not None]
+            time.sleep(0.01)
+        coordinator.schedule(bad_step, args=(delayed,))
+        while coordinator.workers[1 - running[0]].in_flight_seconds() is None:
+            assert time.monotonic() < deadline, "the failing closure never ran"
+            time.sleep(0.01)
+        cluster.kill("worker", running[0])
+        cluster.restart("worker", running[0])
+        raised = None
+        try:
+            coordinator.join()
+        except tf.errors.InvalidArgumentError as error:
+            raised = type(error).__name__
+        try:
+            long_result.fetch()
+            fetched = "value"
+        except tf.errors.CancelledError:
+            fetched = "CancelledError"
+        except tf.errors.OpError as error:
+            fetched = type(error).__name__
+        after = [coordinator.schedule(step) for _ in range(6)]
+        coordinator.join()
+        say(join_raised=raised, long_fetch=fetched,
+            after=[float(r.fetch()) for r in after][-1],
+            total=float(total.numpy()))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker_stop":
         worker_stop()
+    elif sys.argv[1] == "preempted_while_cancelling":
+        preempted_while_cancelling()
     else:
         main(sys.argv[1])

@@ -102,3 +102,15 @@ def test_worker_stopped_does_not_hang_training():
     # After SIGCONT the same process is re-admitted and runs closures again.
     assert result["readmitted"] is True
     assert result["after_resume"] > 0
+
+
+@pytest.mark.timeout(240)
+def test_closure_of_a_killed_worker_is_cancelled_after_another_error():
+    # As TF's coordinator: a long closure's worker is SIGKILLed while another
+    # closure fails; join() raises that error, the long closure's fetch()
+    # raises CancelledError (it is not run again: total holds only the six
+    # steps scheduled after), and the coordinator works on.
+    result = run_job("preempted_while_cancelling", timeout=220)
+    assert result["join_raised"] == "InvalidArgumentError", result
+    assert result["long_fetch"] == "CancelledError", result
+    assert result["after"] == result["total"] == 6.0, result
