@@ -10,6 +10,11 @@ Usage:
   python tests/_dynamic_job.py restore DIR NUM_PS
       on its own LocalCluster with NUM_PS ps: loads each of the three into
       a fresh model and reports the same numbers for each.
+  python tests/_dynamic_job.py ps_loss DIR
+      on its own LocalCluster with 2 ps and 2 workers: Model.fit through
+      the loss of ps 0 (SIGKILLed and restarted at once), recovered in the
+      same fit from BackupAndRestore; reports each shard's live keys and
+      whether they read their own rows.
 """
 
 import os
@@ -101,5 +106,54 @@ def main(mode, directory, num_ps=2):
         say(**results)
 
 
+class _KillAndRestartPs(keras.callbacks.Callback):
+    """SIGKILLs ps 0 and starts it again on its address at `at` (epoch,
+    batch)."""
+
+    def __init__(self, cluster, at):
+        super().__init__()
+        self.cluster, self.at, self.done, self.epoch = cluster, at, False, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at and not self.done:
+            self.done = True
+            self.cluster.kill("ps", 0)
+            self.cluster.restart("ps", 0)
+
+
+def ps_loss(directory):
+    """Model.fit through the loss of ps 0 (SIGKILLed, restarted at once):
+    the recovery makes its key -> slot map again, the backup fills it, and
+    every live key of every shard reads its own row afterwards."""
+    vocab, x, y = data()
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model, table = build(strategy)
+        killer = _KillAndRestartPs(cluster, (1, 3))
+        history = model.fit(
+            x, y, batch_size=32, epochs=3, steps_per_epoch=STEPS, verbose=0,
+            callbacks=[killer, keras_ps.callbacks.BackupAndRestore(
+                os.path.join(directory, "backup"), save_freq=2)])
+        shards = []
+        for shard in table._table.shards:  # each ps' key -> slot map
+            state = shard.export_state()
+            read = table(tf.constant(state["keys"], tf.int64),
+                         training=False).numpy() if len(state["keys"]) else \
+                np.zeros([0, 8], np.float32)
+            shards.append({"keys": len(state["keys"]),
+                           "reads_own_rows": bool(np.array_equal(
+                               read, state["rows"])),
+                           "in_vocab": bool(np.isin(state["keys"], vocab).all())})
+        say(killed=killer.done, recoveries=history.history["ps_recoveries"],
+            loss=history.history["loss"], shards=shards,
+            iterations=int(model.optimizer.iterations.numpy()), planned=3 * STEPS)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    if sys.argv[1] == "ps_loss":
+        ps_loss(sys.argv[2])
+    else:
+        main(*sys.argv[1:])

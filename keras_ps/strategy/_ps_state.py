@@ -98,11 +98,13 @@ class PsMarkers:
 
 
 class PlacedVariables:
-    """Weak references to the variables a strategy placed on each ps."""
+    """Weak references to the variables a strategy placed on each ps, and to
+    what makes its other resources there again."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._by_ps = {}
+        self._remakes = {}  # ps index -> [weakref.WeakMethod]
 
     def add(self, variable):
         index = ps_index(getattr(variable, "device", None))
@@ -117,6 +119,26 @@ class PlacedVariables:
         """The live variables placed on ps `index`."""
         with self._lock:
             return list(self._by_ps.get(index, {}).values())
+
+    def add_resource(self, device, remake):
+        """Records `remake`, a bound method that makes a resource that is not
+        a variable (a hash table, a mutex) again on ps `device`; held
+        weakly, so its object may go."""
+        index = ps_index(device)
+        if index is None:
+            return
+        with self._lock:
+            self._remakes.setdefault(index, []).append(weakref.WeakMethod(remake))
+
+    def remake_resources(self, index):
+        """Calls the live `remake`s of ps `index`; returns how many."""
+        with self._lock:
+            remakes = [r() for r in self._remakes.get(index, [])]
+            self._remakes[index] = [weakref.WeakMethod(r) for r in remakes if r]
+        for remake in remakes:
+            if remake is not None:
+                remake()
+        return sum(r is not None for r in remakes)
 
 
 def _zeros(shape, dtype):

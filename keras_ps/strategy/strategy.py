@@ -148,18 +148,26 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         own bookkeeping), so that a recovery of that ps makes it again."""
         self.extended.placed.add(variable)
 
+    def track_ps_resource(self, device, remake):
+        """Records `remake` (a bound method), which makes a resource that is
+        not a variable (a hash table, a mutex) again on ps `device`: a
+        recovery of that ps calls it once the variables are made again."""
+        self.extended.placed.add_resource(device, remake)
+
     def recreate_ps_variables(self, index):
         """Gives ps `index`, restarted and empty, every variable this strategy
-        placed there again (same shapes, dtypes and shards; zeros), in place.
-        The caller restores their values from a checkpoint next.
+        placed there again (same shapes, dtypes and shards; zeros), in place,
+        and its other tracked resources (empty). The caller restores their
+        values from a checkpoint next.
 
         Returns:
-            How many variables were made again.
+            How many variables and resources were made again.
         """
         variables = self.variables_on_ps(index)
         _ps_state.recreate(variables)
+        resources = self.extended.placed.remake_resources(index)
         self._ps_markers.renew(index)
-        return len(variables)
+        return len(variables) + resources
 
     def on_disconnect(self, callback):
         """Calls `callback()` when another cluster's connection replaces this one."""

@@ -325,3 +325,18 @@ def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
             # overestimated after such a restore, never lost).
             copies = 3 if num_ps == 3 else 1
             assert got["filter"] == [copies * c for c in saved["filter"]]
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(tmp_path):
+    # ps 0 is SIGKILLed mid-fit and restarted at once: the recovery makes its
+    # key -> slot map and lock again (they are not variables), the backup
+    # refills them, training goes on to the planned steps, and every live
+    # key of both shards reads its own row afterwards.
+    result = _job("ps_loss", tmp_path)
+    assert result["killed"] and sum(result["recoveries"]) == 1, result
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 4, \
+        result
+    for shard in result["shards"]:
+        assert shard["keys"] > 0 and shard["in_vocab"], result
+        assert shard["reads_own_rows"], result

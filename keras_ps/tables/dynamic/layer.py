@@ -121,6 +121,8 @@ class DynamicEmbedding(keras.layers.Layer):
                     lambda name, value: tf.Variable(value, trainable=False,
                                                     name=name))
             placement.mark_owned(part, shard.add_optimizer_slot)
+            placement.remade_on_recovery(strategy, device,
+                                         shard.remake_resources)
             parts.append(part)
             shards.append(shard)
         self._default = None

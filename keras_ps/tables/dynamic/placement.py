@@ -68,3 +68,10 @@ def mark_owned(variable, on_slot):
         on_slot(name, tf_variable(slot))
 
     setattr(variable, SLOT_OWNER_ATTR, announce)
+
+
+def remade_on_recovery(strategy, device, remake):
+    """Has a keras_ps strategy call `remake` (a bound method) when ps
+    `device` is given its variables back after a restart."""
+    if _is_keras_ps(strategy):
+        strategy.track_ps_resource(device, remake)

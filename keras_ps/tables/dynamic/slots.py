@@ -72,13 +72,20 @@ class SlotShard:
             if config.min_count > 1:
                 self.filter = make_variable(
                     f"filter_{index}", tf.zeros([config.filter_size], tf.int32))
-            with tf.device(device):
-                self.table = tf.lookup.experimental.MutableHashTable(
-                    key_dtype, tf.int64, default_value=-1,
-                    name=f"dynamic_slots_{index}")
-                self.lock = tf.CriticalSection(name=f"dynamic_slots_lock_{index}")
+            self.remake_resources()
         # (name, tf.Variable, initial row) of each optimizer slot of `rows`.
         self.optimizer_slots = []
+
+    def remake_resources(self):
+        """Makes the key -> slot map (empty) and the shard's lock on its ps:
+        at build, and when a recovery gave the restarted ps its variables
+        back (functions are traced again, with these)."""
+        with tf.init_scope(), tf.device(self.device):
+            self.table = tf.lookup.experimental.MutableHashTable(
+                self.key_dtype, tf.int64, default_value=-1,
+                name=f"dynamic_slots_{self.index}")
+            self.lock = tf.CriticalSection(
+                name=f"dynamic_slots_lock_{self.index}")
 
     # -- optimizer slots ------------------------------------------------------------
     def add_optimizer_slot(self, name, variable):
