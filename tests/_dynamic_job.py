@@ -15,6 +15,9 @@ Usage:
       the loss of ps 0 (SIGKILLed and restarted at once), recovered in the
       same fit from BackupAndRestore; reports each shard's live keys and
       whether they read their own rows.
+  python tests/_dynamic_job.py sidecar DIR
+      Model.fit on 2 ps with a SidecarCheckpoint per epoch into DIR;
+      reports the trained model's evaluation loss on the training data.
 """
 
 import os
@@ -152,8 +155,26 @@ def ps_loss(directory):
             iterations=int(model.optimizer.iterations.numpy()), planned=3 * STEPS)
 
 
+def sidecar(directory):
+    """Model.fit with a SidecarCheckpoint per epoch; reports the trained
+    model's evaluation of `data()` for the evaluator to match."""
+    vocab, x, y = data()
+    with keras_ps.LocalCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model, table = build(strategy)
+        model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
+                  verbose=0, callbacks=[keras_ps.callbacks.SidecarCheckpoint(
+                      directory)])
+        result = model.evaluate(x, y, batch_size=64, verbose=0,
+                                return_dict=True)
+        say(loss=float(result["loss"]),
+            live_rows=report(model, table, vocab)["live_rows"])
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "ps_loss":
         ps_loss(sys.argv[2])
+    elif sys.argv[1] == "sidecar":
+        sidecar(sys.argv[2])
     else:
         main(*sys.argv[1:])

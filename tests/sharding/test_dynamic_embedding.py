@@ -340,3 +340,23 @@ def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(tmp_path):
     for shard in result["shards"]:
         assert shard["keys"] > 0 and shard["in_vocab"], result
         assert shard["reads_own_rows"], result
+
+
+@pytest.mark.timeout(300)
+def test_sidecar_evaluator_evaluates_a_dynamic_table(tmp_path):
+    # Trained on 2 ps with a SidecarCheckpoint per epoch; the evaluator, a
+    # plain process-local model (one shard), restores the newest checkpoint
+    # (its keys routed again) and evaluates as the trained model did.
+    import _dynamic_job as job
+
+    trained = _job("sidecar", tmp_path / "ckpt")
+    model, table = job.build(tf.distribute.get_strategy())
+    _, x, y = job.data()
+    sidecar = keras_ps.SidecarEvaluator(model, (x, y), str(tmp_path / "ckpt"),
+                                        timeout=60, poll_interval=0.05)
+    made = sidecar.start()
+    assert made and made[-1].checkpoint.final
+    assert table.num_shards == 1
+    assert made[-1].metrics["loss"] == pytest.approx(trained["loss"],
+                                                      rel=1e-5)
+    assert len(table.live_state()["keys"]) == trained["live_rows"] > 0
