@@ -165,7 +165,9 @@ class BackupAndRestore(ResumableCallback):
         if self.incremental == "auto":
             try:
                 size = backup.table_bytes()
-            except ValueError:  # an optimizer not built: nothing tracked
+            except ValueError as error:  # optimizer not built, or a table
+                logger.info(           # that saves its own state
+                    "[chief] full backups (incremental='auto'): %s", error)
                 return None
             if size < AUTO_INCREMENTAL_MIN_BYTES:
                 return None

@@ -111,8 +111,25 @@ def _listed_variables(obj):
                 "not exist to be backed up or restored. Fix: save or restore "
                 "after the first training step, or build the optimizer first: "
                 "optimizer.build(model.trainable_variables).")
-        return _sharded_weights.collapse(obj.variables)
-    return _sharded_weights.collapse(obj.weights)
+        listed = obj.variables
+    else:
+        listed = obj.weights
+    for variable in listed:
+        _check_not_saved_by_owner(variable)
+    return _sharded_weights.collapse(listed)
+
+
+def _check_not_saved_by_owner(element):
+    """Rows a layer saves itself (a DynamicEmbedding: its live keys with
+    their rows) mean nothing without the layer's own state."""
+    if getattr(element, _sharded_weights.SAVED_BY_OWNER_ATTR, False):
+        path = getattr(element, "path", None) or element.name
+        raise ValueError(
+            f"Weight {path!r} belongs to a layer that saves its own state (a "
+            "DynamicEmbedding: live keys, rows and counters), which "
+            "incremental backups do not cover. Fix: full backups, "
+            "BackupAndRestore(..., incremental=False) (incremental='auto' "
+            "picks them for such a model).")
 
 
 def _tf_variables(element):
