@@ -44,6 +44,7 @@ import tensorflow as tf
 import keras_ps
 from _results import say
 from keras_ps.backups import _chain as _backup_chain
+from keras_ps.tables import _blockwise_init
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _sharded_weights
 from keras_ps.backups import _io as _backup_io
@@ -421,6 +422,9 @@ def ps_loss(directory):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         model = build(strategies(cluster)[2], "lazy_adam")
         incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
+        # The recovery leaves every variable unwritten until the restore
+        # (as it does a table of 256 MiB and more).
+        _blockwise_init.BLOCKWISE_MIN_BYTES = 0
         killer = _KillAndRestartPs(cluster, (1, 7))
         cb = keras_ps.callbacks.BackupAndRestore(
             os.path.join(directory, "fit"), save_freq=3, incremental=True,
@@ -433,7 +437,10 @@ def ps_loss(directory):
             iterations=int(model.optimizer.iterations.numpy()),
             recoveries=history.history.get("ps_recoveries"),
             rolled_back=history.history.get("steps_rolled_back"),
-            kind=_states(os.path.join(directory, "fit")).get("kind"))
+            kind=_states(os.path.join(directory, "fit")).get("kind"),
+            finite=all(bool(np.isfinite(np.asarray(w)).all())
+                       for w in model.get_weights()),
+            loss=history.history["loss"])
 
 
 class _KillWhileWriting(keras.callbacks.Callback):

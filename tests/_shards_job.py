@@ -48,6 +48,7 @@ import tensorflow as tf
 import keras_ps
 from _results import say
 from keras_ps import _tf_adapter
+from keras_ps.tables import _blockwise_init
 
 FILES, RECORDS_PER_FILE, BATCH, EPOCHS = 24, 64, 16, 2
 STEPS_PER_EXECUTION = 4
@@ -365,6 +366,10 @@ def ps_recover(data_dir, backup_dir):
     with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model = build(strategy)
+        # The recovery leaves every variable unwritten until the restore
+        # (as it does a table of 256 MiB and more): the restore must write
+        # them all, the per-record counts included.
+        _blockwise_init.BLOCKWISE_MIN_BYTES = 0
         coordinator = keras_ps.ClusterCoordinator(strategy)
         data = sharded_input(paths)
         events = {}

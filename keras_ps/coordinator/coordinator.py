@@ -238,7 +238,7 @@ class ClusterCoordinator:
         now: unreachable, or answering after a restart with nothing on them."""
         return self._dead_ps()
 
-    def recover_parameter_servers(self, timeout=None):
+    def recover_parameter_servers(self, timeout=None, restore_follows=False):
         """Gives parameter servers that lost their variables those variables
         back, and makes the coordinator take work again.
 
@@ -254,6 +254,9 @@ class ClusterCoordinator:
         Args:
             timeout: seconds to wait for a lost ps to answer (default from
                 `KERAS_PS_PS_RECOVERY_TIMEOUT`, 300).
+            restore_follows: True when the checkpoint restored next holds
+                every table and its optimizer slots: those are not zeroed
+                first (seconds per GB saved; undefined until the restore).
 
         Returns:
             A `PsRecovery` (`lost` empty when no ps was lost).
@@ -286,8 +289,8 @@ class ClusterCoordinator:
         with self._gate.exclusive():
             self._readmission.reconnect()
             connected = time.monotonic()
-            count = sum(self.strategy.recreate_ps_variables(index)
-                        for index in sorted(lost))
+            count = sum(self.strategy.recreate_ps_variables(
+                i, restore_follows=restore_follows) for i in sorted(lost))
             self._packing.clear()
             # Under the gate: a worker's re-admission traces its datasets.
             retraced = _tf_adapter.retrace_all_functions()
@@ -296,12 +299,9 @@ class ClusterCoordinator:
             waiting_seconds=answered - started,
             reconnect_seconds=connected - answered,
             recreate_seconds=time.monotonic() - connected)
-        logger.info("[chief] ps %s given %d variables back in %.2fs (%.2fs "
-                    "waiting, %.2fs reconnecting, %.2fs re-creating; %d "
-                    "functions to retrace)", list(recovery.lost), count,
-                    time.monotonic() - started, recovery.waiting_seconds,
-                    recovery.reconnect_seconds, recovery.recreate_seconds,
-                    retraced)
+        logger.info("[chief] ps %s given %d variables back in %.2fs; %d "
+                    "functions to retrace", list(recovery.lost), count,
+                    time.monotonic() - started, retraced)
         return recovery
 
     def _drain_after_loss(self, deadline):

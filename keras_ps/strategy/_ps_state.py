@@ -150,18 +150,25 @@ def _zeros(shape, dtype):
         shape=shape, dtype=dtype)
 
 
-def recreate(variables):
+def recreate(variables, fill=True):
     """Gives each variable a new resource of its shape and dtype, filled with
     zeros, on its own device (a ps that was restarted and lost them).
 
     The Python objects stay what layers, optimizers and checkpoints hold;
     a checkpoint restored next fills them. A large variable is made in row
-    blocks, so the ps peaks at the variable plus one block.
+    blocks, so the ps peaks at the variable plus one block. With `fill`
+    False a large variable is left unwritten (its values are undefined, and
+    no page of it is touched): for a restore that writes every row next.
     """
     for variable in variables:
         with tf.device(variable.device):
+            initial_value = _zeros(variable.shape, variable.dtype)
+            if not fill and initial_value.nbytes >= _blockwise_init.BLOCKWISE_MIN_BYTES:
+                shape, dtype = variable.shape.as_list(), variable.dtype
+                initial_value = lambda: tf.raw_ops.Empty(  # noqa: E731
+                    shape=shape, dtype=dtype, init=False)
             donor = _blockwise_init.create(_tf_adapter.plain_variable, dict(
-                initial_value=_zeros(variable.shape, variable.dtype),
+                initial_value=initial_value,
                 dtype=variable.dtype, trainable=variable.trainable,
                 name=variable.name.split(":")[0]))
         _tf_adapter.rebind_variable(variable, donor)

@@ -154,17 +154,23 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         recovery of that ps calls it once the variables are made again."""
         self.extended.placed.add_resource(device, remake)
 
-    def recreate_ps_variables(self, index):
+    def recreate_ps_variables(self, index, restore_follows=False):
         """Gives ps `index`, restarted and empty, every variable this strategy
         placed there again (same shapes, dtypes and shards; zeros), in place,
         and its other tracked resources (empty). The caller restores their
         values from a checkpoint next.
 
+        Args:
+            index: the ps.
+            restore_follows: True when a restore of every large variable
+                (a table, its slots) follows: those are left unwritten
+                instead of zeroed (their values are undefined until then).
+
         Returns:
             How many variables and resources were made again.
         """
         variables = self.variables_on_ps(index)
-        _ps_state.recreate(variables)
+        _ps_state.recreate(variables, fill=not restore_follows)
         resources = self.extended.placed.remake_resources(index)
         self._ps_markers.renew(index)
         return len(variables) + resources

@@ -163,7 +163,9 @@ def _recover(coordinator, backup, progress):
     """Gives the lost ps their variables back and restores the newest
     backup; returns the backup's (epoch, step)."""
     started = time.monotonic()
-    recovery = coordinator.recover_parameter_servers()
+    # The backup holds the model and the optimizer whole: large variables
+    # need no zeros before it is read.
+    recovery = coordinator.recover_parameter_servers(restore_follows=True)
     restored_at = time.monotonic()
     position = backup.restore_latest()
     rolled_back = max(0, progress.reached - progress.at(*position))

@@ -218,6 +218,7 @@ def test_a_lost_ps_is_recovered_from_full_plus_deltas(tmp_path):
     assert result["killed"] and sum(result["recoveries"]) == 1
     assert result["planned"] <= result["iterations"] <= result["planned"] + 4
     assert result["rolled_back"][1] > 0
+    assert result["finite"], result
 
 
 def test_a_delta_written_across_a_ps_loss_is_dropped(tmp_path):
