@@ -15,9 +15,13 @@ received and what is expected.
 
 import tensorflow as tf
 
-from keras_ps._config_errors import ClusterConfigError  # noqa: F401
-from keras_ps._config_errors import KerasPSError
-from keras_ps._config_errors import PartitionerError  # noqa: F401
+from keras_ps._base_errors import CheckpointMismatchError  # noqa: F401
+from keras_ps._base_errors import ClusterConfigError  # noqa: F401
+from keras_ps._base_errors import KerasPSError
+from keras_ps._base_errors import PartitionerError  # noqa: F401
+from keras_ps._base_errors import RepeatedFailureError  # noqa: F401
+from keras_ps._base_errors import ScheduleUsageError  # noqa: F401
+from keras_ps._base_errors import SidecarTimeoutError  # noqa: F401
 
 
 class _TFErrorMixin(KerasPSError):
@@ -70,29 +74,12 @@ class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
         super().__init__(None, None, message)
 
 
-class ScheduleUsageError(KerasPSError, TypeError, ValueError):
-    """A coordinator API used in a way it cannot run: a function given to
-    `schedule` that is not a `tf.function`, a `RemoteValue` passed as its
-    argument, a distributed dataset iterated on the coordinator.
-
-    TF's coordinator raises `ValueError` for these; keras_ps raised
-    `TypeError` (the type of the argument is wrong). This error is both, so
-    code written against either catches it.
-    """
 
 
-class RepeatedFailureError(KerasPSError, RuntimeError):
-    """Scheduled functions fail on a worker right after each of its
-    re-admissions with the same kind of error: retrying cannot help, so the
-    failure is raised instead of retried forever."""
 
 
-class SidecarTimeoutError(KerasPSError, TimeoutError):
-    """No new checkpoint appeared within the evaluator's `timeout`."""
 
 
-class CheckpointMismatchError(KerasPSError, ValueError):
-    """A checkpoint's weights do not fit the evaluator's model."""
 
 
 class BackupCorruptError(_TFErrorMixin, tf.errors.DataLossError):

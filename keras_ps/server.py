@@ -16,7 +16,7 @@ import threading
 from keras_ps.cluster import _network
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
-from keras_ps._config_errors import ClusterConfigError
+from keras_ps._base_errors import ClusterConfigError
 
 
 def _fail(message):

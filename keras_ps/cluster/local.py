@@ -15,7 +15,7 @@ import tempfile
 
 import portpicker
 
-from keras_ps._config_errors import ClusterConfigError
+from keras_ps._base_errors import ClusterConfigError
 from keras_ps.cluster import _network
 from keras_ps.cluster.spec import resolver_from_spec
 

@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from keras_ps._config_errors import ClusterConfigError
+from keras_ps._base_errors import ClusterConfigError
 
 TASK_TYPES = ("chief", "ps", "worker", "evaluator")
 # Jobs that take part in the eager training cluster. The evaluator is not one:

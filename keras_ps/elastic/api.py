@@ -15,7 +15,7 @@ import math
 import os
 from typing import ClassVar, Mapping, Optional, Tuple
 
-from keras_ps._config_errors import KerasPSError
+from keras_ps._base_errors import KerasPSError
 
 #: gRPC metadata key that carries the shared secret.
 TOKEN_METADATA_KEY = "x-keras-ps-token"

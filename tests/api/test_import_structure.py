@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 # module; a module's unit is the longest listed prefix of its name.
 LAYERS = [
     # 0: foundations without TensorFlow's Python API at import.
-    ["keras_ps._config_errors", "keras_ps._constants", "keras_ps._tf_adapter"],
+    ["keras_ps._base_errors", "keras_ps._constants", "keras_ps._tf_adapter"],
     ["keras_ps.errors"],
     ["keras_ps.cluster", "keras_ps.tables"],
     ["keras_ps._keras"],
@@ -43,15 +43,11 @@ LAYERS = [
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # Private top-level modules (everything else at the top is public or a package).
-PRIVATE_TOP_LEVEL = {"keras_ps._config_errors", "keras_ps._constants",
+PRIVATE_TOP_LEVEL = {"keras_ps._base_errors", "keras_ps._constants",
                      "keras_ps._tf_adapter"}
 # Modules shorter than 40 lines: a package's __init__, or a public module
 # that only re-exports names from their package (kept where users import them).
 SHORT_MODULES_ALLOWED = {"keras_ps.layers", "keras_ps.partitioners"}
-# Why `_config_errors` is short: the three errors a process raises before it
-# may import TensorFlow (the server command, the elastic agent); keras_ps.errors
-# imports TensorFlow, so they cannot live there.
-SHORT_MODULES_ALLOWED.add("keras_ps._config_errors")
 # In-function imports of keras_ps modules allowed, each to keep TensorFlow
 # out of a process that must start without it (a comment there says so).
 LAZY_IMPORTS_ALLOWED = {

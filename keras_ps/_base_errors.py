@@ -1,0 +1,53 @@
+"""The keras_ps errors that need no TensorFlow (all re-exported, and
+documented, by keras_ps.errors).
+
+They live apart so the processes that never run TensorFlow code (the elastic
+agent, the rendezvous server) and `python -m keras_ps.server` before it starts
+TF's server can raise them without importing TensorFlow's Python API; the
+errors derived from `tf.errors` are in keras_ps.errors itself.
+"""
+
+
+class KerasPSError(Exception):
+    """Base class of every error keras_ps raises on purpose."""
+
+
+class ClusterConfigError(KerasPSError, ValueError):
+    """A cluster spec, TF_CONFIG or resolver that keras_ps cannot use."""
+
+
+class PartitionerError(KerasPSError, ValueError):
+    """A variable partitioner returned a spec keras_ps cannot apply."""
+
+
+class ScheduleUsageError(KerasPSError, TypeError, ValueError):
+    """A coordinator API used in a way it cannot run: a function given to
+    `schedule` that is not a `tf.function`, a `RemoteValue` passed as its
+    argument, a distributed dataset iterated on the coordinator.
+
+    TF's coordinator raises `ValueError` for these; keras_ps raised
+    `TypeError` (the type of the argument is wrong). This error is both, so
+    code written against either catches it.
+    """
+
+
+class RepeatedFailureError(KerasPSError, RuntimeError):
+    """Scheduled functions fail on a worker right after each of its
+    re-admissions with the same kind of error: retrying cannot help, so the
+    failure is raised instead of retried forever."""
+
+
+class SidecarTimeoutError(KerasPSError, TimeoutError):
+    """No new checkpoint appeared within the evaluator's `timeout`."""
+
+
+class CheckpointMismatchError(KerasPSError, ValueError):
+    """A checkpoint's weights do not fit the evaluator's model."""
+
+
+# Shown (and pickled) under the public module that re-exports them.
+for _error in (KerasPSError, ClusterConfigError, PartitionerError,
+               ScheduleUsageError, RepeatedFailureError, SidecarTimeoutError,
+               CheckpointMismatchError):
+    _error.__module__ = "keras_ps.errors"
+del _error
