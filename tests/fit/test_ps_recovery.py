@@ -68,7 +68,12 @@ def test_fit_recovers_a_lost_ps_in_the_same_call(case, tmp_path, undisturbed):
     assert result["recoveries"][1] == len(kills)
     rolled_back = result["rolled_back"][1]
     assert 0 < rolled_back <= len(kills) * (BACKUP_EVERY + 2 * PER_EXECUTION)
-    assert abs(result["accuracy"] - undisturbed["accuracy"]) <= 0.02, \
+    # No worse than an undisturbed run by more than half a point. It may
+    # come out better: the rolled-back steps train again on new batches, so
+    # a recovered run has seen more examples (up to 0.8 point more seen).
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.005, \
+        (result["accuracy"], undisturbed["accuracy"])
+    assert result["accuracy"] <= undisturbed["accuracy"] + 0.02, \
         (result["accuracy"], undisturbed["accuracy"])
 
 
