@@ -20,6 +20,7 @@ import keras_ps
 from _paths import TESTS
 from _results import last_report
 from keras_ps.tables.dynamic import hashing
+from keras_ps.tables.dynamic import policies
 from keras_ps.tables.dynamic import slots as slots_lib
 
 pytestmark = pytest.mark.timeout(300)
@@ -166,6 +167,43 @@ def test_admission_min_count(strategy, coordinator):
     # Not admitted: the default row (zeros), and never trained.
     rows = layer(tf.constant([11, 12, -5, 20], tf.int64), training=False).numpy()
     np.testing.assert_array_equal(rows, np.zeros((4, 4), np.float32))
+
+
+def _one_off_admission_share(strategy, coordinator, steps=150, late=50):
+    """Streams `steps` batches of 64 ids each seen once (min_count=2, two
+    counters per id); the share of the last `late` batches' ids admitted
+    anyway."""
+    layer = _layer(strategy, capacity=64 * steps, min_count=2,
+                   filter_size=4096, filter_hashes=2)
+    with strategy.scope():
+        optimizer = keras.optimizers.SGD(0.1)
+    step = _train_fn(layer, optimizer)
+    ids = np.arange(64 * steps, dtype=np.int64).reshape(steps, 64) * 7919 + 3
+    for batch in ids[:steps - late]:
+        coordinator.schedule(step, args=(tf.constant(batch),))
+    coordinator.join()
+    before = _stats(layer)["admitted"]
+    for batch in ids[steps - late:]:
+        coordinator.schedule(step, args=(tf.constant(batch),))
+    coordinator.join()
+    share = (_stats(layer)["admitted"] - before) / (64 * late)
+    # An id seen twice in a row is still admitted.
+    _run_steps(coordinator, step, [[-1] * 64, [-1] * 64])
+    assert -1 in layer.live_state()["keys"].tolist()
+    return share
+
+
+def test_admission_filter_does_not_saturate_on_a_stream(
+        strategy, coordinator, monkeypatch):
+    # A stream of ids each seen once must not get rows with min_count=2.
+    # Counters that only grow admit more and more of them as the filter
+    # fills; halved whenever their load would let more than 5% in, they
+    # stay selective.
+    decaying = _one_off_admission_share(strategy, coordinator)
+    monkeypatch.setattr(policies, "FALSE_ADMISSIONS", 1.0)  # never halves
+    growing = _one_off_admission_share(strategy, coordinator)
+    assert decaying < 0.1, (decaying, growing)
+    assert growing > 0.3, (decaying, growing)
 
 
 # -- eviction ----------------------------------------------------------------------

@@ -6,8 +6,13 @@ per key out of `filter_size`, a key's count being the least of its counters.
 Memory is bounded (4 bytes x filter_size per shard, whatever the number of
 keys). Collisions only add: a key can be admitted early, never late, and a
 key seen fewer than `min_count` times is admitted only if each of its
-counters was also hit by other keys (rare while the filter is large against
-the keys still waiting).
+counters was also hit by other keys (rare while few counters are in use).
+A key seen once is admitted anyway when each of its counters was already
+in use, about load ** filter_hashes of the time. A stream brings new keys
+forever, so the counters would fill up and admit any key on sight: every
+FILTER_CHECK_EVERY steps a shard looks at the share of its counters in use,
+and when it would let more than FALSE_ADMISSIONS of one-off keys in, halves
+them all (old sightings fade; a key must reach `min_count` within a while).
 
 Eviction: pure functions of a shard's `last_seen` steps (-1: free slot), so
 the policies are unit-testable on plain tensors; keras_ps.tables.dynamic.slots
@@ -46,6 +51,29 @@ def count_and_admit(counters, keys, counts, config):
                                          dtype=tf.int32)
     seen = tf.reduce_min(tf.reshape(seen, tf.shape(where)), axis=0)
     return seen >= config.min_count
+
+
+# Steps between looks at a shard's filter, and the share of one-off keys
+# its load may let in before the counters are halved.
+FILTER_CHECK_EVERY = 8
+FALSE_ADMISSIONS = 0.05
+
+
+def decay_when_loaded(counters, config):
+    """Halves every counter when the share of them in use would admit more
+    than FALSE_ADMISSIONS of keys seen once; returns whether it did."""
+    max_load = FALSE_ADMISSIONS ** (1.0 / config.filter_hashes)
+    values = counters.read_value()
+    used = tf.math.count_nonzero(values, dtype=tf.int64)
+    size = tf.size(values, out_type=tf.int64)
+    loaded = tf.cast(used, tf.float64) > max_load * tf.cast(size, tf.float64)
+
+    def halve():
+        with tf.control_dependencies([counters.assign(
+                tf.bitwise.right_shift(values, 1))]):
+            return tf.constant(True)
+
+    return tf.cond(loaded, halve, lambda: tf.constant(False))
 
 
 # -- eviction --------------------------------------------------------------

@@ -185,8 +185,12 @@ class SlotShard:
         candidates = tf.boolean_mask(keys, missing)
         candidate_counts = tf.boolean_mask(counts, missing)
         if self.filter is not None:
-            admit = policies.count_and_admit(
-                self.filter, candidates, candidate_counts, config)
+            with tf.control_dependencies([tf.cond(
+                    step % policies.FILTER_CHECK_EVERY == 0,
+                    lambda: policies.decay_when_loaded(self.filter, config),
+                    lambda: tf.constant(False))]):
+                admit = policies.count_and_admit(
+                    self.filter, candidates, candidate_counts, config)
             candidates = tf.boolean_mask(candidates, admit)
             candidate_counts = tf.boolean_mask(candidate_counts, admit)
         wanted = tf.size(candidates, out_type=tf.int64)
