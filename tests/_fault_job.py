@@ -1,7 +1,8 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
 Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart|worker_state_lost|
-                                   worker_stop|preempted_while_cancelling
+                                   worker_stop|preempted_while_cancelling|
+                                   ps_loss_mid_read
 """
 
 import sys
@@ -275,10 +276,86 @@ def preempted_while_cancelling():
             total=float(total.numpy()))
 
 
+def ps_loss_mid_read():
+    """A custom loop whose step fails on a lost ps while the step's read of
+    its iterator is still under way (TF then cancels that read): after
+    recover_parameter_servers() and a checkpoint restore, the next steps
+    read their iterators again instead of ending with End of sequence."""
+    import os
+    import tempfile
+
+    from tensorflow.python.data.experimental.ops import testing
+
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        # Each element takes 3 s to read (no map under the sleep).
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+                testing.sleep(3_000_000))))
+
+        @tf.function
+        def step(it):
+            # The update of the ps waits 1 s on the worker; the read, in
+            # parallel, 3 s: a ps lost meanwhile fails the update mid-read.
+            delay = tf.data.Dataset.from_tensors(0.0).apply(
+                testing.sleep(1_000_000)).get_single_element()
+            with tf.control_dependencies([delay]):
+                total.assign_add(1.0)
+            return next(it)
+
+        coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        path = tf.train.Checkpoint(total=total).write(
+            os.path.join(tempfile.mkdtemp(), "ckpt"))
+        result = coordinator.schedule(step, args=(iterator,))
+        while coordinator.workers[0].in_flight_seconds() is None:
+            time.sleep(0.01)
+        cluster.kill("ps", 0)  # back only once the loss is reported
+        try:
+            coordinator.join()
+            failed = None
+        except tf.errors.OpError as error:
+            failed = type(error).__name__
+        try:
+            result.fetch()
+        except tf.errors.OpError:
+            pass
+        cluster.restart("ps", 0)
+        coordinator.recover_parameter_servers(timeout=60)
+        tf.train.Checkpoint(total=total).read(path).assert_consumed()
+
+        @tf.function
+        def touch():
+            return total + 0.0
+
+        # Until the worker reaches the restarted ps itself (its connection
+        # comes back after a backoff), so the next steps are not failed and
+        # the worker is not re-admitted (which would rebuild its iterators).
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with tf.device(coordinator.workers[0].device):
+                    touch().numpy()
+                break
+            except tf.errors.UnavailableError:
+                assert time.monotonic() < deadline, "the worker never reached the ps"
+                time.sleep(0.1)
+        values = [coordinator.schedule(step, args=(iterator,))
+                  for _ in range(2)]
+        coordinator.join()
+        say(failed=failed, after=[float(v.fetch()) for v in values],
+            total=float(total.numpy()))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker_stop":
         worker_stop()
     elif sys.argv[1] == "preempted_while_cancelling":
         preempted_while_cancelling()
+    elif sys.argv[1] == "ps_loss_mid_read":
+        ps_loss_mid_read()
     else:
         main(sys.argv[1])

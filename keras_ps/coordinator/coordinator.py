@@ -247,8 +247,8 @@ class ClusterCoordinator:
         replacement machine), pushes the cluster to every task again,
         re-creates each variable the strategy placed on those ps in place
         (same objects, shapes, dtypes and shards; zeros) and retraces the
-        functions that had captured the old ones. Workers and their
-        datasets are kept. The values are not: restore a checkpoint next,
+        functions that had captured the old ones. Workers are kept; their
+        iterators start over. The values are not: restore a checkpoint next,
         before scheduling again (an example: docs/ps_recovery.md).
 
         Args:
@@ -294,14 +294,15 @@ class ClusterCoordinator:
             self._packing.clear()
             # Under the gate: a worker's re-admission traces its datasets.
             retraced = _tf_adapter.retrace_all_functions()
+            self._readmission.restart_iterators([  # the rollback's data
+                w.index for w in self._workers if w.state in worker_lib.RUNNABLE])
         recovery = _ps_state.PsRecovery(
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,
             reconnect_seconds=connected - answered,
             recreate_seconds=time.monotonic() - connected)
-        logger.info("[chief] ps %s given %d variables back in %.2fs; %d "
-                    "functions to retrace", list(recovery.lost), count,
-                    time.monotonic() - started, retraced)
+        logger.info("[chief] ps %s given %d variables back; %d functions to "
+                    "retrace", list(recovery.lost), count, retraced)
         return recovery
 
     def _drain_after_loss(self, deadline):
@@ -310,8 +311,7 @@ class ClusterCoordinator:
         then clears the queue's errors.
 
         Raises:
-            ParameterServerUnavailableError: calls still in flight at
-                `deadline`.
+            ParameterServerUnavailableError: calls in flight at `deadline`.
         """
         grace = min(deadline, time.monotonic() + _PS_LOSS_GRACE)
         if self._queue.clear_after_fatal(max(0.0, grace - time.monotonic())):

@@ -145,13 +145,24 @@ class Readmission:
             gate = time.monotonic()
             self.reconnect()
             connected = time.monotonic()
-            for dataset in self._datasets():
-                dataset.rebuild(index, self._num_workers())
+            self.restart_iterators([index])
         logger.info(
             "[worker:%d] rebuilt in %.2fs: %.2fs waiting for calls in flight, "
             "%.2fs server def, %.2fs datasets", index,
             time.monotonic() - started, gate - started, connected - gate,
             time.monotonic() - connected)
+
+    def restart_iterators(self, indices):
+        """Makes the datasets and iterators of workers `indices` again, under
+        the caller's exclusive gate: their iterators start over.
+
+        After a ps loss too: a step that failed on the lost ps has the rest
+        of it cancelled by TF, and one cancelled inside its iterator's
+        next() leaves that iterator ended for good (it raises End of
+        sequence at the next step)."""
+        for index in indices:
+            for dataset in self._datasets():
+                dataset.rebuild(index, self._num_workers())
 
     def reconnect(self):
         """Pushes the cluster to every task again, under the caller's

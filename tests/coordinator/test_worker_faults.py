@@ -114,3 +114,15 @@ def test_closure_of_a_killed_worker_is_cancelled_after_another_error():
     assert result["join_raised"] == "InvalidArgumentError", result
     assert result["long_fetch"] == "CancelledError", result
     assert result["after"] == result["total"] == 6.0, result
+
+
+@pytest.mark.timeout(240)
+def test_iterators_read_again_after_a_ps_lost_mid_read():
+    # A step fails on a SIGKILLed ps while its iterator read is under way, so
+    # TF cancels that read (which ends the iterator for good). After
+    # recover_parameter_servers() and a restore, the next steps read their
+    # iterator again (started over) instead of failing with End of sequence.
+    result = run_job("ps_loss_mid_read", timeout=220)
+    assert result["failed"] == "ParameterServerUnavailableError", result
+    assert result["after"] == [1.0, 1.0], result
+    assert result["total"] == 3.0, result  # restored 1, then two steps
