@@ -460,8 +460,8 @@ class _KillWhileWriting(keras.callbacks.Callback):
                 assert self.recreated.wait(300), "no ps recovery came"
             return snapshot_write(snapshot, prefix)
 
-        def recreate_and_tell(variables):
-            recreate(variables)
+        def recreate_and_tell(variables, **kwargs):
+            recreate(variables, **kwargs)
             self.recreated.set()
 
         _backup_io.Snapshot.write = held_write
