@@ -272,7 +272,7 @@ def preempted_while_cancelling():
         after = [coordinator.schedule(step) for _ in range(6)]
         coordinator.join()
         say(join_raised=raised, long_fetch=fetched,
-            after=[float(r.fetch()) for r in after][-1],
+            after=sorted(float(r.fetch()) for r in after),
             total=float(total.numpy()))
 
 
