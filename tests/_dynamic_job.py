@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _kills import KillAndRestartPs
 from _results import say
 
 CAPACITY, EPOCHS, STEPS = 64, 2, 6
@@ -109,24 +110,6 @@ def main(mode, directory, num_ps=2):
         say(**results)
 
 
-class _KillAndRestartPs(keras.callbacks.Callback):
-    """SIGKILLs ps 0 and starts it again on its address at `at` (epoch,
-    batch)."""
-
-    def __init__(self, cluster, at):
-        super().__init__()
-        self.cluster, self.at, self.done, self.epoch = cluster, at, False, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at and not self.done:
-            self.done = True
-            self.cluster.kill("ps", 0)
-            self.cluster.restart("ps", 0)
-
-
 def ps_loss(directory):
     """Model.fit through the loss of ps 0 (SIGKILLed, restarted at once):
     the recovery makes its key -> slot map again, the backup fills it, and
@@ -135,7 +118,7 @@ def ps_loss(directory):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model, table = build(strategy)
-        killer = _KillAndRestartPs(cluster, (1, 3))
+        killer = KillAndRestartPs(cluster, (1, 3))
         history = model.fit(
             x, y, batch_size=32, epochs=3, steps_per_epoch=STEPS, verbose=0,
             callbacks=[killer, keras_ps.callbacks.BackupAndRestore(

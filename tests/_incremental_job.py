@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _kills import KillAndRestartPs
 from _results import say
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.tables import _blockwise_init
@@ -397,22 +398,6 @@ def callback(directory):
         say(auto=modes)
 
 
-class _KillAndRestartPs(keras.callbacks.Callback):
-    def __init__(self, cluster, at):
-        super().__init__()
-        self.cluster, self.at, self.done = cluster, at, False
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == self.at and not self.done:
-            self.done = True
-            self.cluster.kill("ps", 0)
-            self.cluster.restart("ps", 0)
-            print("KILLED AND RESTARTED ps 0", flush=True)
-
-
 def ps_loss(directory):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         model = build(strategies(cluster)[2], "lazy_adam")
@@ -420,7 +405,7 @@ def ps_loss(directory):
         # The recovery leaves every variable unwritten until the restore
         # (as it does a table of 256 MiB and more).
         _blockwise_init.BLOCKWISE_MIN_BYTES = 0
-        killer = _KillAndRestartPs(cluster, (1, 7))
+        killer = KillAndRestartPs(cluster, (1, 7))
         cb = keras_ps.callbacks.BackupAndRestore(
             os.path.join(directory, "fit"), save_freq=3, incremental=True,
             max_delta_bytes=10**9, delete_checkpoint=False)
