@@ -45,9 +45,6 @@ LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # Private top-level modules (everything else at the top is public or a package).
 PRIVATE_TOP_LEVEL = {"keras_ps._base_errors", "keras_ps._constants",
                      "keras_ps._tf_adapter"}
-# Modules shorter than 40 lines: a package's __init__, or a public module
-# that only re-exports names from their package (kept where users import them).
-SHORT_MODULES_ALLOWED = {"keras_ps.layers", "keras_ps.partitioners"}
 # In-function imports of keras_ps modules allowed, each to keep TensorFlow
 # out of a process that must start without it (a comment there says so).
 LAZY_IMPORTS_ALLOWED = {
@@ -206,14 +203,8 @@ def test_no_fragments_and_no_long_modules():
     sizes = {m: sum(1 for _ in open(p)) for m, p in _modules().items()}
     short = {m: n for m, n in sizes.items() if n < 40
              and not _modules()[m].endswith("__init__.py")
-             and m not in SHORT_MODULES_ALLOWED
              and not m.endswith("_pb2")}
     assert short == {}
-    # The allowed short public modules only re-export.
-    for module in SHORT_MODULES_ALLOWED - PRIVATE_TOP_LEVEL:
-        body = _trees()[_modules()[module]].body
-        assert all(isinstance(n, (ast.ImportFrom, ast.Assign, ast.Expr))
-                   for n in body), module
 
 
 def _run(code):
