@@ -21,6 +21,10 @@ Usage:
   python tests/_incremental_job.py ps_loss DIR
       Model.fit with BackupAndRestore(incremental=True) through the loss of
       a ps (SIGKILLed and restarted on its address).
+  python tests/_incremental_job.py ps_loss_background DIR
+      the same with background_deltas=True, the ps killed while a delta is
+      being written, which goes on writing only after the lost ps was given
+      its variables back (as zeros).
   python tests/_incremental_job.py zeroed_generation DIR
       a background delta during whose write a ps' generation is set to 0
       (as a recovery leaves it).
@@ -46,6 +50,7 @@ from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _sharded_weights
 from keras_ps.backups import _io as _backup_io
 from keras_ps.backups import incremental_backup
+from keras_ps.strategy import _ps_state
 from keras_ps.errors import BackupCorruptError
 from keras_ps.partitioners import FixedShardsPartitioner
 
@@ -423,6 +428,39 @@ def ps_loss(directory):
             loss=history.history["loss"])
 
 
+class _KillWhileWriting(keras.callbacks.Callback):
+    """Holds the first background delta's write until the lost ps was given
+    its variables back, and kills that ps while the write waits."""
+
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster, self.done = cluster, False
+        self.writing, self.recreated = threading.Event(), threading.Event()
+        snapshot_write = _backup_io.Snapshot.write
+        recreate = _ps_state.recreate
+
+        def held_write(snapshot, prefix):
+            if not self.done:
+                self.writing.set()
+                assert self.recreated.wait(300), "no ps recovery came"
+            return snapshot_write(snapshot, prefix)
+
+        def recreate_and_tell(variables, **kwargs):
+            recreate(variables, **kwargs)
+            self.recreated.set()
+
+        _backup_io.Snapshot.write = held_write
+        _ps_state.recreate = recreate_and_tell
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.writing.is_set() and not self.done:
+            self.done = True
+            self.cluster.kill("ps", 0)
+            self.cluster.restart("ps", 0)
+            print("KILLED AND RESTARTED ps 0 while a delta was written",
+                  flush=True)
+
+
 def _zeroed_generation(strategy, directory):
     """A background delta during whose write a ps' generation turns 0 (as
     a recovery leaves it): not published; the chain ends at the full."""
@@ -463,9 +501,30 @@ def zeroed_generation(directory):
         say(zeroed=_zeroed_generation(strategies(cluster)[2], directory))
 
 
+def ps_loss_background(directory):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        model = build(strategies(cluster)[2], "lazy_adam")
+        incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
+        cb = keras_ps.callbacks.BackupAndRestore(
+            os.path.join(directory, "fit"), save_freq=3, incremental=True,
+            max_delta_bytes=10**9, delete_checkpoint=False,
+            background_deltas=True)
+        killer = _KillWhileWriting(cluster)
+        x, y = _fit_data(12)
+        history = model.fit(x, y, batch_size=BATCH, epochs=3,
+                            steps_per_epoch=12, callbacks=[cb, killer],
+                            verbose=0)
+        say(killed=killer.done, planned=36,
+            iterations=int(model.optimizer.iterations.numpy()),
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"),
+            kind=_states(os.path.join(directory, "fit")).get("kind"))
+
+
 if __name__ == "__main__":
     started = time.monotonic()
     {"equivalence": equivalence, "faults": faults, "crash_write": crash_write,
      "crash_restore": crash_restore, "callback": callback,
-     "ps_loss": ps_loss, "zeroed_generation": zeroed_generation}[sys.argv[1]](sys.argv[2])
+     "ps_loss": ps_loss, "ps_loss_background": ps_loss_background,
+     "zeroed_generation": zeroed_generation}[sys.argv[1]](sys.argv[2])
     print(f"done in {time.monotonic() - started:.1f}s", flush=True)

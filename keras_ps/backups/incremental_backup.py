@@ -124,6 +124,9 @@ class IncrementalBackup:
         self._base = None  # (entry id, generation) of what a delta builds on
         self.background_deltas = bool(background_deltas)
         self._pending = None  # a delta being written: (thread, outcome)
+        # Held while a background delta is published, and to abandon one.
+        self._publish_lock = threading.Lock()
+        self._next_id = 1  # no id below it is given out again
 
     # -- what is backed up ----------------------------------------------------------
     def _ready(self):
@@ -248,7 +251,9 @@ class IncrementalBackup:
         started = time.monotonic()
         catalog = self._ready()
         manifest = manifest or _backup_chain.empty()
-        entry_id = manifest["next_id"]
+        # An abandoned background delta may still write into its folder.
+        entry_id = max(manifest["next_id"], self._next_id)
+        self._next_id = entry_id + 1
         folder = _backup_chain.folder_name(kind, entry_id)
         path = os.path.join(self.directory, folder)
         shutil.rmtree(path, ignore_errors=True)  # a crashed attempt's files
@@ -298,8 +303,12 @@ class IncrementalBackup:
                 updated = _backup_chain.with_entry(manifest, base, entry,
                                                    self.keep_chains)
                 deltas = _backup_chain.locate(updated, entry_id)[1] - 1
-                outcome["entry"] = self._publish(updated, entry, generation,
-                                                 deltas, started)
+                with self._publish_lock:
+                    if outcome.get("abandoned"):
+                        raise RuntimeError(
+                            f"delta {entry_id} was abandoned by a restore")
+                    outcome["entry"] = self._publish(
+                        updated, entry, generation, deltas, started)
             except Exception as error:  # noqa: BLE001  (kept for wait())
                 outcome["error"] = error
 
@@ -352,6 +361,24 @@ class IncrementalBackup:
                            "not published (%s: %s); the next backup holds "
                            "its rows", type(error).__name__, error)
 
+    def _abandon_pending_after_a_ps_loss(self):
+        """Drops the delta being written in the background when a ps lost
+        its variables since its snapshot, without waiting for it: its copies
+        on that ps are gone, and its write, which may be stuck in a call to
+        the lost ps, is never published (no restore waits on it)."""
+        if self._pending is None or _dirty_rows.GENERATIONS.agree():
+            return
+        with self._publish_lock:
+            thread, outcome = self._pending
+            self._pending = None
+            if "entry" in outcome:
+                return  # published before the loss was seen
+            outcome["abandoned"] = True
+        logger.warning("[chief] a ps lost its variables while a delta was "
+                       "written in the background (%s): that delta is "
+                       "dropped, the restore takes the backup before it",
+                       thread.name)
+
     # -- restoring -------------------------------------------------------------------
     def latest(self):
         """The newest BackupEntry in the directory (not checked), or None."""
@@ -381,6 +408,7 @@ class IncrementalBackup:
             ValueError: the backup was written by a different model.
         """
         with self._lock:
+            self._abandon_pending_after_a_ps_loss()
             self._finish_pending()
             started = time.monotonic()
             catalog = self._ready()

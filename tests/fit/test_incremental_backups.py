@@ -221,6 +221,21 @@ def test_a_lost_ps_is_recovered_from_full_plus_deltas(tmp_path):
     assert result["finite"], result
 
 
+def test_a_delta_written_across_a_ps_loss_is_dropped_without_a_wait(tmp_path):
+    # The ps is killed while a background delta waits to be written, and the
+    # write goes on only once the restarted ps was given its variables back:
+    # the restore drops that delta without waiting for its write (which may
+    # never return: its copies on the lost ps are gone), takes the backup
+    # before it, and the optimizer's step count ends at the plan.
+    code, output = run("ps_loss_background", tmp_path)
+    assert code == 0, output[-4000:]
+    result = last_report(output)
+    assert result["killed"] and sum(result["recoveries"]) == 1
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 4
+    assert ("a ps lost its variables while a delta was written in the "
+            "background" in output), output[-4000:]
+
+
 def test_a_delta_written_while_a_ps_lost_its_state_is_dropped(tmp_path):
     # A ps' generation set to 0 (as a recovery leaves it) while a background
     # delta is written: that delta is not published; the chain ends at the
