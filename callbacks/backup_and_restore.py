@@ -6,13 +6,15 @@ import logging
 import os
 import shutil
 
+import tensorflow as tf
+
 from keras_ps.backups import _chain
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups import incremental_backup
 from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
-from keras_ps.training._fit_epochs import ResumableCallback
+from keras_ps.training._fit_epochs import LOST_SHARDS, ResumableCallback
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +90,19 @@ class BackupAndRestore(ResumableCallback):
             recoveries as `ps_recoveries`). Without a backup yet, or with
             False, a lost ps ends `fit` with
             `keras_ps.errors.ParameterServerUnavailableError`.
+            `"lost_shards"`: the same, but only the variables that lived on
+            the lost ps are restored from the newest backup; the other ps
+            keep theirs and training goes on from where it was, not from
+            the backup (only the executions the loss interrupted run again,
+            counted in `steps_rolled_back`). The lost ps' variables lose
+            their updates since that backup (rows of a table on it, and
+            whatever dense weights and optimizer state it held): the model
+            is no longer one backup's state, which is the trade for not
+            retraining the steps since the backup. `optimizer.iterations`
+            is carried forward if it lived there. The next backup is a full
+            one. For step-based `fit` (not a `ShardedInput`), and not with a
+            `keras_ps.layers.DynamicEmbedding` (its key maps are not
+            variables).
 
     Example:
     ```python
@@ -104,10 +119,10 @@ class BackupAndRestore(ResumableCallback):
             raise ValueError(
                 "incremental must be 'auto', True or False. Received: "
                 f"incremental={incremental!r}.")
-        if not isinstance(recover_ps, bool):
-            raise TypeError(
-                "recover_ps must be True or False. Received: "
-                f"recover_ps={recover_ps!r}.")
+        if not (isinstance(recover_ps, bool) or recover_ps == LOST_SHARDS):
+            raise ValueError(
+                f"recover_ps must be True, False or {LOST_SHARDS!r}. "
+                f"Received: recover_ps={recover_ps!r}.")
         super().__init__(recover_ps=recover_ps)
         if not backup_dir:
             raise ValueError(
@@ -153,7 +168,20 @@ class BackupAndRestore(ResumableCallback):
         self._resume = None
         self.restored_state = None
         self._incremental = self._incremental_backup()
+        if self.recover_ps == LOST_SHARDS:
+            self._check_lost_shards_mode()
         self.restore_latest()
+
+    def _check_lost_shards_mode(self):
+        strategy = self.model.distribute_strategy
+        if (isinstance(strategy, ParameterServerStrategy)
+                and strategy.extended.placed.has_resources()):
+            raise ValueError(
+                f"recover_ps={LOST_SHARDS!r} restores only the lost ps' "
+                "variables, but this model keeps state on the ps that is not "
+                "a variable (a keras_ps.layers.DynamicEmbedding's key maps), "
+                "which would no longer match its rows. Fix: "
+                "recover_ps=True (every ps restored to the newest backup).")
 
     def _incremental_backup(self):
         """The IncrementalBackup that writes the backups, or None (each
@@ -224,6 +252,44 @@ class BackupAndRestore(ResumableCallback):
         logger.info("[chief] restored backup %s: epoch %d, step %d",
                     weights, state["epoch"], state["step"])
         return self._resume
+
+    def restore_lost_shards(self, lost):
+        """Loads the newest backup into the variables of the ps in `lost`
+        (indices) only; the others keep theirs.
+
+        Returns:
+            (epoch, step within the epoch) of that backup.
+        """
+        strategy = self.model.distribute_strategy
+        lost_variables = [v for i in lost for v in strategy.variables_on_ps(i)]
+        devices = {v.device for v in lost_variables}
+        state = self._read_state()
+        if state.get("weights") is None:
+            backup = self._incremental or IncrementalBackup(
+                self.model, self._incremental_path,
+                **self._incremental_options)
+            state = backup.restore(devices=devices).metadata
+        else:
+            lost_ids = {id(v) for v in lost_variables}
+            kept = [v for i in range(strategy.num_ps)
+                    for v in strategy.variables_on_ps(i)
+                    if i not in lost and id(v) not in lost_ids]
+            # A copy of each kept variable on its own ps (nothing travels
+            # through the chief), written back after the weights file,
+            # which holds every variable, was loaded.
+            copies = []
+            for variable in kept:
+                with tf.device(variable.device):
+                    copies.append(tf.identity(variable))
+            self.model.load_weights(os.path.join(self.backup_dir,
+                                                 state["weights"]))
+            for variable, copy in zip(kept, copies):
+                variable.assign(copy)
+        logger.warning("[chief] restored the variables of ps %s (%d) from the "
+                    "backup of epoch %d, step %d; the other ps kept theirs",
+                    sorted(lost), len(lost_variables), state["epoch"],
+                    state["step"])
+        return state["epoch"], state["step"]
 
     def _restore_incremental(self):
         # Backups written incrementally restore so whatever `incremental` is

@@ -270,12 +270,13 @@ class _KillInRestore(keras_ps.callbacks.BackupAndRestore):
         return super().restore_latest()
 
 
-def ps_recover(backup_dir, kills, in_restore=None):
+def ps_recover(backup_dir, kills, in_restore=None, recover_ps=True):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model = build(strategy)
         killer = _KillAndRestartPs(cluster, kills)
-        backup = _KillInRestore(cluster, in_restore, backup_dir, save_freq=4)
+        backup = _KillInRestore(cluster, in_restore, backup_dir, save_freq=4,
+                                recover_ps=recover_ps)
         try:
             history = model.fit(
                 dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
@@ -291,6 +292,53 @@ def ps_recover(backup_dir, kills, in_restore=None):
             accuracy=float(accuracy), restores=backup.restores,
             recoveries=history.history.get("ps_recoveries"),
             rolled_back=history.history.get("steps_rolled_back"))
+
+
+def lost_shards_restore(backup_dir, incremental):
+    """A backup, then every float variable changed, then ps 0 killed and
+    restarted: `restore_lost_shards([0])` gives ps 0 the backup's values and
+    leaves ps 1's as they were."""
+    with keras_ps.LocalCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(
+            cluster.resolver,
+            variable_partitioner=keras_ps.partitioners.FixedShardsPartitioner(2))
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((4,), dtype="int32"),
+                keras.layers.Embedding(256, 8), keras.layers.Flatten(),
+                keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(keras.optimizers.Adagrad(0.1), "binary_crossentropy")
+        x = np.random.default_rng(0).integers(0, 256, (256, 4)).astype("int32")
+        y = (x[:, :1] % 2).astype("float32")
+        callback = keras_ps.callbacks.BackupAndRestore(
+            backup_dir, delete_checkpoint=False, incremental=incremental,
+            recover_ps="lost_shards")
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=8,
+                  callbacks=[callback], verbose=0)
+
+        def floats(index):
+            # The model's and the optimizer's (metric state is not backed up).
+            return [v for v in strategy.variables_on_ps(index)
+                    if v.dtype == tf.float32 and not v.name.startswith("loss/")]
+
+        backed = [[v.numpy() for v in floats(i)] for i in range(2)]
+        for i in range(2):
+            for variable in floats(i):
+                variable.assign_add(tf.ones_like(variable))
+        cluster.kill("ps", 0)
+        cluster.restart("ps", 0)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        recovery = coordinator.recover_parameter_servers(restore_follows=True)
+        position = callback.restore_lost_shards(recovery.lost)
+        say(lost=list(recovery.lost), position=list(position),
+            variables=[len(floats(i)) for i in range(2)],
+            ps0_is_backup=all(np.array_equal(v.numpy(), b)
+                              for v, b in zip(floats(0), backed[0])),
+            ps1_kept=all(np.array_equal(v.numpy(), b + 1)
+                         for v, b in zip(floats(1), backed[1])),
+            incremental_files=os.path.isdir(
+                os.path.join(backup_dir, "incremental")))
 
 
 def grow_shrink():
@@ -326,7 +374,10 @@ if __name__ == "__main__":
         keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
     elif sys.argv[1] == "ps_recover":
         ps_recover(sys.argv[2], json.loads(sys.argv[3]),
-                   int(sys.argv[4]) if len(sys.argv) > 4 else None)
+                   int(sys.argv[4]) if sys.argv[4:5] not in ([], ["-"])
+                   else None, *sys.argv[5:6])
+    elif sys.argv[1] == "lost_shards_restore":
+        lost_shards_restore(sys.argv[2], json.loads(sys.argv[3]))
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

@@ -244,11 +244,14 @@ class Applier:
         self._catalog = catalog
         self._functions = {}
 
-    def apply(self, directory, entries):
+    def apply(self, directory, entries, devices=None):
         """Writes `entries` (a full backup then deltas, as the manifest of
         `directory` lists them) into the catalog's variables, wherever their
         rows now live: each variable from the last entry that holds it
         whole, then the rows of the deltas after it, in order.
+
+        `devices`: only the variables on these devices are written (None:
+        all).
 
         Raises:
             BackupCorruptError: a file cannot be read or is not what was
@@ -276,7 +279,9 @@ class Applier:
                             targets.setdefault(part.variable.device, []).append(
                                 (component + 1, part))  # ids come first
                 for device, parts in targets.items():
-                    plan.setdefault(device, []).append((path, record, parts))
+                    if devices is None or device in devices:
+                        plan.setdefault(device, []).append(
+                            (path, record, parts))
             plans.append((entry, plan, bundles))
         # Every file used is there, whole, before any variable is written.
         for entry, plan, bundles in plans:
@@ -284,7 +289,7 @@ class Applier:
                                               for f in files]:
                 _backup_chain.check_file(path, entry, record)
         for entry, plan, bundles in plans:
-            self._apply_bundles(entry, bundles)
+            self._apply_bundles(entry, bundles, devices)
             per_device(lambda d, e=entry, p=plan: self._apply_rows(d, e, p[d]),
                        sorted(plan))
 
@@ -342,8 +347,9 @@ class Applier:
             self._functions[key] = tf.function(apply, autograph=False)
         return self._functions[key]
 
-    def _apply_bundles(self, entry, bundles):
-        """Reads bundle files here and assigns each variable whole."""
+    def _apply_bundles(self, entry, bundles, devices=None):
+        """Reads bundle files here and assigns each variable whole (those
+        on `devices`, None: all)."""
         pieces = {}  # key -> [(first row, value)]
         for path, record, wanted in bundles:
             try:
@@ -367,6 +373,8 @@ class Applier:
                         parts[0].variable.dtype).numpy()))
         for key, found in pieces.items():
             for part in self._catalog.parts[key]:
+                if devices is not None and part.variable.device not in devices:
+                    continue
                 for lowest, value in found:
                     if value.ndim == 0:
                         part.variable.assign(value)

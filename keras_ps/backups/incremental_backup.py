@@ -390,13 +390,17 @@ class IncrementalBackup:
         chain = manifest["chains"][-1]
         return _backup_chain.entry_info(chain[-1], len(chain) - 1)
 
-    def restore(self, fallback=True):
+    def restore(self, fallback=True, devices=None):
         """Loads the newest backup: its full backup, then its deltas in order.
 
         Args:
             fallback: True: a backup with a missing or damaged file is
                 skipped (logged, and listed in the result's `problems`) for
                 the newest complete one before it. False: raise.
+            devices: only the variables on these devices (ps device names)
+                are written, the others keep their values; the next backup
+                is then a full one (the variables no longer agree with any
+                one backup). None: every variable.
 
         Returns:
             The restored BackupEntry (its `metadata` is what was saved with
@@ -420,7 +424,7 @@ class IncrementalBackup:
                 entries = manifest["chains"][c][:length]
                 catalog.check_matches(entries[0]["variables"], self.directory)
                 try:
-                    self._applier.apply(self.directory, entries)
+                    self._applier.apply(self.directory, entries, devices)
                 except BackupCorruptError as error:
                     if not fallback:
                         raise
@@ -428,7 +432,8 @@ class IncrementalBackup:
                     logger.warning("[chief] %s", error)
                     continue
                 generation = _dirty_rows.GENERATIONS.advance()
-                self._base = (entries[-1]["id"], generation)
+                self._base = ((entries[-1]["id"], generation)
+                              if devices is None else None)
                 info = _backup_chain.entry_info(entries[-1], length - 1,
                                    time.monotonic() - started, problems)
                 logger.info("[chief] restored %s backup %d (%d deltas) in "

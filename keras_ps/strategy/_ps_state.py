@@ -130,6 +130,12 @@ class PlacedVariables:
         with self._lock:
             self._remakes.setdefault(index, []).append(weakref.WeakMethod(remake))
 
+    def has_resources(self):
+        """Whether any live resource that is not a variable is tracked."""
+        with self._lock:
+            return any(r() is not None for remakes in self._remakes.values()
+                       for r in remakes)
+
     def remake_resources(self, index):
         """Calls the live `remake`s of ps `index`; returns how many."""
         with self._lock:

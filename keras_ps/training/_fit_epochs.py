@@ -9,6 +9,7 @@ import time
 import keras
 import tensorflow as tf
 
+from keras_ps.coordinator.values import RemoteValueStatus
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.training.inputs import should_validate
 
@@ -47,6 +48,8 @@ def end_training(model, callback_list, epochs, training_logs):
 
 
 # -- losing a parameter server --------------------------------------------------
+# recover_ps value of a ResumableCallback: restore only the lost ps' variables.
+LOST_SHARDS = "lost_shards"
 # Recoveries in a row with no step trained between them: past this, the loss
 # keeps coming back (a ps that crashes at start, a backup that kills it) and
 # fit raises instead of recovering forever.
@@ -72,9 +75,38 @@ class Progress:
         self.reached = 0
         self.recoveries = 0
         self.rolled_back = 0
+        # (first, end, RemoteValue) of each execution scheduled since the
+        # last join, for a recovery that goes on from where training was.
+        self._executions = []
 
     def at(self, epoch, step):
         return epoch * self.steps_per_epoch + step
+
+    def position(self, count):
+        """(epoch, step) of `count` steps since the start of training."""
+        return divmod(count, self.steps_per_epoch)
+
+    def scheduled(self, first, end, remote):
+        """Steps [first, end) were scheduled as one execution."""
+        self._executions.append((first, end, remote))
+
+    def joined(self):
+        """Every execution scheduled so far has finished."""
+        self._executions = []
+
+    def resume_point(self):
+        """(steps to go on from, steps after it that finished and run
+        again): the first execution since the last join that did not
+        finish, or where training reached when all did."""
+        unfinished = [first for first, _, remote in self._executions
+                      if remote.status is not RemoteValueStatus.READY]
+        if not unfinished:
+            return self.reached, 0
+        resume = min(unfinished)
+        again = sum(end - first for first, end, remote in self._executions
+                    if first >= resume
+                    and remote.status is RemoteValueStatus.READY)
+        return resume, again
 
     def epoch_logs(self):
         """The epoch's `ps_recoveries` and `steps_rolled_back` (or
@@ -155,20 +187,41 @@ def train_with_ps_recovery(coordinator, backup, train_from, position,
             recover = True
 
 
+def _carry_iterations_forward(strategy, model, lost, steps):
+    """When the optimizer's step count lived on a lost ps (restored to the
+    backup's), adds the `steps` trained since that backup."""
+    iterations = getattr(getattr(model, "optimizer", None), "iterations", None)
+    if iterations is None:
+        return
+    variable = getattr(iterations, "value", iterations)
+    on_lost = {id(v) for i in lost for v in strategy.variables_on_ps(i)}
+    if id(variable) in on_lost and steps > 0:
+        variable.assign_add(tf.cast(steps, variable.dtype))
+
+
 def _closures_run(coordinator):
     return sum(w.closures_run for w in coordinator.workers)
 
 
 def _recover(coordinator, backup, progress):
     """Gives the lost ps their variables back and restores the newest
-    backup; returns the backup's (epoch, step)."""
+    backup (into every ps, or with `recover_ps="lost_shards"` into the lost
+    ones only); returns the (epoch, step) to train again from."""
     started = time.monotonic()
     # The backup holds the model and the optimizer whole: large variables
     # need no zeros before it is read.
     recovery = coordinator.recover_parameter_servers(restore_follows=True)
     restored_at = time.monotonic()
-    position = backup.restore_latest()
-    rolled_back = max(0, progress.reached - progress.at(*position))
+    if backup.recover_ps == LOST_SHARDS:
+        resume, rolled_back = progress.resume_point()
+        backup_at = progress.at(*backup.restore_lost_shards(recovery.lost))
+        _carry_iterations_forward(coordinator.strategy, backup.model,
+                                  recovery.lost, resume - backup_at)
+        position = progress.position(resume)
+    else:
+        position = backup.restore_latest()
+        rolled_back = max(0, progress.reached - progress.at(*position))
+    progress.joined()
     progress.recoveries += 1
     progress.rolled_back += rolled_back
     progress.reached = progress.at(*position)

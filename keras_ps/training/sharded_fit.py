@@ -76,6 +76,15 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
         keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=verbose != 0,
             verbose=verbose, epochs=epochs, steps=data.num_shards, model=model)
+    recovering = _fit_epochs.recovering_callback(callback_list)
+    if recovering is not None and \
+            recovering.recover_ps == _fit_epochs.LOST_SHARDS:
+        raise ValueError(
+            f"recover_ps={_fit_epochs.LOST_SHARDS!r} goes on from where "
+            "training was, which a ShardedInput's shard ledger cannot follow "
+            "yet. Received: a ShardedInput with BackupAndRestore(recover_ps="
+            f"{_fit_epochs.LOST_SHARDS!r}). Fix: recover_ps=True (every ps "
+            "restored to the newest backup, its ledger with it).")
     model.stop_training = False
     callback_list.on_train_begin()
     backup = _backup_callback(callback_list)
@@ -84,7 +93,6 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
     if resume is not None:
         start_epoch = resume[0]
         logger.info("[chief] resuming at epoch %d", start_epoch)
-    recovering = _fit_epochs.recovering_callback(callback_list)
     progress = _fit_epochs.Progress(data.num_shards, recovering is not None,
                                     unit="shards")
 

@@ -212,12 +212,15 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 remote = coordinator.schedule(steps_fn.get(count),
                                               args=(iterator,))
                 progress.reached = progress.at(epoch, begin + count)
+                progress.scheduled(progress.at(epoch, begin),
+                                   progress.reached, remote)
                 logs = StepLogs(remote, tracker)
                 _batch_end(callback_list, begin + count - 1, logs,
                            "on_train_batch_end")
                 if model.stop_training:
                     break
             coordinator.join()
+            progress.joined()
             epoch_logs = python_logs(model.get_metrics_result())
             epoch_logs.update(progress.epoch_logs())
             training_logs = epoch_logs

@@ -39,6 +39,8 @@ BLOCKS = {
     ("docs/dynamic_embedding.md", "import keras"): (
         "tests/_dynamic_job.py",
         ["DynamicEmbedding", "capacity", "min_count", "LazyAdam"]),
+    ("docs/ps_recovery.md", "backup = keras_ps.callbacks.BackupAndRestore("): (
+        "tests/_fit_job.py", ["BackupAndRestore", "recover_ps", "lost_shards"]),
     ("docs/ps_recovery.md", "checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)"): (
         "tests/_fault_job.py",
         ["recover_parameter_servers", "ParameterServerUnavailableError",

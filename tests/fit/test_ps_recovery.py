@@ -19,10 +19,10 @@ PER_EXECUTION = 2  # the job's steps_per_execution
 BACKUP_EVERY = 4  # the job's save_freq
 
 
-def run(tmp_path, kills, in_restore=None):
+def run(tmp_path, kills, in_restore=None, recover_ps=None):
     args = [sys.executable, JOB, "ps_recover", str(tmp_path / "backup"),
-            json.dumps(kills)] + ([str(in_restore)] if in_restore is not None
-                                  else [])
+            json.dumps(kills), "-" if in_restore is None else str(in_restore)
+            ] + ([recover_ps] if recover_ps else [])
     out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          text=True, timeout=240,
                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
@@ -88,3 +88,81 @@ def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(tmp_path):
     assert "ps 0 (localhost:" in result["message"]
     assert "no backup yet" in result["message"]
     assert "Restart the job" in result["message"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("incremental", [False, True])
+def test_lost_shards_mode_restores_the_lost_ps_only(incremental, tmp_path):
+    # After a backup every float variable is changed, then ps 0 is killed
+    # and restarted: ps 0 gets the backup's values back, ps 1 keeps the
+    # changed ones (a full restore would have reverted them too).
+    out = subprocess.run(
+        [sys.executable, JOB, "lost_shards_restore", str(tmp_path / "b"),
+         json.dumps(incremental)], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=240,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    result = last_report(out.stdout)
+    assert result["lost"] == [0]
+    assert result["position"] == [1, 0]  # the backup at the epoch's end
+    assert min(result["variables"]) > 0, result
+    assert result["ps0_is_backup"], result
+    assert result["ps1_kept"], result
+    assert result["incremental_files"] == incremental
+
+
+@pytest.mark.timeout(300)
+def test_fit_in_lost_shards_mode_goes_on_without_a_rollback(tmp_path,
+                                                           undisturbed):
+    kills = [[1, 21, [0]]]
+    code, output, result = run(tmp_path, kills, recover_ps="lost_shards")
+    assert code == 0, output[-4000:]
+    assert "KILLED AND RESTARTED" in output
+    assert "the other ps kept theirs" in output, output[-3000:]
+    assert result["epochs"] == [0, 1, 2]
+    assert result["recoveries"] == [0, 1, 0]
+    # The step count is carried forward, not rewound: the plan, plus at
+    # most one packed execution per worker that ran twice.
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + 2 * PER_EXECUTION, output[-3000:]
+    # Only executions the loss interrupted are trained again, never the
+    # steps back to the backup.
+    assert result["rolled_back"][1] <= 2 * PER_EXECUTION, result
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.005, \
+        (result["accuracy"], undisturbed["accuracy"])
+
+
+def test_lost_shards_mode_is_refused_with_a_sharded_input(tmp_path):
+    # Refused before training starts, naming the value and the fix.
+    out = subprocess.run(
+        [sys.executable, "-c", LOST_SHARDS_WITH_SHARDED_INPUT,
+         str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=240, cwd=TESTS,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert out.returncode == 0, out.stdout[-3000:]
+    message = last_report(out.stdout)["message"]
+    assert "recover_ps='lost_shards'" in message
+    assert "Fix: recover_ps=True" in message
+
+
+LOST_SHARDS_WITH_SHARDED_INPUT = """
+import sys
+import keras
+import numpy as np
+import keras_ps
+from _results import say
+with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    data = keras_ps.ShardedInput(
+        (np.zeros((64, 2), "float32"), np.zeros((64, 1), "float32")),
+        records_per_shard=16, batch_size=8)
+    try:
+        model.fit(data, epochs=1, verbose=0, callbacks=[
+            keras_ps.callbacks.BackupAndRestore(
+                sys.argv[1], recover_ps="lost_shards")])
+    except ValueError as error:
+        say(message=str(error))
+"""

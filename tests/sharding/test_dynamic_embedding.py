@@ -428,3 +428,27 @@ def test_incremental_backups_refuse_a_dynamic_table_and_auto_writes_full(
     again.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0,
               callbacks=[restored])  # resumes at the end: trains no step
     assert sorted(again_table.live_state()["keys"].tolist()) == keys
+
+
+def test_lost_shards_recovery_is_refused_for_a_dynamic_table(strategy,
+                                                              tmp_path):
+    # Its key maps are not variables: restoring only a lost ps' variables
+    # would leave them out of step with the rows. Refused before training,
+    # naming the value and the fix; no step is trained.
+    model, _ = _id_model(strategy)
+    model.compile(keras.optimizers.Adagrad(0.5), "mse")
+    x, y = _id_data()
+    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=2, verbose=0)
+    before = int(model.optimizer.iterations.numpy())
+    backup = keras_ps.callbacks.BackupAndRestore(
+        str(tmp_path / "b"), recover_ps="lost_shards")
+    with pytest.raises(ValueError, match=r"recover_ps='lost_shards'.*"
+                                         r"DynamicEmbedding.*recover_ps=True"):
+        model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=2,
+                  verbose=0, callbacks=[backup])
+    assert int(model.optimizer.iterations.numpy()) == before
+
+
+def test_recover_ps_takes_true_false_or_lost_shards():
+    with pytest.raises(ValueError, match=r"recover_ps='all'"):
+        keras_ps.callbacks.BackupAndRestore("/tmp/unused", recover_ps="all")
