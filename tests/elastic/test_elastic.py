@@ -79,13 +79,14 @@ def test_agent_policy_decides():
     assert decide(TaskStatus.FAILED, 2, 2) is AgentDecision.GIVE_UP
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(240)
 def test_agent_restarts_failing_task_then_gives_up(rdzv, agents):
     endpoint, client = rdzv
     process, address, log = agents(
         endpoint, [sys.executable, "-c", "import sys; sys.exit(3)"],
         "--max_restarts=2")
-    assert process.wait(45) == 1
+    # Generous: three Python starts and the agent's own, on a loaded machine.
+    assert process.wait(200) == 1
     text = log.read_text()
     assert len(task_pids(log)) == 3, text  # the first run and 2 restarts
     assert "exit code 3" in text and "max_restarts=2" in text, text
