@@ -10,12 +10,43 @@ log2(max_pack) + 1 times, all early in a job. That matters because TF
 registers every newly traced function on every worker with a synchronous RPC
 while holding the GIL: with one worker stopped (SIGSTOP, a hung host) a new
 trace freezes the whole coordinator until that worker continues.
+
+A function marked with `loop_packable` (fit's and evaluate's step functions)
+is packed in a loop instead: one traced function runs any number of calls
+with the same arguments (a worker's iterator), its outputs stacked. Its graph
+does not grow with the pack, so it is traced and instantiated on a worker
+once, not once per pack size: an unrolled pack of 16 steps of a large model
+took minutes to instantiate on a worker, each new size again.
 """
 
 import threading
 import weakref
 
 import tensorflow as tf
+
+# Functions whose closures may run in a loop (see `loop_packable`).
+_LOOP_PACKABLE = weakref.WeakSet()
+_LOOP = "loop"  # the key of a looped pack among a function's pack sizes
+
+
+def loop_packable(fn):
+    """Marks `fn`, a tf.function whose outputs are all tensors of the same
+    shapes at every call, as packable in a loop; returns it."""
+    _LOOP_PACKABLE.add(fn)
+    return fn
+
+
+class Pack:
+    """How one batch of closures runs: `function(*args)` returns
+    `(results, token)`; `split(local results)` gives each closure's."""
+
+    def __init__(self, function, args, split):
+        self.function, self.args, self.split = function, args, split
+
+
+def _same_call(calls):
+    first = [id(x) for x in tf.nest.flatten(calls[0])]
+    return all([id(x) for x in tf.nest.flatten(c)] == first for c in calls[1:])
 
 
 def pack_limit(pending, max_pack, num_takers):
@@ -46,22 +77,47 @@ class PackedFunctions:
 
     def get(self, fn, count):
         """The packed function running `count` calls of `fn`."""
+        key = _LOOP if fn in _LOOP_PACKABLE else count
         with self._lock:
             sizes = self._by_fn.setdefault(fn, {})
-            packed = sizes.get(count)
+            packed = sizes.get(key)
             if packed is None:
-                packed = sizes[count] = _pack(fn)
+                packed = sizes[key] = (_loop(fn) if key == _LOOP
+                                       else _pack(fn))
             return packed
+
+    def prepare(self, fn, calls):
+        """The Pack running `calls` (each `(args, kwargs)`) of `fn`, traced:
+        in a loop when `fn` is loop-packable and the calls share their
+        arguments, else unrolled."""
+        if fn in _LOOP_PACKABLE and _same_call(calls):
+            count = tf.constant(len(calls))
+            function = self.get(fn, len(calls)).get_concrete_function(
+                calls[0], count)
+            return Pack(function, (calls[0], count),
+                        lambda stacked: _unstack(stacked, len(calls)))
+        with self._lock:  # a loop-packable fn with other arguments
+            sizes = self._by_fn.setdefault(fn, {})
+            packed = sizes.get(len(calls))
+            if packed is None:
+                packed = sizes[len(calls)] = _pack(fn)
+        return Pack(packed.get_concrete_function(calls), (calls,), list)
 
     def is_traced(self, fn, count):
         with self._lock:
-            return count in self._by_fn.get(fn, {})
+            sizes = self._by_fn.get(fn, {})
+            return count in sizes or _LOOP in sizes
 
     def clear(self):
         """Forgets every packed function (their traces are stale: a lost ps
         was given new variables), so `is_traced` tells the truth again."""
         with self._lock:
             self._by_fn = weakref.WeakKeyDictionary()
+
+    def sizes(self, fn):
+        """The packs of `fn` held: pack sizes, or "loop"."""
+        with self._lock:
+            return sorted(self._by_fn.get(fn, {}), key=str)
 
     def __len__(self):
         """How many (function, pack size) pairs are held."""
@@ -98,3 +154,38 @@ def _pack(fn):
         return results, tf.constant(True)
 
     return tf.function(run_all)
+
+
+def _loop(fn):
+    """`run_loop(call, n)`: `n` calls of `fn` with the same arguments in a
+    while loop; returns its outputs stacked (a leading axis of `n`)."""
+    fn_ref = weakref.ref(fn)
+
+    def run_loop(call, n):
+        step = fn_ref()
+        args, kwargs = call
+        outputs = step.get_concrete_function(*args, **kwargs).structured_outputs
+        leaves = tf.nest.flatten(outputs)
+        arrays = [tf.TensorArray(t.dtype, size=n, element_shape=t.shape)
+                  for t in leaves]
+
+        def body(i, arrays):
+            out = tf.nest.flatten(step(*args, **kwargs))
+            return i + 1, [a.write(i, t) for a, t in zip(arrays, out)]
+
+        _, arrays = tf.while_loop(lambda i, _: i < n, body,
+                                  (tf.constant(0), arrays))
+        stacked = tf.nest.pack_sequence_as(outputs, [a.stack() for a in arrays])
+        # Automatic control dependencies make every output wait for all the
+        # loop's stateful ops.
+        return stacked, tf.constant(True)
+
+    return tf.function(run_loop, autograph=False)
+
+
+def _unstack(stacked, count):
+    """The outputs of each of `count` calls from their stacked outputs."""
+    leaves = tf.nest.flatten(stacked)
+    parts = [tf.unstack(t, num=count) for t in leaves]
+    return [tf.nest.pack_sequence_as(stacked, [p[i] for p in parts])
+            for i in range(count)]

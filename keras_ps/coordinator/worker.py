@@ -280,19 +280,19 @@ class Worker:
         # Traced outside any device scope, so one trace serves every worker
         # (a joining worker runs at once instead of tracing the step again);
         # the call below places the whole function on this worker.
-        concrete = packing.get(fn, len(batch)).get_concrete_function(calls)
+        pack = packing.prepare(fn, calls)
         if len(batch) > 1 and not packing.is_traced(fn, 1):
             # Size 1 is the fallback while a worker may be hung: have it ready.
-            packing.get(fn, 1).get_concrete_function(calls[:1])
-        run = batch[0].cancellation.get_cancelable_function(concrete)
+            packing.prepare(fn, calls[:1])
+        run = batch[0].cancellation.get_cancelable_function(pack.function)
         with tf.device(self.device), dispatch_scope(
                 self.index, self._services.num_workers()):
-            results, token = run(calls)
+            results, token = run(*pack.args)
         # A remote call returns once it is enqueued; fetching the token (an
         # output of the same function) waits until every step has run.
         token.numpy()
         # Copy results to the coordinator now: the worker may be gone later.
-        return [self._to_local(r) for r in results]
+        return pack.split(self._to_local(results))
 
     def _select(self, closure):
         if not closure.per_worker:

@@ -22,6 +22,7 @@ from keras_ps import shards
 from keras_ps._keras import compat
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.coordinator import packing
 from keras_ps.training.inputs import DatasetCreator
 from keras_ps.training._fit_epochs import ResumableCallback
 from keras_ps.training import sharded_fit
@@ -49,7 +50,10 @@ class _StepFunctions:
     def get(self, count):
         fn = self._functions.get(count)
         if fn is None:
-            fn = tf.function(self._multi_step(count), autograph=False)
+            # Its outputs are the step's logs, the same shapes every call:
+            # a worker's queued executions run in one loop.
+            fn = packing.loop_packable(
+                tf.function(self._multi_step(count), autograph=False))
             self._functions[count] = fn
         return fn
 

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 import keras_ps
+from keras_ps.coordinator import packing
 from keras_ps.coordinator import worker_index, num_workers
 
 pytestmark = pytest.mark.timeout(120)
@@ -62,6 +63,35 @@ def test_many_packed_steps_each_run_once(strategy, coordinator):
     assert total.numpy() == 300.0  # no failures: exactly once
     assert all(r.fetch() == 2.0 for r in results)
     assert all(w.closures_run > 0 for w in coordinator.workers)
+
+
+def test_loop_packed_steps_each_run_once_with_their_own_outputs(
+        strategy, coordinator):
+    # fit's step functions are packed in a loop: one traced function runs
+    # packs of any size, each closure gets its own step's outputs back.
+    with strategy.scope():
+        total = tf.Variable(0, dtype=tf.int64)
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(10**6)))
+
+    @tf.function
+    def step(it):
+        x = next(it)
+        total.assign_add(x)
+        return {"x": x, "pair": tf.stack([x, 2 * x]),
+                "worker": tf.cast(worker_index(), tf.int64)}
+
+    packing.loop_packable(step)
+    results = [coordinator.schedule(step, args=(iterator,)) for _ in range(300)]
+    coordinator.join()
+    outputs = [r.fetch() for r in results]
+    assert all(o["pair"].tolist() == [o["x"], 2 * o["x"]] for o in outputs)
+    # Each worker's elements were each taken once, by one closure.
+    for w in (0, 1):
+        xs = sorted(int(o["x"]) for o in outputs if o["worker"] == w)
+        assert xs == list(range(len(xs)))
+    assert total.numpy() == sum(int(o["x"]) for o in outputs)
+    assert coordinator._packing.sizes(step) == ["loop"]  # one trace, any size
 
 
 def test_worker_index_inside_scheduled_function(coordinator):
