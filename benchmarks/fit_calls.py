@@ -40,7 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
 from fit_large_tables import dataset_fn_for  # noqa: E402
 
-SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam")
+SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
+           "keras_ps_adagrad_unrolled")
+# A system named "<system>_unrolled" is <system> with its steps_per_execution
+# steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS).
+UNROLLED = "_unrolled"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
 EVAL_STEPS = 100
@@ -56,7 +60,9 @@ def _hwm_gb(pid):
 
 def run_one(system, rows):
     native = system.startswith("tf_native")
-    optimizer_name = system.rsplit("_", 1)[1]
+    optimizer_name = system.removesuffix(UNROLLED).rsplit("_", 1)[1]
+    if system.endswith(UNROLLED):
+        os.environ["KERAS_PS_UNROLL_STEPS"] = str(STEPS_PER_EXECUTION)
     if native:
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TF is imported
     import tensorflow as tf
@@ -142,6 +148,7 @@ def run_one(system, rows):
 def run_child(system, rows, timeout=1800):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
+    env.pop("KERAS_PS_UNROLL_STEPS", None)
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_child", system,
          str(rows)], capture_output=True, text=True, env=env, timeout=timeout)

@@ -46,6 +46,15 @@ DEFAULT_NO_WORKER_TIMEOUT = 0.0
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"
 DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 
+# The largest `steps_per_execution` whose steps a scheduled training or
+# evaluation function writes out one after another instead of running them in
+# a tf.while_loop (0: always the loop). A loop whose body reads and updates
+# variables on the ps costs more per step than the same steps written out
+# (benchmarks/step_breakdown.py); written out, the first call of each function
+# on a worker takes longer (a larger graph to trace and instantiate).
+UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
+DEFAULT_UNROLL_STEPS = 0
+
 # Seconds a remote call may run before the coordinator probes its worker; a
 # worker that is then unreachable (e.g. SIGSTOPped, hung host) is declared
 # failed and its closures run elsewhere. A busy worker still answers the

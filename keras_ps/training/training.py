@@ -15,6 +15,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from keras_ps import _constants
 from keras_ps.training import _fit_epochs
 from keras_ps.training import exact_evaluation
 from keras_ps.training import inputs
@@ -46,6 +47,8 @@ class _StepFunctions:
         self._model = weakref.ref(model)
         self._step_name = step_name
         self._functions = {}
+        self._unroll = _constants.env_int(_constants.UNROLL_STEPS_ENV_VAR,
+                                          _constants.DEFAULT_UNROLL_STEPS)
 
     def get(self, count):
         fn = self._functions.get(count)
@@ -59,11 +62,17 @@ class _StepFunctions:
 
     def _multi_step(self, count):
         model_ref, step_name = self._model, self._step_name
+        unrolled = count <= self._unroll
 
         def multi_step(iterator):
             step = getattr(model_ref(), step_name)
             logs = step(next(iterator))
-            if count > 1:
+            if count > 1 and unrolled:
+                # Written out: automatic control dependencies keep every
+                # step's reads and updates in the order of the loop.
+                for _ in range(count - 1):
+                    logs = step(next(iterator))
+            elif count > 1:
                 def body(i, _):
                     return i + 1, step(next(iterator))
                 _, logs = tf.while_loop(

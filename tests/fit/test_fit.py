@@ -355,3 +355,39 @@ def test_changed_input_or_compile_traces_again(fit_strategy):
     assert traced["train"] > before
     assert int(model.optimizer.iterations.numpy()) == 8
     assert int(old_optimizer.iterations.numpy()) == 16
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
+                                               optimizer):
+    # Every batch is the whole data, so the result does not depend on which
+    # worker runs which execution; written out (KERAS_PS_UNROLL_STEPS=4) and
+    # in a tf.while_loop, the same steps give the same weights.
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 50, size=(128, 3))
+    y = (ids.sum(1, keepdims=True) % 2).astype("float32")
+
+    def creator(context):
+        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(128).repeat()
+
+    weights, traces = [], []
+    for unroll in ("0", "4"):
+        monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+        keras.utils.set_random_seed(7)
+        with fit_strategy.scope():
+            model = keras.Sequential([
+                keras.Input((3,), dtype="int64"), keras.layers.Embedding(50, 4),
+                keras.layers.Flatten(), keras.layers.Dense(1, activation="sigmoid")])
+            model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
+                          steps_per_execution=4)
+        traced = _count_traces(model)
+        model.fit(keras_ps.DatasetCreator(creator), epochs=3, steps_per_epoch=4,
+                  verbose=0)
+        assert int(model.optimizer.iterations.numpy()) == 12
+        weights.append(model.get_weights())
+        traces.append(traced["train"])
+    # The loop traces the step twice (the first step, the loop's body);
+    # written out, once per step.
+    assert traces[1] == 2 * traces[0], traces
+    for looped, unrolled in zip(*weights):
+        np.testing.assert_allclose(unrolled, looped, rtol=1e-6, atol=1e-7)
