@@ -33,11 +33,17 @@ Each repeat is a new process with a new cluster. In it:
      dense_update   optimizer.apply of the MLP's dense gradients
      step           the real packed train function (10 train steps)
      step_unrolled  the same 10 train steps written out, no tf.while_loop
+     dense_adagrad_per_var / _grouped
+                    Keras' Adagrad formula run on the ps for the MLP's
+                    variables, their gradients sent one tensor per variable,
+                    or one flat tensor per ps (split there)
 3. Floor, between the same processes:
      floor_transfer one round trip per ps per step moving the step's bytes:
                     each ps' share of the distinct rows (and the MLP's
                     weights) to the worker and the same bytes back;
-                    also with 1-row tensors (the round trips' latency alone)
+                    also with 1-row tensors (the round trips' latency alone);
+                    the MLP's bytes alone, one tensor per variable each way
+                    or one flat tensor per ps each way
      kernels        on each ps, run there (no RPC in the loop): the row
                     gather, TF's one-kernel ResourceSparseApplyAdagradV2 and
                     keras_ps' row-wise Adagrad on that ps' rows (the real
@@ -333,6 +339,67 @@ def run_one(rows):
     parts["floor_rows_dense"] = fn(floor_transfer(True), "floor_rows_dense")
     parts["floor_tiny"] = fn(floor_transfer(False, tiny_vars), "floor_tiny")
 
+    def dense_trip(grouped):
+        # The MLP's bytes only, as separate tensors (one per variable each
+        # way) or grouped: one flat tensor per ps each way.
+        def f(it):
+            def body():
+                ids, _ = next(it)
+                for p in range(2):
+                    if not dense_on[p]:
+                        continue
+                    if grouped:
+                        with tf.device(PS_DEVICE.format(p)):
+                            flat = tf.concat([tf.reshape(v, [-1]) for v in dense_on[p]], 0)
+                        flat = flat * 1.0001
+                        with tf.device(PS_DEVICE.format(p)):
+                            sizes = [int(np.prod(v.shape)) for v in dense_on[p]]
+                            for v, g in zip(dense_back[p], tf.split(flat, sizes)):
+                                v.assign(tf.reshape(g, v.shape))
+                    else:
+                        got = [tf.convert_to_tensor(v) * 1.0001 for v in dense_on[p]]
+                        with tf.device(PS_DEVICE.format(p)):
+                            for v, g in zip(dense_back[p], got):
+                                v.assign(g)
+                return tf.cast(tf.reduce_sum(ids), tf.float32)
+            return repeat(body)
+        return f
+    parts["floor_dense"] = fn(dense_trip(False), "floor_dense")
+    parts["floor_dense_grouped"] = fn(dense_trip(True), "floor_dense_grouped")
+
+    dense_accumulators = [slot(optimizer, "_accumulators", v) for v in dense_keras]
+
+    def adagrad_on_ps(grouped):
+        # Keras' Adagrad formula on each MLP variable, on its ps; the
+        # gradients sent one tensor per variable, or one flat tensor per ps.
+        def f(it):
+            lr = tf.constant(1e-6)
+            def body():
+                ids, _ = next(it)
+                grads = [tf.fill(v.shape, 1e-4) for v in dense]
+                for p in range(2):
+                    mine = [i for i, v in enumerate(dense) if ps_of(v) == p]
+                    if not mine:
+                        continue
+                    if grouped:
+                        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in mine], 0)
+                        with tf.device(PS_DEVICE.format(p)):
+                            sizes = [int(np.prod(dense[i].shape)) for i in mine]
+                            parts_p = [tf.reshape(g, dense[i].shape) for i, g in
+                                       zip(mine, tf.split(flat, sizes))]
+                    else:
+                        parts_p = [grads[i] for i in mine]
+                    for i, g in zip(mine, parts_p):
+                        with tf.device(dense[i].device):
+                            acc = dense_accumulators[i]
+                            acc.assign_add(tf.square(g))
+                            dense[i].assign_sub(lr * g / tf.sqrt(acc + 1e-7))
+                return tf.cast(tf.reduce_sum(ids), tf.float32)
+            return repeat(body)
+        return f
+    parts["dense_adagrad_per_var"] = fn(adagrad_on_ps(False), "dense_adagrad_per_var")
+    parts["dense_adagrad_grouped"] = fn(adagrad_on_ps(True), "dense_adagrad_grouped")
+
     def step_unrolled(it):
         logs = None
         for _ in range(STEPS_PER_EXECUTION):
@@ -414,12 +481,15 @@ def run_one(rows):
         with tf.device(PS_DEVICE.format(key[0])):
             f().numpy()
         kernel_times[key] = []
+    kernel_cpu = {key: 0.0 for key in kernel_fns}
     for _ in range(ROUNDS):
         for key, f in kernel_fns.items():
+            ps_cpu = _cpu_s(pids[f"ps{key[0]}"])
             start = time.perf_counter()
             with tf.device(PS_DEVICE.format(key[0])):
                 f().numpy()
             kernel_times[key].append((time.perf_counter() - start) / KERNEL_LOOPS)
+            kernel_cpu[key] += _cpu_s(pids[f"ps{key[0]}"]) - ps_cpu
 
     iterations = int(optimizer.iterations.numpy())
     cluster.shutdown()
@@ -433,6 +503,8 @@ def run_one(rows):
         "call_s": times,
         "first_call_s": first_call_s,
         "kernel_s": {f"ps{p}/{what}": v for (p, what), v in kernel_times.items()},
+        "kernel_cpu_s": {f"ps{p}/{what}": v / (ROUNDS * KERNEL_LOOPS)
+                         for (p, what), v in kernel_cpu.items()},
         "iterations": iterations,
     }
 
@@ -490,9 +562,23 @@ def summarize(run):
     d["same round trips with 1-row tensors (latency only), ms"] = (
         ms["floor_tiny"] - base)
     d["step, 10 train steps unrolled (no while_loop), ms"] = ms["step_unrolled"]
+    for key, name in (
+            ("MLP bytes, one tensor per variable each way, ms", "floor_dense"),
+            ("MLP bytes, one flat tensor per ps each way, ms", "floor_dense_grouped"),
+            ("dense Adagrad on the ps, gradients one per variable, ms",
+             "dense_adagrad_per_var"),
+            ("dense Adagrad on the ps, gradients one flat tensor per ps, ms",
+             "dense_adagrad_grouped")):
+        if name in ms:  # parts added after the first runs
+            d[key] = ms[name] - base
     for what in ("gather", "tf_adagrad", "keras_ps_adagrad"):
         d[f"kernel on the ps: {what} (ps0 + ps1), ms"] = sum(
             k[f"ps{p}/{what}"] - k[f"ps{p}/ids"] for p in range(2))
+    if "kernel_cpu_s" in run:
+        kc = {name: 1000 * v for name, v in run["kernel_cpu_s"].items()}
+        for what in ("gather", "tf_adagrad", "keras_ps_adagrad"):
+            d[f"CPU ms on the ps: {what} kernel (ps0 + ps1)"] = sum(
+                kc[f"ps{p}/{what}"] - kc[f"ps{p}/ids"] for p in range(2))
     d["floor (rows + MLP bytes + gather + TF adagrad kernel), ms"] = (
         d["floor: rows + MLP weights, one round trip per ps, ms"]
         + d["kernel on the ps: gather (ps0 + ps1), ms"]
@@ -516,7 +602,11 @@ def summarize(run):
     d["CPU ms/call, empty through coordinator.schedule"] = total["empty_sched"]
     for name in ("input", "lookup", "dense_reads", "compute", "grad_send",
                  "sparse_update", "dense_update", "floor_rows",
-                 "floor_rows_dense", "floor_tiny", "step_unrolled"):
+                 "floor_rows_dense", "floor_tiny", "step_unrolled",
+                 "floor_dense", "floor_dense_grouped", "dense_adagrad_per_var",
+                 "dense_adagrad_grouped"):
+        if name not in total:
+            continue
         extra = 0 if name == "input" else total["input"]
         d[f"CPU ms/step, {name}" + ("" if name == "input" else " (minus input)")] = (
             total[name] - extra)
@@ -551,8 +641,10 @@ def markdown(runs):
             "| figure | min / **median** / max |",
             "|---|---|",
         ]
-        for key in summaries[0]:
-            lines.append(f"| {key} | {spread([s[key] for s in summaries])} |")
+        keys = list(dict.fromkeys(k for s in summaries for k in s))
+        for key in keys:
+            values = [s[key] for s in summaries if key in s]
+            lines.append(f"| {key} | {spread(values)} |")
         lines.append("")
     return lines
 
