@@ -412,10 +412,10 @@ def run_one(rows):
 
     def direct_call(f):
         calls = [((it0,), {})]
-        concrete = packing.get(f, 1).get_concrete_function(calls)
-        run = cancellation.get_cancelable_function(concrete)
+        pack = packing.prepare(f, calls)
+        run = cancellation.get_cancelable_function(pack.function)
         with tf.device(worker_device(0)), dispatch_scope(0, 2):
-            _, token = run(calls)
+            _, token = run(*pack.args)
         token.numpy()
 
     def scheduled_call(f):
