@@ -126,7 +126,7 @@ class IncrementalBackup:
         self._pending = None  # a delta being written: (thread, outcome)
         # Held while a background delta is published, and to abandon one.
         self._publish_lock = threading.Lock()
-        self._next_id = 1  # no id below it is given out again
+        self._next_id = 1  # above an abandoned delta's id: not given out again
 
     # -- what is backed up ----------------------------------------------------------
     def _ready(self):
@@ -253,7 +253,6 @@ class IncrementalBackup:
         manifest = manifest or _backup_chain.empty()
         # An abandoned background delta may still write into its folder.
         entry_id = max(manifest["next_id"], self._next_id)
-        self._next_id = entry_id + 1
         folder = _backup_chain.folder_name(kind, entry_id)
         path = os.path.join(self.directory, folder)
         shutil.rmtree(path, ignore_errors=True)  # a crashed attempt's files
@@ -283,7 +282,7 @@ class IncrementalBackup:
                             metadata, manifest, base, generation, started):
         """Writes and publishes a delta whose `snapshot` was taken, in a
         thread; returns its BackupEntry (`bytes` 0: not known yet)."""
-        outcome = {}
+        outcome = {"id": entry_id}
 
         def finish():
             try:
@@ -374,6 +373,7 @@ class IncrementalBackup:
             if "entry" in outcome:
                 return  # published before the loss was seen
             outcome["abandoned"] = True
+            self._next_id = max(self._next_id, outcome["id"] + 1)
         logger.warning("[chief] a ps lost its variables while a delta was "
                        "written in the background (%s): that delta is "
                        "dropped, the restore takes the backup before it",
