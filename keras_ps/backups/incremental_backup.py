@@ -274,6 +274,8 @@ class IncrementalBackup:
         if kind == "full":
             entry["variables"] = {k: [p, list(s), d] for k, (p, s, d)
                                   in catalog.variables.items()}
+            if catalog.owned:
+                entry["owned"] = catalog.owned_layout()
         updated = _backup_chain.with_entry(manifest, base, entry,
                                            self.keep_chains)
         deltas = _backup_chain.locate(updated, entry_id)[1] - 1
@@ -422,6 +424,8 @@ class IncrementalBackup:
             problems = []
             for c, length in _backup_chain.states_newest_first(manifest):
                 entries = manifest["chains"][c][:length]
+                catalog.check_layout(entries[0].get("owned", {}),
+                                     self.directory)
                 catalog.check_matches(entries[0]["variables"], self.directory)
                 try:
                     self._applier.apply(self.directory, entries, devices)
@@ -431,6 +435,7 @@ class IncrementalBackup:
                     problems.append(str(error))
                     logger.warning("[chief] %s", error)
                     continue
+                catalog.restore_key_maps(devices)
                 generation = _dirty_rows.GENERATIONS.advance()
                 self._base = ((entries[-1]["id"], generation)
                               if devices is None else None)

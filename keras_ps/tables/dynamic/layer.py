@@ -120,7 +120,7 @@ class DynamicEmbedding(keras.layers.Layer):
                     index, device, placement.tf_variable(part), self.config,
                     lambda name, value: tf.Variable(value, trainable=False,
                                                     name=name))
-            placement.mark_owned(part, shard.add_optimizer_slot)
+            placement.mark_owned(part, shard.add_optimizer_slot, shard)
             placement.remade_on_recovery(strategy, device,
                                          shard.remake_resources)
             parts.append(part)
