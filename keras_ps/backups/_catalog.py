@@ -7,6 +7,13 @@ whole (keras_ps.tables._sharded_weights.collapse): key `"model/3"` is the 4th
 weight of the model however many shards hold it, so a backup restores into
 any partitioning. Each `tf.Variable` that holds rows of one is a `Part`.
 
+A layer that saves its own state (a DynamicEmbedding) comes after, shard
+by shard, as its ps holds it: each shard's rows and their optimizer slots
+(a table, like any other), then the rest of the shard's state, the
+variables its `backup_variables()` names (per-slot keys, counters); after
+a restore each shard rebuilds its key map from them (`restore_key_maps`).
+Such a backup restores into as many shards only (`check_matches`).
+
 Parts are written in `Group`s, each written by the device holding it:
 
 - `"table"`: a weight shard whose optimizer updates it row by row, with its
@@ -268,15 +275,15 @@ class Catalog:
             if devices is None or state.rows.device in devices:
                 state.restore_key_map()
 
-    def check_layout(self, saved, where):
+    def _check_layout(self, saved, where):
         """Raises ValueError unless the layers that save their own state have
-        as many shards as when backup `saved` ({owner: shards}) was written:
-        their rows and key maps are restored shard by shard."""
+        as many shards as when the backup was written (`saved`: {owner:
+        shards}): their rows and key maps are restored shard by shard."""
         mine = self.owned_layout()
         differ = sorted(o for o in set(mine) & set(saved)
                         if mine[o] != saved[o])
         if not differ:
-            return  # the same, or another model (`check_matches` says so)
+            return  # the same, or another model (said next)
         details = ", ".join(f"{o!r} has {saved[o]} shards in the backup and "
                             f"{mine[o]} here" for o in differ)
         raise ValueError(
@@ -293,9 +300,12 @@ class Catalog:
         """The table groups (rows tracked)."""
         return [g for g in self.groups if g.table]
 
-    def check_matches(self, saved, where):
-        """Raises ValueError unless `saved` ({key: [path, shape, dtype]} of a
-        backup) holds exactly this catalog's variables."""
+    def check_matches(self, full, where):
+        """Raises ValueError unless `full` (a full backup's manifest entry)
+        holds exactly this catalog's variables, with a layer that saves its
+        own state in as many shards."""
+        self._check_layout(full.get("owned", {}), where)
+        saved = full["variables"]
         mine = {k: [p, list(s), d] for k, (p, s, d) in self.variables.items()}
         if mine == saved:
             return

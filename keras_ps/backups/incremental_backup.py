@@ -424,9 +424,7 @@ class IncrementalBackup:
             problems = []
             for c, length in _backup_chain.states_newest_first(manifest):
                 entries = manifest["chains"][c][:length]
-                catalog.check_layout(entries[0].get("owned", {}),
-                                     self.directory)
-                catalog.check_matches(entries[0]["variables"], self.directory)
+                catalog.check_matches(entries[0], self.directory)
                 try:
                     self._applier.apply(self.directory, entries, devices)
                 except BackupCorruptError as error:
