@@ -260,6 +260,16 @@ class Catalog:
                         row_tracking.strategy_of(optimizer)))
         return groups
 
+    def describe(self):
+        """What a full backup's manifest entry records of the catalog: every
+        variable's path, shape and dtype, and the shards of each layer that
+        saves its own state."""
+        described = {"variables": {k: [p, list(s), d] for k, (p, s, d)
+                                   in self.variables.items()}}
+        if self.owned:
+            described["owned"] = self.owned_layout()
+        return described
+
     def owned_layout(self):
         """{owner path: its shards} of the layers that save their own
         state (recorded with a full backup)."""
