@@ -22,7 +22,9 @@ Parts are written in `Group`s, each written by the device holding it:
 - `"rows"`: any other part larger than BUNDLE_MAX_BYTES (e.g. a table under
   dense Adam), alone, written whole in row files by every backup;
 - `"bundle"`: the smaller ones of a device (dense layers, optimizer
-  scalars), written whole into one file by every backup.
+  scalars), and the owned state below whatever its size (a row file would
+  add an 8-byte id to each of its 4- or 8-byte entries), written whole into
+  one file by every backup.
 """
 
 import dataclasses
@@ -223,7 +225,8 @@ class Catalog:
             for i, part in enumerate(parts):
                 if id(part) in grouped:
                     continue
-                if part.nbytes > BUNDLE_MAX_BYTES:
+                if (part.nbytes > BUNDLE_MAX_BYTES
+                        and key not in self.state_keys):
                     self.groups.append(Group(_file_name(key, i), [part], "rows"))
                     continue
                 device = part.variable.device

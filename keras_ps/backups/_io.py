@@ -97,11 +97,8 @@ class Writer:
     def can_snapshot(self):
         """Whether `snapshot` copies only a delta's worth on each device: no
         group other than tables' is written in row files (those are
-        written whole by every backup), but for the state of a layer that
-        saves its own (a DynamicEmbedding shard's per-slot keys and
-        counters: tens of bytes per slot, copied whole)."""
-        return all(g.kind != "rows" or set(g.keys) <= self._catalog.state_keys
-                   for g in self._catalog.groups)
+        written whole by every backup)."""
+        return all(g.kind != "rows" for g in self._catalog.groups)
 
     def _devices(self):
         return sorted({g.device for g in self._catalog.groups})

@@ -367,12 +367,15 @@ def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(tmp_path):
+@pytest.mark.parametrize("backups", ["full", "incremental"])
+def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(backups, tmp_path):
     # ps 0 is SIGKILLed mid-fit and restarted at once: the recovery makes its
     # key -> slot map and lock again (they are not variables), the backup
-    # refills them, training goes on to the planned steps, and every live
-    # key of both shards reads its own row afterwards.
-    result = _job("ps_loss", tmp_path)
+    # (a weights file, or a full backup and deltas) refills them, training
+    # goes on to the planned steps, and every live key of both shards reads
+    # its own row afterwards.
+    result = _job("ps_loss", tmp_path,
+                  *(["incremental"] if backups == "incremental" else []))
     assert result["killed"] and sum(result["recoveries"]) == 1, result
     assert result["planned"] <= result["iterations"] <= result["planned"] + 4, \
         result
