@@ -187,8 +187,8 @@ class Catalog:
         variables: {key: (path, shape, dtype name)} of every logical variable.
         parts: {key: [Part]} in row order.
         groups: every Group.
-        owned: [(owner path, state)] of each shard of a layer that saves
-            its own state (a DynamicEmbedding's SlotShard), in order.
+        owned: [(owner path, state, device)] of each shard of a layer that
+            saves its own state (a DynamicEmbedding's SlotShard), in order.
         state_keys: keys of those shards' `backup_variables()`.
     """
 
@@ -209,8 +209,9 @@ class Catalog:
                 if state:
                     self.state_keys.add(key)
                 elif (owned is not None and isinstance(obj, keras.layers.Layer)
-                        and all(o is not owned for _, o in self.owned)):
-                    self.owned.append((path.rsplit("/", 1)[0], owned))
+                        and all(o is not owned for _, o, _ in self.owned)):
+                    self.owned.append((path.rsplit("/", 1)[0], owned,
+                                       pieces[0][0].device))
                 shape = tuple(int(d) for d in element.shape)
                 self.variables[key] = (path, shape,
                                        tf.as_dtype(element.dtype).name)
@@ -277,15 +278,15 @@ class Catalog:
         """{owner path: its shards} of the layers that save their own
         state (recorded with a full backup)."""
         layout = {}
-        for owner, _ in self.owned:
+        for owner, _, _ in self.owned:
             layout[owner] = layout.get(owner, 0) + 1
         return layout
 
     def restore_key_maps(self, devices=None):
         """After a restore: each owned shard (on `devices`, None: all)
         rebuilds its key map from its restored variables."""
-        for _, state in self.owned:
-            if devices is None or state.rows.device in devices:
+        for _, state, device in self.owned:
+            if devices is None or device in devices:
                 state.restore_key_map()
 
     def _check_layout(self, saved, where):
