@@ -59,8 +59,11 @@ class BackupAndRestore(ResumableCallback):
             The tables are those a row-wise optimizer updates (SGD without
             momentum, Adagrad, Ftrl, `keras_ps.optimizers.LazyAdam`); under
             dense Adam every row moves at every step, so a delta would hold
-            the whole table. `backup_dir` must then be one folder shared by
-            the chief and every ps at the same path (checked at the start).
+            the whole table. A `keras_ps.layers.DynamicEmbedding` is one
+            table per ps, with its ids and counters; its incremental
+            backups restore into as many ps as wrote them only.
+            `backup_dir` must then be one folder shared by the chief and
+            every ps at the same path (checked at the start).
             False: each backup is a Keras weights file written through the
             chief. `"auto"`: True when the model's row-tracked tables and
             their slots hold at least 256 MiB (`AUTO_INCREMENTAL_MIN_BYTES`)

@@ -10,11 +10,12 @@ Usage:
   python tests/_dynamic_job.py restore DIR NUM_PS
       on its own LocalCluster with NUM_PS ps: loads each of the three into
       a fresh model and reports the same numbers for each.
-  python tests/_dynamic_job.py ps_loss DIR
+  python tests/_dynamic_job.py ps_loss DIR [incremental]
       on its own LocalCluster with 2 ps and 2 workers: Model.fit through
       the loss of ps 0 (SIGKILLed and restarted at once), recovered in the
-      same fit from BackupAndRestore; reports each shard's live keys and
-      whether they read their own rows.
+      same fit from BackupAndRestore (with "incremental": from its full
+      backup and deltas); reports each shard's live keys and whether they
+      read their own rows.
   python tests/_dynamic_job.py sidecar DIR
       Model.fit on 2 ps with a SidecarCheckpoint per epoch into DIR;
       reports the trained model's evaluation loss on the training data.
@@ -29,6 +30,7 @@ import tensorflow as tf
 
 import keras_ps
 from _kills import KillAndRestartPs
+from keras_ps.backups import incremental_backup
 from _results import say
 
 CAPACITY, EPOCHS, STEPS = 64, 2, 6
@@ -110,10 +112,12 @@ def main(mode, directory, num_ps=2):
         say(**results)
 
 
-def ps_loss(directory):
+def ps_loss(directory, incremental=False):
     """Model.fit through the loss of ps 0 (SIGKILLed, restarted at once):
     the recovery makes its key -> slot map again, the backup fills it, and
     every live key of every shard reads its own row afterwards."""
+    if incremental:  # the small table tracked too
+        incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0
     vocab, x, y = data()
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
@@ -122,7 +126,8 @@ def ps_loss(directory):
         history = model.fit(
             x, y, batch_size=32, epochs=3, steps_per_epoch=STEPS, verbose=0,
             callbacks=[killer, keras_ps.callbacks.BackupAndRestore(
-                os.path.join(directory, "backup"), save_freq=2)])
+                os.path.join(directory, "backup"), save_freq=2,
+                incremental=bool(incremental))])
         shards = []
         for shard in table._table.shards:  # each ps' key -> slot map
             state = shard.export_state()
@@ -156,7 +161,7 @@ def sidecar(directory):
 
 if __name__ == "__main__":
     if sys.argv[1] == "ps_loss":
-        ps_loss(sys.argv[2])
+        ps_loss(*sys.argv[2:])
     elif sys.argv[1] == "sidecar":
         sidecar(sys.argv[2])
     else:

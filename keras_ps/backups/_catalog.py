@@ -7,6 +7,13 @@ whole (keras_ps.tables._sharded_weights.collapse): key `"model/3"` is the 4th
 weight of the model however many shards hold it, so a backup restores into
 any partitioning. Each `tf.Variable` that holds rows of one is a `Part`.
 
+A layer that saves its own state (a DynamicEmbedding) comes after, shard
+by shard, as its ps holds it: each shard's rows and their optimizer slots
+(a table, like any other), then the rest of the shard's state, the
+variables its `backup_variables()` names (per-slot keys, counters); after
+a restore each shard rebuilds its key map from them (`restore_key_maps`).
+Such a backup restores into as many shards only (`check_matches`).
+
 Parts are written in `Group`s, each written by the device holding it:
 
 - `"table"`: a weight shard whose optimizer updates it row by row, with its
@@ -15,7 +22,9 @@ Parts are written in `Group`s, each written by the device holding it:
 - `"rows"`: any other part larger than BUNDLE_MAX_BYTES (e.g. a table under
   dense Adam), alone, written whole in row files by every backup;
 - `"bundle"`: the smaller ones of a device (dense layers, optimizer
-  scalars), written whole into one file by every backup.
+  scalars), and the owned state below whatever its size (a row file would
+  add an 8-byte id to each of its 4- or 8-byte entries), written whole into
+  one file by every backup.
 """
 
 import dataclasses
@@ -104,6 +113,10 @@ def normalize(objects):
 
 
 def _listed_variables(obj):
+    """[(element, path, whether it is owned state)] of `obj`, each sharded
+    weight once, whole; then the variables a layer saves itself (a
+    DynamicEmbedding's rows and their optimizer slots, each shard apart),
+    each shard's state after its rows (`_owned_state`)."""
     if isinstance(obj, keras.optimizers.Optimizer):
         if not obj.built:
             raise ValueError(
@@ -114,22 +127,42 @@ def _listed_variables(obj):
         listed = obj.variables
     else:
         listed = obj.weights
+    out = [(element, _path(element), False)
+           for element in _sharded_weights.collapse(listed)]
+    states = set()
     for variable in listed:
-        _check_not_saved_by_owner(variable)
-    return _sharded_weights.collapse(listed)
+        if getattr(variable, _sharded_weights.SAVED_BY_OWNER_ATTR, False):
+            out.append((variable, _path(variable), False))
+            state = _owned_state(variable)
+            if not isinstance(obj, keras.optimizers.Optimizer) \
+                    and id(state) not in states:
+                states.add(id(state))
+                owner = _path(variable).rsplit("/", 1)[0]
+                out.extend((v, f"{owner}/{name}", True) for name, v
+                           in sorted(state.backup_variables().items()))
+    return out
 
 
-def _check_not_saved_by_owner(element):
-    """Rows a layer saves itself (a DynamicEmbedding: its live keys with
-    their rows) mean nothing without the layer's own state."""
-    if getattr(element, _sharded_weights.SAVED_BY_OWNER_ATTR, False):
-        path = getattr(element, "path", None) or element.name
+def _path(element):
+    return getattr(element, "path", None) or element.name
+
+
+def _owned_state(variable):
+    """The state beside `variable`, which a layer saves itself (a
+    DynamicEmbedding shard's key map and counters, see
+    keras_ps.tables._sharded_weights.OWNED_STATE_ATTR).
+
+    Raises:
+        ValueError: its layer gives incremental backups no such state.
+    """
+    state = getattr(variable, _sharded_weights.OWNED_STATE_ATTR, None)
+    if state is None:
         raise ValueError(
-            f"Weight {path!r} belongs to a layer that saves its own state (a "
-            "DynamicEmbedding: live keys, rows and counters), which "
-            "incremental backups do not cover. Fix: full backups, "
-            "BackupAndRestore(..., incremental=False) (incremental='auto' "
-            "picks them for such a model).")
+            f"Weight {_path(variable)!r} belongs to a layer that saves its own "
+            "state, and that layer does not say how to back it up "
+            "incrementally. Fix: full backups, "
+            "BackupAndRestore(..., incremental=False).")
+    return state
 
 
 def _tf_variables(element):
@@ -154,22 +187,34 @@ class Catalog:
         variables: {key: (path, shape, dtype name)} of every logical variable.
         parts: {key: [Part]} in row order.
         groups: every Group.
+        owned: [(owner path, state, device)] of each shard of a layer that
+            saves its own state (a DynamicEmbedding's SlotShard), in order.
+        state_keys: keys of those shards' `backup_variables()`.
     """
 
     def __init__(self, objects, min_table_bytes=0):
         objects = normalize(objects)
         self.variables, self.parts = {}, {}
+        self.owned, self.state_keys = [], set()
         by_id = {}
         for name, obj in objects.items():
-            for index, element in enumerate(_listed_variables(obj)):
+            for index, (element, path, state) in enumerate(
+                    _listed_variables(obj)):
                 pieces = _tf_variables(element)
                 if any(id(v) in by_id for v, _ in pieces):
                     continue  # listed by an earlier object (a shared layer)
                 key = f"{name}/{index}"
+                owned = getattr(element, _sharded_weights.OWNED_STATE_ATTR,
+                                None)
+                if state:
+                    self.state_keys.add(key)
+                elif (owned is not None and isinstance(obj, keras.layers.Layer)
+                        and all(o is not owned for _, o, _ in self.owned)):
+                    self.owned.append((path.rsplit("/", 1)[0], owned,
+                                       pieces[0][0].device))
                 shape = tuple(int(d) for d in element.shape)
-                self.variables[key] = (
-                    getattr(element, "path", None) or element.name, shape,
-                    tf.as_dtype(element.dtype).name)
+                self.variables[key] = (path, shape,
+                                       tf.as_dtype(element.dtype).name)
                 self.parts[key] = [Part(key, v, first) for v, first in pieces]
                 for part in self.parts[key]:
                     by_id[id(part.variable)] = part
@@ -181,7 +226,8 @@ class Catalog:
             for i, part in enumerate(parts):
                 if id(part) in grouped:
                     continue
-                if part.nbytes > BUNDLE_MAX_BYTES:
+                if (part.nbytes > BUNDLE_MAX_BYTES
+                        and key not in self.state_keys):
                     self.groups.append(Group(_file_name(key, i), [part], "rows"))
                     continue
                 device = part.variable.device
@@ -218,14 +264,62 @@ class Catalog:
                         row_tracking.strategy_of(optimizer)))
         return groups
 
+    def describe(self):
+        """What a full backup's manifest entry records of the catalog: every
+        variable's path, shape and dtype, and the shards of each layer that
+        saves its own state."""
+        described = {"variables": {k: [p, list(s), d] for k, (p, s, d)
+                                   in self.variables.items()}}
+        if self.owned:
+            described["owned"] = self.owned_layout()
+        return described
+
+    def owned_layout(self):
+        """{owner path: its shards} of the layers that save their own
+        state (recorded with a full backup)."""
+        layout = {}
+        for owner, _, _ in self.owned:
+            layout[owner] = layout.get(owner, 0) + 1
+        return layout
+
+    def restore_key_maps(self, devices=None):
+        """After a restore: each owned shard (on `devices`, None: all)
+        rebuilds its key map from its restored variables."""
+        for _, state, device in self.owned:
+            if devices is None or device in devices:
+                state.restore_key_map()
+
+    def _check_layout(self, saved, where):
+        """Raises ValueError unless the layers that save their own state have
+        as many shards as when the backup was written (`saved`: {owner:
+        shards}): their rows and key maps are restored shard by shard."""
+        mine = self.owned_layout()
+        differ = sorted(o for o in set(mine) & set(saved)
+                        if mine[o] != saved[o])
+        if not differ:
+            return  # the same, or another model (said next)
+        details = ", ".join(f"{o!r} has {saved[o]} shards in the backup and "
+                            f"{mine[o]} here" for o in differ)
+        raise ValueError(
+            f"The incremental backup in {where!r} holds a DynamicEmbedding "
+            "shard by shard (its rows, key map and counters per ps), so it "
+            f"restores only into as many ps as wrote it. Received: {details}. "
+            "Fix: restore it with that number of ps (then write a "
+            "tf.train.Checkpoint or model.save_weights, which load into any "
+            "number), or train with BackupAndRestore(..., incremental=False), "
+            "whose backups restore into any number of ps.")
+
     @property
     def tables(self):
         """The table groups (rows tracked)."""
         return [g for g in self.groups if g.table]
 
-    def check_matches(self, saved, where):
-        """Raises ValueError unless `saved` ({key: [path, shape, dtype]} of a
-        backup) holds exactly this catalog's variables."""
+    def check_matches(self, full, where):
+        """Raises ValueError unless `full` (a full backup's manifest entry)
+        holds exactly this catalog's variables, with a layer that saves its
+        own state in as many shards."""
+        self._check_layout(full.get("owned", {}), where)
+        saved = full["variables"]
         mine = {k: [p, list(s), d] for k, (p, s, d) in self.variables.items()}
         if mine == saved:
             return

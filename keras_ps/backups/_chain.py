@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import time
 
 from keras_ps.errors import BackupCorruptError
 
@@ -101,6 +102,14 @@ def states_newest_first(manifest):
     for c in range(len(manifest["chains"]) - 1, -1, -1):
         for length in range(len(manifest["chains"][c]), 0, -1):
             yield c, length
+
+
+def new_entry(entry_id, kind, folder, files, table_rows, metadata):
+    """The manifest entry of a backup whose `files` (records) are written
+    (a full backup's gets its catalog's `describe()` too)."""
+    return {"id": entry_id, "kind": kind, "folder": folder, "files": files,
+            "bytes": sum(f["bytes"] for f in files), "table_rows": table_rows,
+            "metadata": metadata or {}, "time": time.time()}
 
 
 def with_entry(manifest, base, entry, keep_chains):

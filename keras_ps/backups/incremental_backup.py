@@ -10,7 +10,8 @@ variable whole. Each ps writes its own rows (keras_ps.backups._row_files); only 
 names and sizes reach the coordinator, which publishes the backup by
 renaming a small manifest (keras_ps.backups._chain). Restoring applies the
 newest full backup and its deltas in order: the values a full backup at the
-same step holds, bit for bit, into any number of shards.
+same step holds, bit for bit, into any number of shards (a DynamicEmbedding,
+backed up ps by ps with its key maps' state: into as many ps).
 """
 
 import logging
@@ -48,7 +49,10 @@ class IncrementalBackup:
     decay on it, no EMA, no gradient accumulation), the rows updated since
     the previous backup with their optimizer slot rows (LazyAdam's row step
     counters included), and every other variable whole (dense layers,
-    `optimizer.iterations`, a table under dense Adam). `save()` picks:
+    `optimizer.iterations`, a table under dense Adam). A
+    `keras_ps.layers.DynamicEmbedding` is a table per ps (rows admitted
+    or reused count as updated) plus its per-row ids and counters, whole;
+    its backups restore into as many ps only. `save()` picks:
     a delta, or a full backup when there is none to build on yet or the
     chain reached `max_deltas` or `max_delta_bytes` (compaction). `restore()`
     loads the newest full backup and its deltas in order.
@@ -266,13 +270,10 @@ class IncrementalBackup:
                 metadata, manifest, base, generation, started)
         files, table_rows = self._writer.write(path + os.sep, since,
                                                full=kind == "full")
-        entry = {"id": entry_id, "kind": kind, "folder": folder,
-                 "files": files, "bytes": sum(f["bytes"] for f in files),
-                 "table_rows": table_rows, "metadata": metadata or {},
-                 "time": time.time()}
+        entry = _backup_chain.new_entry(entry_id, kind, folder, files,
+                                        table_rows, metadata)
         if kind == "full":
-            entry["variables"] = {k: [p, list(s), d] for k, (p, s, d)
-                                  in catalog.variables.items()}
+            entry.update(catalog.describe())
         updated = _backup_chain.with_entry(manifest, base, entry,
                                            self.keep_chains)
         deltas = _backup_chain.locate(updated, entry_id)[1] - 1
@@ -294,11 +295,8 @@ class IncrementalBackup:
                     raise RuntimeError(
                         f"a ps lost its variables while delta {entry_id} was "
                         "written")
-                entry = {"id": entry_id, "kind": kind, "folder": folder,
-                         "files": files,
-                         "bytes": sum(f["bytes"] for f in files),
-                         "table_rows": table_rows,
-                         "metadata": metadata or {}, "time": time.time()}
+                entry = _backup_chain.new_entry(entry_id, kind, folder, files,
+                                                table_rows, metadata)
                 updated = _backup_chain.with_entry(manifest, base, entry,
                                                    self.keep_chains)
                 deltas = _backup_chain.locate(updated, entry_id)[1] - 1
@@ -409,7 +407,8 @@ class IncrementalBackup:
         Raises:
             BackupCorruptError: a file is missing or damaged (naming it) and
                 `fallback` is False, or no backup is complete.
-            ValueError: the backup was written by a different model.
+            ValueError: the backup was written by a different model, or
+                with a DynamicEmbedding on another number of ps.
         """
         with self._lock:
             self._abandon_pending_after_a_ps_loss()
@@ -422,7 +421,7 @@ class IncrementalBackup:
             problems = []
             for c, length in _backup_chain.states_newest_first(manifest):
                 entries = manifest["chains"][c][:length]
-                catalog.check_matches(entries[0]["variables"], self.directory)
+                catalog.check_matches(entries[0], self.directory)
                 try:
                     self._applier.apply(self.directory, entries, devices)
                 except BackupCorruptError as error:
@@ -431,6 +430,7 @@ class IncrementalBackup:
                     problems.append(str(error))
                     logger.warning("[chief] %s", error)
                     continue
+                catalog.restore_key_maps(devices)
                 generation = _dirty_rows.GENERATIONS.advance()
                 self._base = ((entries[-1]["id"], generation)
                               if devices is None else None)

@@ -39,6 +39,13 @@ _SHARD_ATTR = "_keras_ps_shard"
 # to the callable under SLOT_OWNER_ATTR, `(slot, name) -> None`, instead.
 SAVED_BY_OWNER_ATTR = "_keras_ps_saved_by_owner"
 SLOT_OWNER_ATTR = "_keras_ps_slot_owner"
+# Such a variable (and each of its optimizer slots) may also carry, under
+# OWNED_STATE_ATTR, what incremental backups (keras_ps.backups) need to
+# cover its owner's state on its ps: an object with `backup_variables()`,
+# {name: tf.Variable} of the rest of that state, written whole by every
+# backup, and `restore_key_map()`, which rebuilds what is not a variable
+# from them after a restore. Without it, incremental backups refuse it.
+OWNED_STATE_ATTR = "_keras_ps_owned_state"
 
 
 class ShardedWeight(ShardedVariable):

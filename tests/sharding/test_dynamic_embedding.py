@@ -3,7 +3,8 @@ workers): ids get rows when trained, admission, eviction by age and by
 capacity with exact counts, optimizer state of reused rows, bad input,
 Model.fit and custom loops with int64 and string keys, the export to plain
 Keras loaded where keras_ps cannot be imported, and (in separate
-processes, tests/_dynamic_job.py) a checkpoint restored into 1, 2 and 3 ps."""
+processes, tests/_dynamic_job.py) a checkpoint restored into 1, 2 and 3 ps.
+Incremental backups of the table: test_dynamic_incremental.py."""
 
 import json
 import os
@@ -366,12 +367,15 @@ def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(tmp_path):
+@pytest.mark.parametrize("backups", ["full", "incremental"])
+def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(backups, tmp_path):
     # ps 0 is SIGKILLed mid-fit and restarted at once: the recovery makes its
     # key -> slot map and lock again (they are not variables), the backup
-    # refills them, training goes on to the planned steps, and every live
-    # key of both shards reads its own row afterwards.
-    result = _job("ps_loss", tmp_path)
+    # (a weights file, or a full backup and deltas) refills them, training
+    # goes on to the planned steps, and every live key of both shards reads
+    # its own row afterwards.
+    result = _job("ps_loss", tmp_path,
+                  *(["incremental"] if backups == "incremental" else []))
     assert result["killed"] and sum(result["recoveries"]) == 1, result
     assert result["planned"] <= result["iterations"] <= result["planned"] + 4, \
         result
@@ -398,36 +402,6 @@ def test_sidecar_evaluator_evaluates_a_dynamic_table(tmp_path):
     assert made[-1].metrics["loss"] == pytest.approx(trained["loss"],
                                                       rel=1e-5)
     assert len(table.live_state()["keys"]) == trained["live_rows"] > 0
-
-
-def test_incremental_backups_refuse_a_dynamic_table_and_auto_writes_full(
-        strategy, tmp_path):
-    # A dynamic table's rows mean nothing without its live keys: an
-    # incremental backup refuses the model, naming the weight and the fix;
-    # BackupAndRestore(incremental="auto") writes full backups instead, and
-    # they restore the table.
-    model, table = _id_model(strategy)
-    model.compile(keras_ps.optimizers.LazyAdam(0.05), "mse")
-    x, y = _id_data()
-    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0)
-    with pytest.raises(ValueError, match=r"'ids/embeddings_part_0'.*"
-                                         r"incremental=False"):
-        keras_ps.IncrementalBackup(model, str(tmp_path / "inc")).save()
-    backup = keras_ps.callbacks.BackupAndRestore(
-        str(tmp_path / "auto"), save_freq=2, delete_checkpoint=False)
-    model.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0,
-              callbacks=[backup])
-    assert "incremental=False" in backup.describe()
-    keys = sorted(table.live_state()["keys"].tolist())
-    again, again_table = _id_model(strategy)
-    again.compile(keras_ps.optimizers.LazyAdam(0.05), "mse")
-    with strategy.scope():
-        again.optimizer.build(again.trainable_variables)
-    restored = keras_ps.callbacks.BackupAndRestore(
-        str(tmp_path / "auto"), save_freq=2, delete_checkpoint=False)
-    again.fit(x, y, batch_size=32, epochs=1, steps_per_epoch=4, verbose=0,
-              callbacks=[restored])  # resumes at the end: trains no step
-    assert sorted(again_table.live_state()["keys"].tolist()) == keys
 
 
 def test_lost_shards_recovery_is_refused_for_a_dynamic_table(strategy,

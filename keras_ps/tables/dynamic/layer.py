@@ -41,9 +41,12 @@ class DynamicEmbedding(keras.layers.Layer):
     new key starts from a fresh row and fresh optimizer state. Checkpoints
     (`tf.train.Checkpoint`, `save_weights`, keras_ps' `BackupAndRestore`)
     hold the live keys with their rows, optimizer slot rows and counters,
-    and load into any number of ps. `keras_ps.layers.export_plain_model`
-    turns a trained model into plain Keras (`IntegerLookup`/`StringLookup` +
-    `Embedding`). The metrics `<name>_live_rows`, `<name>_admissions` and
+    and load into any number of ps. Incremental backups
+    (`keras_ps.IncrementalBackup`, `BackupAndRestore(incremental=True)`)
+    write the rows changed since the previous backup and each ps' per-row
+    keys and counters whole, and restore into as many ps.
+    `keras_ps.layers.export_plain_model` turns a trained model into plain
+    Keras (`IntegerLookup`/`StringLookup` + `Embedding`). The metrics `<name>_live_rows`, `<name>_admissions` and
     `<name>_evictions` (running totals) appear in the training logs.
 
     Args:
@@ -120,7 +123,7 @@ class DynamicEmbedding(keras.layers.Layer):
                     index, device, placement.tf_variable(part), self.config,
                     lambda name, value: tf.Variable(value, trainable=False,
                                                     name=name))
-            placement.mark_owned(part, shard.add_optimizer_slot)
+            placement.mark_owned(part, shard.add_optimizer_slot, shard)
             placement.remade_on_recovery(strategy, device,
                                          shard.remake_resources)
             parts.append(part)

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from keras_ps import _keras as hooks
-from keras_ps.tables._sharded_weights import SAVED_BY_OWNER_ATTR, SLOT_OWNER_ATTR
+from keras_ps.tables._sharded_weights import (
+    OWNED_STATE_ATTR, SAVED_BY_OWNER_ATTR, SLOT_OWNER_ATTR)
 from keras_ps.strategy import ParameterServerStrategy
 
 
@@ -58,13 +59,17 @@ def tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
-def mark_owned(variable, on_slot):
+def mark_owned(variable, on_slot, state):
     """Marks `variable` saved by its owner; `on_slot(name, tf_variable)` is
-    called for each optimizer slot made for it (marked the same way)."""
+    called for each optimizer slot made for it (marked the same way).
+    `state` (a SlotShard) is what incremental backups write besides the
+    rows and restore the key map with."""
     setattr(variable, SAVED_BY_OWNER_ATTR, True)
+    setattr(variable, OWNED_STATE_ATTR, state)
 
     def announce(slot, name):
         setattr(slot, SAVED_BY_OWNER_ATTR, True)
+        setattr(slot, OWNED_STATE_ATTR, state)
         on_slot(name, tf_variable(slot))
 
     setattr(variable, SLOT_OWNER_ATTR, announce)

@@ -14,6 +14,7 @@ import logging
 import numpy as np
 import tensorflow as tf
 
+from keras_ps.tables import _dirty_rows
 from keras_ps.tables.dynamic import policies
 from keras_ps.tables.dynamic import slot_queues
 
@@ -242,6 +243,8 @@ class SlotShard:
             position = tf.boolean_mask(position, admit)
         slots = tf.tensor_scatter_nd_update(
             slots, position[:admitted_count, tf.newaxis], new_slots)
+        # An incremental backup writes these rows and slot rows next.
+        _dirty_rows.mark_rows(self.rows, new_slots, after=updates)
         with tf.control_dependencies([inserted] + updates):
             return tf.identity(slots)
 
@@ -298,6 +301,38 @@ class SlotShard:
                 if values is not None and len(values) == n:
                     variable.scatter_update(tf.IndexedSlices(
                         tf.constant(values, variable.dtype), slots))
+            # Rows moved: an incremental backup writes them all next.
+            _dirty_rows.mark_all(self.rows)
+
+    # -- incremental backups (keras_ps.backups) ---------------------------------
+    def backup_variables(self):
+        """{name: tf.Variable} of everything the shard keeps besides its rows
+        and their optimizer slots: per slot its key, last-seen step and hits,
+        the free stack, the LRU cache, the counters, the step and the
+        admission filter. An incremental backup writes them whole (tens of
+        bytes per slot); with the rows they are the whole shard but for its
+        key map, which `restore_key_map` rebuilds from them."""
+        named = dict(
+            slot_keys=self.slot_keys, last_seen=self.last_seen, hits=self.hits,
+            stats=self.stats, step=self.step, last_sweep=self.last_sweep,
+            free_slots=self.free.stack, free_top=self.free.top,
+            lru_slots=self.lru.slots, lru_seen=self.lru.seen,
+            lru_head=self.lru.head, lru_size=self.lru.size)
+        if self.filter is not None:
+            named["filter"] = self.filter
+        return {f"{name}_{self.index}": v for name, v in named.items()}
+
+    def restore_key_map(self):
+        """Makes the key map hold exactly the keys of the live slots (those
+        not `FREE` in `last_seen`), each to its slot: after an incremental
+        backup restored `backup_variables()`, the map they were taken with."""
+        with tf.device(self.device):
+            old, _ = self.table.export()
+            self.table.remove(old)
+            live = tf.reshape(tf.where(
+                tf.not_equal(self.last_seen.read_value(), FREE)), [-1])
+            self.table.insert(tf.gather(self.slot_keys.read_value(), live),
+                              live)
 
     def read_stats(self):
         with tf.device(self.device):
