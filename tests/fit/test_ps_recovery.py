@@ -49,8 +49,15 @@ KILLS = {
 }
 
 
+# Two kills in one epoch, and both ps at once, run apart (-m slow): the
+# suite keeps one kill, a kill during a backup and one during a recovery.
+SLOW_KILLS = {"twice_in_one_epoch", "both_ps_at_once"}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", sorted(KILLS))
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.slow) if c in SLOW_KILLS else c
+    for c in sorted(KILLS)])
 def test_fit_recovers_a_lost_ps_in_the_same_call(case, tmp_path, undisturbed):
     kills, in_restore = KILLS[case]
     code, output, result = run(tmp_path, kills, in_restore)
@@ -91,7 +98,8 @@ def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("incremental", [False, True])
+@pytest.mark.parametrize("incremental", [
+    pytest.param(False, marks=pytest.mark.slow), True])
 def test_lost_shards_mode_restores_the_lost_ps_only(incremental, tmp_path):
     # After a backup every float variable is changed, then ps 0 is killed
     # and restarted: ps 0 gets the backup's values back, ps 1 keeps the

@@ -194,6 +194,7 @@ def _one_off_admission_share(strategy, coordinator, steps=150, late=50):
     return share
 
 
+@pytest.mark.slow  # two streams through the filter: minutes on a loaded machine
 def test_admission_filter_does_not_saturate_on_a_stream(
         strategy, coordinator, monkeypatch):
     # A stream of ids each seen once must not get rows with min_count=2.
