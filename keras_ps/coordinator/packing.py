@@ -75,15 +75,14 @@ class PackedFunctions:
         self._by_fn = weakref.WeakKeyDictionary()  # fn -> {count: packed}
         self._lock = threading.Lock()
 
-    def get(self, fn, count):
-        """The packed function running `count` calls of `fn`."""
-        key = _LOOP if fn in _LOOP_PACKABLE else count
+    def _get(self, fn, key):
+        """The packed function of `fn` for `key`: a pack size (unrolled) or
+        `_LOOP`."""
         with self._lock:
             sizes = self._by_fn.setdefault(fn, {})
             packed = sizes.get(key)
             if packed is None:
-                packed = sizes[key] = (_loop(fn) if key == _LOOP
-                                       else _pack(fn))
+                packed = sizes[key] = _loop(fn) if key == _LOOP else _pack(fn)
             return packed
 
     def prepare(self, fn, calls):
@@ -92,16 +91,12 @@ class PackedFunctions:
         arguments, else unrolled."""
         if fn in _LOOP_PACKABLE and _same_call(calls):
             count = tf.constant(len(calls))
-            function = self.get(fn, len(calls)).get_concrete_function(
+            function = self._get(fn, _LOOP).get_concrete_function(
                 calls[0], count)
             return Pack(function, (calls[0], count),
                         lambda stacked: _unstack(stacked, len(calls)))
-        with self._lock:  # a loop-packable fn with other arguments
-            sizes = self._by_fn.setdefault(fn, {})
-            packed = sizes.get(len(calls))
-            if packed is None:
-                packed = sizes[len(calls)] = _pack(fn)
-        return Pack(packed.get_concrete_function(calls), (calls,), list)
+        function = self._get(fn, len(calls)).get_concrete_function(calls)
+        return Pack(function, (calls,), list)
 
     def is_traced(self, fn, count):
         with self._lock:

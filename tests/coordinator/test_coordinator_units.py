@@ -185,11 +185,13 @@ def test_packed_functions_are_released_with_their_function():
     from keras_ps.coordinator.packing import PackedFunctions
     cache = PackedFunctions()
     step = tf.function(lambda x: x + 1)
-    packed = cache.get(step, 2)
-    assert cache.get(step, 2) is packed and cache.is_traced(step, 2)
-    assert len(cache) == 1
-    packed([((tf.constant(1),), {}), ((tf.constant(2),), {})])  # traced
-    del step, packed
+    calls = [((tf.constant(1),), {}), ((tf.constant(2),), {})]
+    pack = cache.prepare(step, calls)  # traced
+    assert cache.prepare(step, calls).function is pack.function
+    assert cache.is_traced(step, 2) and len(cache) == 1
+    results, _ = pack.function(*pack.args)
+    assert [int(r) for r in pack.split(results)] == [2, 3]
+    del step, pack
     gc.collect()
     assert len(cache) == 0
 
@@ -201,7 +203,7 @@ def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
     batch = [Closure(step, (), {}, False) for _ in range(4)]
     assert cache.without_new_trace(batch, lambda: True) == (batch, [])
     assert cache.without_new_trace(batch, lambda: False) == (batch, [])
-    cache.get(step, 2)
+    cache.prepare(step, [((), {}), ((), {})])
     assert cache.without_new_trace(batch, lambda: False) == (batch[:2], batch[2:])
 
 
