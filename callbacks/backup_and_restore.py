@@ -273,10 +273,8 @@ class BackupAndRestore(ResumableCallback):
                 **self._incremental_options)
             state = backup.restore(devices=devices).metadata
         else:
-            lost_ids = {id(v) for v in lost_variables}
-            kept = [v for i in range(strategy.num_ps)
-                    for v in strategy.variables_on_ps(i)
-                    if i not in lost and id(v) not in lost_ids]
+            kept = [v for i in range(strategy.num_ps) if i not in lost
+                    for v in strategy.variables_on_ps(i)]
             # A copy of each kept variable on its own ps (nothing travels
             # through the chief), written back after the weights file,
             # which holds every variable, was loaded.
@@ -288,10 +286,10 @@ class BackupAndRestore(ResumableCallback):
                                                  state["weights"]))
             for variable, copy in zip(kept, copies):
                 variable.assign(copy)
-        logger.warning("[chief] restored the variables of ps %s (%d) from the "
-                    "backup of epoch %d, step %d; the other ps kept theirs",
-                    sorted(lost), len(lost_variables), state["epoch"],
-                    state["step"])
+        logger.warning("[chief] restored the variables of ps %s (%d) from "
+                       "the backup of epoch %d, step %d; the other ps kept "
+                       "theirs", sorted(lost), len(lost_variables),
+                       state["epoch"], state["step"])
         return state["epoch"], state["step"]
 
     def _restore_incremental(self):
