@@ -368,7 +368,8 @@ def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backups", ["full", "incremental"])
+@pytest.mark.parametrize("backups", [  # incremental: run apart (-m slow)
+    "full", pytest.param("incremental", marks=pytest.mark.slow)])
 def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(backups, tmp_path):
     # ps 0 is SIGKILLed mid-fit and restarted at once: the recovery makes its
     # key -> slot map and lock again (they are not variables), the backup
