@@ -1,7 +1,7 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
-Usage: python tests/_fault_job.py worker_kill|ps_kill|ps_restart|worker_state_lost|
-                                   worker_stop|preempted_while_cancelling|
+Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
+                                   worker_state_lost|                                   worker_stop|preempted_while_cancelling|
                                    ps_loss_mid_read
 """
 
@@ -79,6 +79,42 @@ def main(mode):
             say(**first, readmitted=back, after_restart=ran,
                 built_on=built_on, total_after=float(total.numpy()),
                 states_after=[w.state.value for w in coordinator.workers])
+        elif mode == "worker_restart":
+            # A restart policy brings a killed worker back on its address
+            # before any call to it fails: the worker answers every probe,
+            # but a call fails on the connection, and its retry on the eager
+            # context this job made there, which is gone.
+            for _ in range(20):
+                coordinator.schedule(step, args=(iterator,))
+            coordinator.join()
+            cluster.kill("worker", 1)
+            cluster.restart("worker", 1)
+            deadline = time.monotonic() + 60
+            while not probe(cluster.spec["worker"][1], 1):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the restarted worker never answered")
+                time.sleep(0.05)
+            before = [w.closures_run for w in coordinator.workers]
+
+            scale = tf.constant(1.0)  # copied to a worker at each call
+
+            @tf.function
+            def scaled_step(it, scale):
+                total.assign_add(next(it) * scale)
+
+            try:
+                for _ in range(100):
+                    coordinator.schedule(scaled_step, args=(iterator, scale))
+                coordinator.join()
+                back = coordinator.workers[1].wait_until_runnable(60)
+                error = None
+            except Exception as e:  # what the user sees
+                back, error = False, f"{type(e).__name__}: {e}"[:2000]
+            say(error=error, total=float(total.numpy()), readmitted=back,
+                ran_after=[w.closures_run - b
+                           for w, b in zip(coordinator.workers, before)],
+                built_on=built_on,
+                states=[w.state.value for w in coordinator.workers])
         elif mode == "ps_recover":
             # A custom loop that survives a ps loss: catch the error, bring
             # the ps back, recover, restore the checkpoint, go on.

@@ -118,6 +118,9 @@ class Worker:
         self.closures_run = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
+        # The last call failed on the connection while the worker answered,
+        # and was retried here: a restart policy may have brought it back.
+        self._retried_on_answering = False
         self._in_flight = None  # the _Call running now
         self._services = services
         self._state_lock = threading.Lock()
@@ -260,6 +263,7 @@ class Worker:
         self.closures_run += len(batch)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
+        self._retried_on_answering = False
         services.queue.mark_finished(len(batch))
 
     def _finish_call(self, call):
@@ -339,7 +343,13 @@ class Worker:
         # connectivity errors first, then, once workers are rebuilt, with
         # others (its variables are gone), so the ps are always looked at.
         dead_ps = services.dead_ps()
-        context_lost = self.state is WorkerState.READMITTED or stale
+        # After a connection failure on a worker that answers, a failure of
+        # another kind means the worker was restarted at once (a restart
+        # policy): the retry ran against the eager context it lost, which
+        # fails with errors such as "Primary device is not remote".
+        context_lost = self.state is WorkerState.READMITTED or stale or \
+            self._retried_on_answering
+        self._retried_on_answering = False
         self._consecutive_failures += 1
         if context_lost and worker_alive and \
                 not failure_handling.is_connectivity_error(error):
@@ -353,6 +363,7 @@ class Worker:
                     "answers" if worker_alive else "unreachable", sorted(dead_ps),
                     decision.value)
         if decision is Decision.RETRY:
+            self._retried_on_answering = True
             queue.put_back(batch)
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)

@@ -42,6 +42,23 @@ def test_worker_killed_mid_loop():
     assert result["total_after"] >= result["total"] + 300
 
 
+@pytest.mark.timeout(150)
+def test_worker_restarted_at_once_is_readmitted_not_blamed_on_the_user():
+    # A restart policy brings a killed worker back before any call to it
+    # fails: it answers every probe, a call fails on the connection, and its
+    # retry fails on the eager context the worker lost (InvalidArgumentError
+    # "Primary device is not remote"), an error that names no connection.
+    result = run_job("worker_restart", timeout=130)
+    assert result["error"] is None, result["error"]
+    assert result["readmitted"] is True
+    # Every closure ran once (the 20 before the kill, 100 after it): a
+    # call that fails on a restarted worker has not run its step.
+    assert result["total"] == 120.0
+    assert sum(result["ran_after"]) == 100 and result["ran_after"][1] > 0
+    assert result["built_on"] == [0, 1, 1]  # worker 1's dataset made again
+    assert result["states"] == ["healthy", "healthy"]
+
+
 @pytest.mark.timeout(120)
 def test_ps_killed_raises_within_10s():
     result = run_job("ps_kill", timeout=100)
