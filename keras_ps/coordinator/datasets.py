@@ -3,6 +3,7 @@
 import inspect
 import logging
 import time
+import weakref
 
 import tensorflow as tf
 
@@ -85,7 +86,12 @@ class PerWorkerDataset:
         self._datasets = [
             self._unless_unreachable(i, self._build, i, len(members))
             if member else None for i, member in enumerate(members)]
-        self._iterators = []  # PerWorkerValues handed out, rebuilt on recovery
+        # The PerWorkerValues handed out, rebuilt on recovery. Held weakly:
+        # an iterator keeps its dataset alive, not the other way round, so a
+        # dataset and its iterators are freed as soon as the user drops them
+        # (a cycle would keep them until the garbage collector runs, and
+        # every re-admission until then would rebuild them on the worker).
+        self._iterators = weakref.WeakSet()
 
     def _build(self, index, num_workers):
         strategy = self._strategy
@@ -175,7 +181,7 @@ class PerWorkerDataset:
             iterators = PerWorkerValues(
                 [self._unless_unreachable(i, self._iter_on, i)
                  for i in range(len(self._datasets))], source=self)
-            self._iterators.append(iterators)
+            self._iterators.add(iterators)
         return iterators
 
     def rebuild(self, index, num_workers):
@@ -184,6 +190,6 @@ class PerWorkerDataset:
         while len(self._datasets) <= index:
             self._datasets.append(None)
         self._datasets[index] = self._build(index, num_workers)
-        for iterators in self._iterators:
+        for iterators in list(self._iterators):
             iterators.replace(index, self._iter_on(index))
         logger.info("[worker:%d] per-worker dataset rebuilt", index)

@@ -201,6 +201,9 @@ class Worker:
                     queue.put_back(batch)
                 continue
             self._process(batch)
+            # Not held while waiting for work: the closures' arguments (a
+            # dataset's iterators) are freed when the user drops them.
+            batch = None
 
     def in_flight_seconds(self):
         """How long the current remote call has run (None when idle)."""

@@ -1,5 +1,7 @@
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import tensorflow as tf
@@ -184,6 +186,31 @@ def test_application_error_raised_once_then_usable(strategy, coordinator):
     assert outcomes["cancelled"] > 0, outcomes
     again = coordinator.schedule(ok, args=(slow,))
     assert again.fetch() == 2.0
+
+
+def test_a_dropped_per_worker_dataset_is_freed_at_once(coordinator):
+    # Without the garbage collector: a per-worker dataset and its iterator
+    # go as soon as the user drops them, so a later re-admission does not
+    # make them again on the returning worker. An iterator alone keeps its
+    # dataset (it is rebuilt from it).
+    gc.disable()
+    try:
+        dataset = coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.range(3).repeat())
+        iterator = iter(dataset)
+        freed = weakref.ref(dataset)
+        del dataset
+        assert freed() is not None  # held by its iterator
+
+        @tf.function
+        def read(it):
+            return next(it)
+
+        assert coordinator.schedule(read, args=(iterator,)).fetch() == 0
+        del iterator
+        assert freed() is None
+    finally:
+        gc.enable()
 
 
 def test_schedule_requires_tf_function(coordinator):
