@@ -46,7 +46,7 @@ def _check(report, kills, stops):
 
 @pytest.mark.timeout(420)
 def test_chaos_short():
-    _check(_run(kills=2, stops=1, timeout=400), kills=2, stops=1)
+    _check(_run(kills=1, stops=1, timeout=400), kills=1, stops=1)
 
 
 @pytest.mark.slow
