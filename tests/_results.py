@@ -2,7 +2,9 @@
 
 import faulthandler
 import json
+import os
 import signal
+import subprocess
 
 PREFIX = "RESULT "
 
@@ -27,3 +29,25 @@ def last_report(output):
     found = reports(output)
     assert found, f"no {PREFIX.strip()} line in the output:\n{output[-3000:]}"
     return found[-1]
+
+
+def run_child(command, timeout, **popen_kwargs):
+    """Runs `command` in its own process group; returns (exit code, output).
+    On a timeout it asks the child for its threads' stacks (SIGUSR1), kills
+    the group (the child's servers with it) and fails with that output."""
+    job = subprocess.Popen(command, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True, **popen_kwargs)
+    try:
+        output, _ = job.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGUSR1)
+        try:
+            job.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        raise AssertionError(
+            f"{command[1:]} timed out after {timeout} s:\n{output[-12000:]}")
+    return job.returncode, output

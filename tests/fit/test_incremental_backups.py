@@ -21,7 +21,6 @@ coordinator process (tests/_incremental_job.py).
 """
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -29,6 +28,7 @@ import pytest
 from _paths import TESTS
 from _results import last_report
 from _results import reports
+from _results import run_child
 
 JOB = os.path.join(TESTS, "_incremental_job.py")
 ROWS, TOUCHED = 60, 24  # as the job's table: ids are drawn below TOUCHED
@@ -39,10 +39,8 @@ def run(mode, directory, timeout=900, cases=None):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if cases:
         env["KERAS_PS_TEST_CASES"] = ",".join(cases)
-    out = subprocess.run([sys.executable, JOB, mode, str(directory)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=timeout, cwd=TESTS, env=env)
-    return out.returncode, out.stdout
+    return run_child([sys.executable, JOB, mode, str(directory)], timeout,
+                     cwd=TESTS, env=env)
 
 
 CASES = [f"{opt}-{saved}-to-{restored}"
@@ -222,13 +220,14 @@ def test_a_lost_ps_is_recovered_from_full_plus_deltas(tmp_path):
 
 
 @pytest.mark.slow  # failed once in five runs, cause not found yet
+@pytest.mark.timeout(300)
 def test_a_delta_written_across_a_ps_loss_is_dropped_without_a_wait(tmp_path):
     # The ps is killed while a background delta waits to be written, and the
     # write goes on only once the restarted ps was given its variables back:
     # the restore drops that delta without waiting for its write (which may
     # never return: its copies on the lost ps are gone), takes the backup
     # before it, and the optimizer's step count ends at the plan.
-    code, output = run("ps_loss_background", tmp_path)
+    code, output = run("ps_loss_background", tmp_path, timeout=240)
     assert code == 0, output[-4000:]
     result = last_report(output)
     assert result["killed"] and sum(result["recoveries"]) == 1

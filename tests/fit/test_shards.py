@@ -18,6 +18,7 @@ from _backups import read_backup_state
 from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
+from _results import run_child
 from keras_ps.shards.ledger import (ShardLedger, ShardState,
                                     ShardTransitionError)
 
@@ -273,24 +274,10 @@ def _result(output):
 
 
 def _run(mode, data_dir, timeout, *args, **env):
-    # Its own process group: on a timeout the job's servers and agents are
-    # killed with it.
-    job = subprocess.Popen([sys.executable, JOB, mode, str(data_dir), *args],
-                           env=_env(**env), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True,
-                           start_new_session=True)
-    try:
-        output, _ = job.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        job.send_signal(signal.SIGUSR1)  # its threads' stacks, for the report
-        try:
-            job.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        raise AssertionError(f"{mode} job timed out:\n{output[-12000:]}")
-    assert job.returncode == 0, output[-4000:]
+    code, output = run_child(
+        [sys.executable, JOB, mode, str(data_dir), *args], timeout,
+        env=_env(**env))
+    assert code == 0, output[-4000:]
     return _result(output)
 
 
