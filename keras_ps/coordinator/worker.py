@@ -350,9 +350,11 @@ class Worker:
         # another kind means the worker was restarted at once (a restart
         # policy): the retry ran against the eager context it lost, which
         # fails with errors such as "Primary device is not remote".
-        context_lost = self.state is WorkerState.READMITTED or stale or \
-            self._retried_on_answering
+        restarted_at_once = self._retried_on_answering and \
+            not failure_handling.is_connectivity_error(error)
         self._retried_on_answering = False
+        context_lost = self.state is WorkerState.READMITTED or stale or \
+            restarted_at_once
         self._consecutive_failures += 1
         if context_lost and worker_alive and \
                 not failure_handling.is_connectivity_error(error):
