@@ -29,6 +29,17 @@ def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
         time.sleep(0.01)
 
 
+def restart_at_once(cluster, job, index):
+    """Starts a killed task again on its address, as a restart policy does,
+    and returns once it answers a probe."""
+    cluster.restart(job, index)
+    deadline = time.monotonic() + 60
+    while not probe(cluster.spec[job][index], 1):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the restarted {job} {index} never answered")
+        time.sleep(0.05)
+
+
 def run_after_readmission(coordinator, step, iterator, index=1, steps=300):
     """Waits until worker `index` takes closures again, runs `steps` more;
     returns (re-admitted in time, closures that worker ran of them)."""
@@ -88,12 +99,7 @@ def main(mode):
                 coordinator.schedule(step, args=(iterator,))
             coordinator.join()
             cluster.kill("worker", 1)
-            cluster.restart("worker", 1)
-            deadline = time.monotonic() + 60
-            while not probe(cluster.spec["worker"][1], 1):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the restarted worker never answered")
-                time.sleep(0.05)
+            restart_at_once(cluster, "worker", 1)
             before = [w.closures_run for w in coordinator.workers]
 
             scale = tf.constant(1.0)  # copied to a worker at each call
@@ -193,12 +199,7 @@ def main(mode):
             if mode == "ps_restart":
                 # Back on its address before any closure fails: every probe
                 # finds it alive, but its variables are gone.
-                cluster.restart("ps", 0)
-                deadline = time.monotonic() + 60
-                while not probe(cluster.spec["ps"][0], 1):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the restarted ps never answered")
-                    time.sleep(0.05)
+                restart_at_once(cluster, "ps", 0)
             start = time.monotonic()
             try:
                 for _ in range(100):
