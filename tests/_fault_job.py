@@ -1,7 +1,8 @@
 """A coordinator process for fault tests: prints JSON lines the test reads.
 
 Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
-                                   worker_state_lost|                                   worker_stop|preempted_while_cancelling|
+                                   worker_state_lost|worker_stop|
+                                   preempted_while_cancelling|
                                    ps_loss_mid_read
 """
 
