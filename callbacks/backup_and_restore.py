@@ -74,7 +74,11 @@ class BackupAndRestore(ResumableCallback):
             previous one changed (a 10M x 64 LazyAdam table is 7.7 GB whole).
         max_deltas: with `incremental`, deltas between full backups.
         max_delta_bytes: with `incremental`, bytes of deltas after which the
-            next backup is full (None: the size of the full backup).
+            next backup is full (None: the size of the full backup). Such
+            a full backup (compaction) is written by the ps while training
+            goes on and published with the delta of the next backup (see
+            `keras_ps.IncrementalBackup`'s `background_compaction`); one
+            not finished when `fit` ends is dropped.
         background_deltas: with `incremental`, False (default): training
             waits until each delta is published. True: a delta holds
             training only while each ps copies the rows it holds; the ps
@@ -348,6 +352,12 @@ class BackupAndRestore(ResumableCallback):
 
     def on_train_end(self, logs=None):
         if self._incremental is not None:
+            # A full backup still being written in the background is
+            # dropped (the next fit starts it again); the chain stays.
+            if not self._incremental.stop_compaction(timeout=60):
+                logger.warning("[chief] the full backup being written in "
+                               "the background did not stop within 60 s "
+                               "(a ps does not answer?); left behind")
             try:
                 self._incremental.wait()  # the last delta, published
             except Exception as error:  # noqa: BLE001  (logged, as in fit)

@@ -28,6 +28,11 @@ Usage:
   python tests/_incremental_job.py zeroed_generation DIR
       a background delta during whose write a ps' generation is set to 0
       (as a recovery leaves it).
+  python tests/_incremental_job.py background_compaction DIR
+      compaction while training goes on: a step trained before each block
+      of the full backup is written, then the delta that seals it; the new
+      chain restores bit for bit into 3 shards. Then a compaction dropped
+      by a restore.
 """
 
 import glob
@@ -43,6 +48,7 @@ import tensorflow as tf
 
 import keras_ps
 from _kills import KillAndRestartPs
+from keras_ps import _constants
 from _results import say
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.tables import _blockwise_init
@@ -281,7 +287,8 @@ def faults(directory):
                                ("bytes", dict(max_delta_bytes=1))):
             compacted = build(by_shards[2], "lazy_adam")
             compacting = backup(compacted, os.path.join(directory, label),
-                                keep_chains=2, **options)
+                                keep_chains=2, background_compaction=False,
+                                **options)
             kinds[label] = []
             for seed in range(7):
                 train(compacted, seed, steps=1)
@@ -521,10 +528,109 @@ def ps_loss_background(directory):
             kind=_states(os.path.join(directory, "fit")).get("kind"))
 
 
+# -- compaction while training goes on ------------------------------------------
+def _chain_kinds(directory):
+    return [[(e["kind"], bool(e.get("fuzzy"))) for e in chain]
+            for chain in _backup_chain.read(directory)["chains"]]
+
+
+def background_compaction(directory):
+    # Blocks of 4 rows: 8 blocks per 30-row shard.
+    os.environ[_constants.SAVE_CHUNK_BYTES_ENV_VAR] = "256"
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        by_shards = strategies(cluster)
+        for optimizer, background in (("lazy_adam", False),
+                                      ("adagrad", True)):
+            folder = os.path.join(directory, optimizer)
+            model = build(by_shards[2], optimizer)
+            writer = backup(model, folder, max_deltas=2,
+                            background_deltas=background)
+            step_ran, released = threading.Event(), threading.Event()
+            blocks = []
+
+            def before_block(device, group, block):
+                # Each block waits for a step trained since the one before.
+                if released.is_set():
+                    return
+                if not step_ran.wait(300):
+                    raise RuntimeError("no step was trained for 300 s")
+                step_ran.clear()
+                blocks.append((device, group, block))
+
+            writer._before_compaction_block = before_block
+            train(model, 0)
+            saved = [writer.save()]  # full
+            for seed in (1, 2, 3):  # deltas; the third starts a compaction
+                train(model, seed)
+                saved.append(writer.save())
+            compacting_after_save = writer.compacting
+            steps = 0
+            while writer.compacting and steps < 400:
+                train(model, 100 + steps, steps=1)
+                steps += 1
+                step_ran.set()
+                if steps == 2:  # the old chain goes on meanwhile
+                    saved.append(writer.save())
+            writer.wait()
+            chains_before_seal = _chain_kinds(folder)
+            train(model, 4)
+            saved.append(writer.save())  # the seal: a new chain
+            train(model, 5)
+            saved.append(writer.save())  # a delta after it
+            writer.wait()
+            expected = values(model)
+            restored = build(by_shards[3], optimizer)
+            entry = backup(restored, folder).restore()
+            report = dict(
+                optimizer=optimizer, background=background,
+                compacting_after_save=compacting_after_save, steps=steps,
+                blocks=len(blocks),
+                block_devices=len({d for d, _, _ in blocks}),
+                kinds=[e.kind for e in saved],
+                deltas=[e.deltas for e in saved],
+                chains_before_seal=chains_before_seal,
+                chains=_chain_kinds(folder), restored_id=entry.id,
+                last_id=saved[-1].id, seal_rows=table_rows(folder,
+                                                           saved[-2].id),
+                vs_model=mismatches(values(restored), expected))
+
+            # A compaction dropped by a restore: its thread stops before
+            # its next block and its folder goes at the next publish.
+            train(model, 6)
+            step_ran.clear()
+            started = writer.save()  # 2 deltas: a compaction starts
+            writer.wait()
+            expected = values(model)
+            compaction = writer._compaction
+            dropped_folder = os.path.join(folder, compaction.folder)
+            train(model, 7)  # after the backup restored next
+            entry = writer.restore()
+            step_ran.set()
+            compaction.thread.join(300)
+            restored_equal = not mismatches(values(model), expected)
+            train(model, 8)
+            after = writer.save()  # a delta, and a compaction starts again
+            writer.wait()
+            again = writer._compaction
+            released.set()
+            step_ran.set()
+            stopped = writer.stop_compaction(timeout=300)
+            report.update(
+                dropped_started=started.id, dropped_restored=entry.id,
+                dropped_thread_alive=compaction.thread.is_alive(),
+                dropped_error=type(compaction.outcome.get("error")).__name__,
+                dropped_equal=restored_equal, after_kind=after.kind,
+                dropped_folder_left=os.path.exists(dropped_folder),
+                started_again=again is not None, stop_compaction=stopped,
+                stopped_error=type(again.outcome.get("error")).__name__)
+            say(**report)
+
+
 if __name__ == "__main__":
     started = time.monotonic()
     {"equivalence": equivalence, "faults": faults, "crash_write": crash_write,
      "crash_restore": crash_restore, "callback": callback,
      "ps_loss": ps_loss, "ps_loss_background": ps_loss_background,
-     "zeroed_generation": zeroed_generation}[sys.argv[1]](sys.argv[2])
+     "zeroed_generation": zeroed_generation,
+     "background_compaction": background_compaction}[sys.argv[1]](sys.argv[2])
     print(f"done in {time.monotonic() - started:.1f}s", flush=True)

@@ -4,7 +4,11 @@ A directory holds chains, oldest first. A chain is a full backup followed by
 deltas, each delta holding what changed since the entry before it; every
 prefix of a chain (its full, then its first k deltas) is one restorable
 state, the state when its last entry was written. Each entry's files live
-in a folder of their own (`full-000007/`, `delta-000008/`).
+in a folder of their own (`full-000007/`, `delta-000008/`). One exception:
+a full backup written while training went on (`"fuzzy": true`) holds rows
+from different moments, and is published only with the delta that makes it
+one state (every row changed since its write began); its chain's states
+start with that delta.
 
 `manifest.json` lists the chains, each entry with its files' lengths and
 fingerprints. It is the one thing published: an entry's files are written
@@ -66,16 +70,19 @@ def read(directory):
     return manifest
 
 
-def publish(directory, manifest):
-    """Replaces the manifest atomically, then deletes unnamed entry folders."""
+def publish(directory, manifest, keep=()):
+    """Replaces the manifest atomically, then deletes unnamed entry folders
+    (but those in `keep`: being written)."""
     write_atomically(os.path.join(directory, MANIFEST_FILE),
                             json.dumps(manifest, indent=1))
-    remove_unlisted(directory, manifest)
+    remove_unlisted(directory, manifest, keep)
 
 
-def remove_unlisted(directory, manifest):
-    """Deletes the entry folders of `directory` that `manifest` does not list."""
+def remove_unlisted(directory, manifest, keep=()):
+    """Deletes the entry folders of `directory` that `manifest` does not list
+    and `keep` does not name."""
     listed = {entry["folder"] for chain in manifest["chains"] for entry in chain}
+    listed.update(keep)
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -98,9 +105,12 @@ def locate(manifest, entry_id):
 def states_newest_first(manifest):
     """Every restorable state as (chain index, prefix length), newest
     first: the newest chain whole, then without its last delta, ..., then
-    its full alone, then the chain before it, and so on."""
+    its full alone (unless it is fuzzy: not a state without its first
+    delta), then the chain before it, and so on."""
     for c in range(len(manifest["chains"]) - 1, -1, -1):
-        for length in range(len(manifest["chains"][c]), 0, -1):
+        chain = manifest["chains"][c]
+        shortest = 2 if chain[0].get("fuzzy") else 1
+        for length in range(len(chain), shortest - 1, -1):
             yield c, length
 
 
@@ -131,6 +141,15 @@ def with_entry(manifest, base, entry, keep_chains):
     return {"format": FORMAT, "next_id": max(manifest["next_id"],
                                              entry["id"] + 1),
             "chains": chains}
+
+
+def with_chain(manifest, entries, keep_chains):
+    """A new manifest with a new chain of `entries` (a full backup and the
+    deltas after it); the oldest chains beyond `keep_chains` are dropped."""
+    chains = [list(chain) for chain in manifest["chains"]] + [list(entries)]
+    return {"format": FORMAT, "next_id": max(
+        [manifest["next_id"]] + [entry["id"] + 1 for entry in entries]),
+        "chains": chains[-keep_chains:]}
 
 
 def check_file(path, entry, record):

@@ -14,6 +14,7 @@ whole by a later entry is read from that entry only.
 import concurrent.futures
 import os
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ps.backups import _chain as _backup_chain
@@ -141,6 +142,74 @@ class Writer:
 
         return self._describe(per_device(write, sorted(taken)))
 
+    def _block_function(self, group):
+        """(function writing one block of `group`'s row files, rows per
+        block); the function takes the prefix and the block number."""
+        key = (id(group), "block")
+        if key not in self._functions:
+            block_rows = _row_files.rows_per_block(
+                group.variables, _row_chunks.chunk_bytes())
+            rows, offset = group.parts[0].rows, group.parts[0].offset
+
+            def write(prefix, block):
+                with tf.device(group.device):
+                    first = block * block_rows
+                    ids = tf.range(first, tf.minimum(first + block_rows, rows))
+                    return _row_files.write_rows(
+                        tf.strings.join([prefix, group.name]), ids, offset,
+                        group.variables, block_rows, first_block=block)
+
+            self._functions[key] = (tf.function(write, autograph=False),
+                                    block_rows)
+        return self._functions[key]
+
+    def _bundle_function(self, group):
+        key = (id(group), "bundle")
+        if key not in self._functions:
+            self._functions[key] = tf.function(
+                lambda prefix: _write_groups(prefix, [group], [None],
+                                             [group.variables])[0],
+                autograph=False)
+        return self._functions[key]
+
+    def write_in_blocks(self, prefix, stopped, before_block=None):
+        """Writes what `write(prefix, -1, full=True)` writes, one block
+        (`_row_chunks.chunk_bytes()`) per call on each device, while
+        training may go on: rows updated meanwhile may be written with any
+        value they had during the write (a full backup made consistent by
+        a delta of every row marked since the write began).
+
+        Args:
+            stopped: called before each block; True stops the write
+                (raises `WriteStopped`).
+            before_block: None, or called with (device, group name, block)
+                before each block is written.
+
+        Returns:
+            (file records for the manifest, rows of tables written).
+        """
+        def write(device):
+            groups, records = self._groups(device), []
+            for group in groups:
+                if group.kind == "bundle":
+                    records.append(self._bundle_function(group)(
+                        tf.constant(prefix)).numpy())
+                    continue
+                function, block_rows = self._block_function(group)
+                columns = []
+                for block in range(-(-group.parts[0].rows // block_rows)):
+                    if before_block is not None:
+                        before_block(device, group.name, block)
+                    if stopped():
+                        raise WriteStopped(f"stopped before block {block} of "
+                                           f"{group.name} on {device}")
+                    columns.append(function(tf.constant(prefix), tf.constant(
+                        block, tf.int64)).numpy())
+                records.append(np.concatenate(columns, axis=1))
+            return groups, records
+
+        return self._describe(per_device(write, self._devices()))
+
     def _describe(self, done):
         files, table_rows = [], 0
         for groups, records in done:
@@ -177,6 +246,10 @@ def _write_groups(prefix, groups, ids, sources):
                 path, group_ids, group.parts[0].offset, group_sources,
                 _row_files.rows_per_block(group.variables, block_bytes)))
     return records
+
+
+class WriteStopped(Exception):
+    """`Writer.write_in_blocks` was stopped between two blocks."""
 
 
 class Snapshot:

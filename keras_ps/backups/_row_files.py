@@ -43,11 +43,12 @@ def _rows(variable, local_ids):
                                      indices=local_ids, dtype=variable.dtype)
 
 
-def write_rows(prefix, local_ids, offset, sources, block_rows):
+def write_rows(prefix, local_ids, offset, sources, block_rows,
+               first_block=0):
     """Writes rows `local_ids` of `sources` to files `prefix + ".0"`,
-    `prefix + ".1"`, ..., `block_rows` rows each. Run it under the device
-    holding the sources (inside a `tf.function`: one remote call writes
-    every block).
+    `prefix + ".1"`, ..., `block_rows` rows each (numbered from
+    `first_block`). Run it under the device holding the sources (inside a
+    `tf.function`: one remote call writes every block).
 
     Args:
         prefix: string scalar, the files' path without the block number.
@@ -78,8 +79,8 @@ def write_rows(prefix, local_ids, offset, sources, block_rows):
         parts += [tf.io.serialize_tensor(
             _rows(s, ids) if isinstance(s, tf.Variable) else s[first:stop])
             for s in sources]
-        content = _write(
-            tf.strings.join([prefix, ".", tf.strings.as_string(block)]), parts)
+        content = _write(tf.strings.join(
+            [prefix, ".", tf.strings.as_string(block + first_block)]), parts)
         values = (_length(content), fingerprint(content),
                   tf.size(ids, out_type=tf.int64),
                   tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset,

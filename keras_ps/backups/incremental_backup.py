@@ -89,9 +89,24 @@ class IncrementalBackup:
             is published in a background thread while training goes on.
             The next save, `restore()` and `wait()` wait for it; a delta
             that fails there is logged and not published (the next backup
-            holds its rows). Full backups are written before `save*()`
-            returns either way (a copy of the whole table would double the
-            ps' memory).
+            holds its rows). The first full backup and `save_full()` are
+            written before they return either way (a copy of the whole
+            table would double the ps' memory).
+        background_compaction: True (default): when compaction is due,
+            `save()` writes a delta as usual and starts writing the new
+            full backup in a thread, block by block on each ps, while
+            training goes on; rows the steps change meanwhile may be
+            written with any value they had. The first `save()` after the
+            write ended writes a delta of every row changed since it began,
+            which makes the two one state, and publishes them as a new
+            chain. Until then the old chain goes on (deltas) and is what
+            `restore()` loads (with no row-tracked table, where a delta
+            is as big as a full backup, the full backup is written at
+            once). A restore, `save_full()` or `stop_compaction()`
+            drops a full backup being written; if the chain reaches twice
+            its limits meanwhile, `save()` writes the full backup before it
+            returns. False: `save()` writes the compaction's full backup
+            before it returns.
 
     Example:
     ```python
@@ -108,7 +123,8 @@ class IncrementalBackup:
 
     def __init__(self, objects, directory, max_deltas=20,
                  max_delta_bytes=None, keep_chains=2,
-                 min_table_bytes=None, background_deltas=False):
+                 min_table_bytes=None, background_deltas=False,
+                 background_compaction=True):
         self._objects = _backup_catalog.normalize(objects)
         if not directory:
             raise ValueError("IncrementalBackup needs a directory. Received: "
@@ -131,6 +147,11 @@ class IncrementalBackup:
         # Held while a background delta is published, and to abandon one.
         self._publish_lock = threading.Lock()
         self._next_id = 1  # above an abandoned delta's id: not given out again
+        self.background_compaction = bool(background_compaction)
+        self._compaction = None  # a full backup written in the background
+        # Tests: called as (device, group name, block) before each block of
+        # a background compaction is written.
+        self._before_compaction_block = None
 
     # -- what is backed up ----------------------------------------------------------
     def _ready(self):
@@ -204,7 +225,33 @@ class IncrementalBackup:
             self._finish_pending()
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
-            if base is None or self._compaction_due(manifest, base):
+            if base is None:
+                self._stop_compaction("there is no backup to build on")
+                return self._save("full", metadata, manifest, None)
+            compaction = self._compaction
+            if compaction is not None and not compaction.thread.is_alive():
+                self._compaction = None
+                if "error" not in compaction.outcome:
+                    # The delta that makes it a state; both as a new chain.
+                    return self._save("delta", metadata, manifest, None,
+                                      seal=compaction)
+                logger.warning(
+                    "[chief] the full backup written in the background was "
+                    "dropped (%s: %s)", type(compaction.outcome["error"]
+                                             ).__name__,
+                    compaction.outcome["error"])
+            if self._compaction is None and self._compaction_due(
+                    manifest, base, 1):
+                if (not self.background_compaction
+                        or not self._ready().tables  # a delta is whole
+                        or self._compaction_due(manifest, base, 2)):
+                    return self._save("full", metadata, manifest, None)
+                entry = self._save("delta", metadata, manifest, base)
+                self._start_compaction(entry.id)
+                return entry
+            if self._compaction is not None and self._compaction_due(
+                    manifest, base, 2):
+                self._stop_compaction("the chain reached twice its limits")
                 return self._save("full", metadata, manifest, None)
             return self._save("delta", metadata, manifest, base)
 
@@ -212,6 +259,7 @@ class IncrementalBackup:
         """Writes every variable whole; starts a new chain."""
         with self._lock:
             self._finish_pending()
+            self._stop_compaction("save_full() was called")
             manifest = _backup_chain.read(self.directory)
             return self._save("full", metadata, manifest, None)
 
@@ -244,43 +292,137 @@ class IncrementalBackup:
             return None
         return _backup_chain.locate(manifest, self._base[0])
 
-    def _compaction_due(self, manifest, base):
+    def _compaction_due(self, manifest, base, factor):
+        """Whether the chain of `base` reached `factor` times its limits."""
         chain = manifest["chains"][base[0]]
         limit = (self.max_delta_bytes if self.max_delta_bytes is not None
                  else chain[0]["bytes"])
-        return (base[1] - 1 >= self.max_deltas
-                or _backup_chain.delta_bytes(chain, base[1]) >= limit)
+        return (base[1] - 1 >= factor * self.max_deltas
+                or _backup_chain.delta_bytes(chain, base[1]) >= factor * limit)
 
-    def _save(self, kind, metadata, manifest, base):
-        started = time.monotonic()
-        catalog = self._ready()
-        manifest = manifest or _backup_chain.empty()
-        # An abandoned background delta may still write into its folder.
+    def _new_folder(self, kind, manifest):
+        """(entry id, folder name, path) of a new entry, its folder empty."""
+        # An abandoned background write may still write into its folder.
         entry_id = max(manifest["next_id"], self._next_id)
         folder = _backup_chain.folder_name(kind, entry_id)
         path = os.path.join(self.directory, folder)
         shutil.rmtree(path, ignore_errors=True)  # a crashed attempt's files
         os.makedirs(path)
-        since = self._base[1] if kind == "delta" else -1
+        return entry_id, folder, path
+
+    def _save(self, kind, metadata, manifest, base, seal=None):
+        """Writes a full backup or a delta since `base` (chain index,
+        length), or, with `seal` (a finished `_Compaction`), the delta that
+        makes it a state: published with it as a new chain."""
+        started = time.monotonic()
+        catalog = self._ready()
+        manifest = manifest or _backup_chain.empty()
+        entry_id, folder, path = self._new_folder(kind, manifest)
+        since = (seal.generation if seal is not None
+                 else self._base[1] if kind == "delta" else -1)
+
+        def add(manifest, entry):
+            if seal is not None:
+                return _backup_chain.with_chain(
+                    manifest, [seal.entry, entry], self.keep_chains)
+            return _backup_chain.with_entry(manifest, base, entry,
+                                            self.keep_chains)
+
         generation = _dirty_rows.GENERATIONS.advance()
         if (kind == "delta" and self.background_deltas
                 and self._writer.can_snapshot()):
             return self._save_in_background(
                 self._writer.snapshot(since), path, entry_id, kind, folder,
-                metadata, manifest, base, generation, started)
+                metadata, manifest, add, 1 if seal else base[1], generation,
+                started)
         files, table_rows = self._writer.write(path + os.sep, since,
                                                full=kind == "full")
         entry = _backup_chain.new_entry(entry_id, kind, folder, files,
                                         table_rows, metadata)
         if kind == "full":
             entry.update(catalog.describe())
-        updated = _backup_chain.with_entry(manifest, base, entry,
-                                           self.keep_chains)
+        updated = add(manifest, entry)
         deltas = _backup_chain.locate(updated, entry_id)[1] - 1
         return self._publish(updated, entry, generation, deltas, started)
 
+    # -- compaction while training goes on ----------------------------------------
+    @property
+    def compacting(self):
+        """Whether a full backup is being written in the background (it is
+        published by the next `save()` after its write ends)."""
+        compaction = self._compaction
+        return compaction is not None and compaction.thread.is_alive()
+
+    def _start_compaction(self, last_id):
+        """Starts writing a full backup in a thread, block by block, while
+        training goes on; called between steps (the rows changed from here
+        on are the ones the sealing delta writes). `last_id`: the entry
+        just saved (it may not be published yet)."""
+        catalog = self._ready()
+        self._next_id = max(self._next_id, last_id + 1)
+        manifest = _backup_chain.read(self.directory) or _backup_chain.empty()
+        entry_id, folder, path = self._new_folder("full", manifest)
+        # Not in the manifest until sealed: not given out again.
+        self._next_id = entry_id + 1
+        compaction = _Compaction(entry_id, folder,
+                                 _dirty_rows.GENERATIONS.advance())
+        hook = self._before_compaction_block
+
+        def write():
+            started = time.monotonic()
+            try:
+                with _tf_adapter.own_executor():
+                    files, table_rows = self._writer.write_in_blocks(
+                        path + os.sep, lambda: compaction.stopped, hook)
+                entry = _backup_chain.new_entry(entry_id, "full", folder,
+                                                files, table_rows, None)
+                entry.update(catalog.describe(), fuzzy=True)
+                compaction.entry = entry
+                logger.info("[chief] full backup %d written while training "
+                            "went on: %d bytes in %.2fs; the next backup "
+                            "publishes it", entry_id, entry["bytes"],
+                            time.monotonic() - started)
+            except Exception as error:  # noqa: BLE001  (logged by save())
+                compaction.outcome["error"] = error
+
+        compaction.thread = threading.Thread(
+            target=write, daemon=True, name=f"keras_ps-compaction-{entry_id}")
+        self._compaction = compaction
+        compaction.thread.start()
+        logger.info("[chief] compaction: full backup %d being written while "
+                    "training goes on", entry_id)
+
+    def _stop_compaction(self, reason):
+        """Drops the full backup being written in the background, if any,
+        without waiting for it: it stops before its next block, and its
+        folder goes at the next publish."""
+        compaction, self._compaction = self._compaction, None
+        if compaction is None:
+            return
+        compaction.stopped = True
+        logger.info("[chief] the full backup %d being written in the "
+                    "background is dropped: %s", compaction.entry_id, reason)
+
+    def stop_compaction(self, timeout=None):
+        """Drops the full backup being written in the background, if any,
+        and waits up to `timeout` seconds (None: no limit) for its thread
+        to stop (it stops between two blocks). `BackupAndRestore` calls it
+        at the end of `fit`; the next `save()` due to compact starts again.
+
+        Returns:
+            False if the thread was still running after `timeout`.
+        """
+        with self._lock:
+            compaction = self._compaction
+            self._stop_compaction("stop_compaction() was called")
+        if compaction is None:
+            return True
+        compaction.thread.join(timeout)
+        return not compaction.thread.is_alive()
+
     def _save_in_background(self, snapshot, path, entry_id, kind, folder,
-                            metadata, manifest, base, generation, started):
+                            metadata, manifest, add, deltas, generation,
+                            started):
         """Writes and publishes a delta whose `snapshot` was taken, in a
         thread; returns its BackupEntry (`bytes` 0: not known yet)."""
         outcome = {"id": entry_id}
@@ -297,9 +439,7 @@ class IncrementalBackup:
                         "written")
                 entry = _backup_chain.new_entry(entry_id, kind, folder, files,
                                                 table_rows, metadata)
-                updated = _backup_chain.with_entry(manifest, base, entry,
-                                                   self.keep_chains)
-                deltas = _backup_chain.locate(updated, entry_id)[1] - 1
+                updated = add(manifest, entry)
                 with self._publish_lock:
                     if outcome.get("abandoned"):
                         raise RuntimeError(
@@ -317,11 +457,13 @@ class IncrementalBackup:
         logger.info("[chief] delta backup %d: copied on the ps in %.2fs, "
                     "being written", entry_id, seconds)
         return BackupEntry(id=entry_id, kind=kind, bytes=0, files=0,
-                           table_rows=0, deltas=base[1], metadata=metadata
+                           table_rows=0, deltas=deltas, metadata=metadata
                            or {}, seconds=seconds)
 
     def _publish(self, manifest, entry, generation, deltas, started):
-        _backup_chain.publish(self.directory, manifest)
+        compaction = self._compaction
+        _backup_chain.publish(self.directory, manifest, keep=(
+            [compaction.folder] if compaction is not None else []))
         self._base = (entry["id"], generation)
         info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
         logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
@@ -413,6 +555,7 @@ class IncrementalBackup:
         with self._lock:
             self._abandon_pending_after_a_ps_loss()
             self._finish_pending()
+            self._stop_compaction("a restore changes the variables")
             started = time.monotonic()
             catalog = self._ready()
             manifest = _backup_chain.read(self.directory)
@@ -443,3 +586,18 @@ class IncrementalBackup:
             raise BackupCorruptError(
                 f"No backup in {self.directory!r} is complete: "
                 f"{' | '.join(problems)}")
+
+
+class _Compaction:
+    """A full backup being written in the background (`entry`, its manifest
+    entry, once written); `generation`: the rows marked after it changed
+    since its write began."""
+
+    def __init__(self, entry_id, folder, generation):
+        self.entry_id = entry_id
+        self.folder = folder
+        self.generation = generation
+        self.entry = None
+        self.stopped = False
+        self.outcome = {}
+        self.thread = None

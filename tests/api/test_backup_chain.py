@@ -52,6 +52,20 @@ def test_a_delta_after_a_restored_state_drops_what_came_after_it():
                                                               [3, 4, 6]]
 
 
+def test_a_fuzzy_full_backup_is_a_state_only_with_its_first_delta():
+    fuzzy = dict(entry(3, "full"), fuzzy=True)
+    manifest = manifest_of([entry(1, "full"), entry(2, "delta")])
+    # Published with the delta that seals it, as a new chain.
+    after = _backup_chain.with_chain(manifest, [fuzzy, entry(5, "delta")], 2)
+    assert [[e["id"] for e in c] for c in after["chains"]] == [[1, 2], [3, 5]]
+    assert after["next_id"] == 6
+    assert list(_backup_chain.states_newest_first(after)) == [
+        (1, 2), (0, 2), (0, 1)]
+    assert [[e["id"] for e in c] for c in _backup_chain.with_chain(
+        after, [dict(entry(6, "full"), fuzzy=True), entry(7, "delta")], 2
+    )["chains"]] == [[3, 5], [6, 7]]
+
+
 def test_a_full_backup_keeps_keep_chains_chains():
     manifest = manifest_of([entry(1, "full")], [entry(2, "full")])
     after = _backup_chain.with_entry(manifest, None, entry(3, "full"), 2)
@@ -61,9 +75,15 @@ def test_a_full_backup_keeps_keep_chains_chains():
 
 
 def test_publish_replaces_the_manifest_and_removes_unlisted_folders(tmp_path):
-    for name in ("full-000001", "delta-000002", "delta-000003", "other"):
+    for name in ("full-000001", "delta-000002", "delta-000003",
+                 "full-000004", "other"):
         os.makedirs(tmp_path / name)
     manifest = manifest_of([entry(1, "full"), entry(2, "delta")])
+    # full-000004: a full backup being written, kept.
+    _backup_chain.publish(str(tmp_path), manifest, keep=["full-000004"])
+    assert sorted(os.listdir(tmp_path)) == [
+        "delta-000002", "full-000001", "full-000004", "manifest.json",
+        "other"]
     _backup_chain.publish(str(tmp_path), manifest)
     assert sorted(os.listdir(tmp_path)) == [
         "delta-000002", "full-000001", "manifest.json", "other"]

@@ -14,7 +14,9 @@ coordinator process (tests/_incremental_job.py).
 - A crash after a delta's files are written, before it is published: the
   previous chain restores (an exception in-process, and a real process
   exit); the next backup removes the orphan files.
-- Compaction after `max_deltas` deltas or `max_delta_bytes` bytes.
+- Compaction after `max_deltas` deltas or `max_delta_bytes` bytes; written
+  while training goes on, sealed by the next delta, restored bit for bit;
+  dropped by a restore.
 - BackupAndRestore(incremental=True) through fit and its restore;
   incremental="auto" stays off for a small model; a ps lost mid-fit is
   recovered from full + deltas.
@@ -173,6 +175,61 @@ def test_compaction_after_max_deltas_or_max_delta_bytes(faults):
                               "delta", "full"]
 
 
+@pytest.fixture(scope="module")
+def background_compaction(tmp_path_factory):
+    code, output = run("background_compaction",
+                       tmp_path_factory.mktemp("compaction"))
+    assert code == 0, output[-4000:]
+    return {r["optimizer"]: r for r in reports(output)}
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
+def test_compaction_written_while_training_restores_bit_for_bit(
+        optimizer, background_compaction):
+    # Compaction due (max_deltas=2): save() returns while the full backup
+    # is still being written (a step must train before each of its blocks,
+    # so it cannot have finished), the old chain takes deltas meanwhile,
+    # and the first save after the write seals it with a delta of the rows
+    # the steps changed since it began: a new chain, restored into 3 shards
+    # exactly as the model at the last backup. (adagrad: background deltas.)
+    result = background_compaction[optimizer]
+    assert result["compacting_after_save"] is True
+    # Each ps wrote its blocks (16 at least: 30-row shards, 4 rows a
+    # block), each after a step trained since its previous one.
+    assert result["block_devices"] == 2 and result["blocks"] >= 16, result
+    assert result["steps"] >= result["blocks"] // 2, result
+    assert result["kinds"] == ["full"] + ["delta"] * 6
+    assert result["deltas"] == [0, 1, 2, 3, 4, 1, 2]
+    old = [["full", False]] + [["delta", False]] * 4
+    assert result["chains_before_seal"] == [old]
+    assert result["chains"] == [old, [["full", True], ["delta", False],
+                                      ["delta", False]]]
+    assert result["seal_rows"] > 0
+    assert result["restored_id"] == result["last_id"]
+    assert result["vs_model"] == []
+
+
+@pytest.mark.timeout(1000)
+@pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
+def test_a_restore_drops_the_compaction_being_written(
+        optimizer, background_compaction):
+    result = background_compaction[optimizer]
+    # The restore took the delta saved as the compaction started; the
+    # compaction's thread stopped before its next block and its folder went
+    # at the next publish; training and deltas go on, a compaction starts
+    # again and stop_compaction() stops it.
+    assert result["dropped_restored"] == result["dropped_started"]
+    assert result["dropped_equal"] is True
+    assert result["dropped_thread_alive"] is False
+    assert result["dropped_error"] == "WriteStopped"
+    assert result["dropped_folder_left"] is False
+    assert result["after_kind"] == "delta"
+    assert result["started_again"] is True
+    assert result["stop_compaction"] is True
+    assert result["stopped_error"] == "WriteStopped"
+
+
 @pytest.mark.timeout(600)
 def test_a_process_crash_between_files_and_manifest(tmp_path):
     directory = tmp_path / "backup"
@@ -197,10 +254,11 @@ def test_backup_and_restore_writes_deltas_and_restores_them(tmp_path):
     code, output = run("callback", tmp_path)
     assert code == 0, output[-4000:]
     fit_report, auto_report = reports(output)
-    # save_freq=3 over 2 epochs of 9 steps, plus each epoch's end; a full
-    # backup after max_deltas=3 deltas.
+    # save_freq=3 over 2 epochs of 9 steps, plus each epoch's end; after
+    # max_deltas=3 deltas the full backup is written in the background, so
+    # the backups fit waits for stay deltas.
     assert fit_report["kinds"][:5] == ["full", "delta", "delta", "delta",
-                                       "full"], fit_report
+                                       "delta"], fit_report
     assert fit_report["resume"] == [2, 0]
     assert fit_report["equal"]
     assert fit_report["state"]["weights"] is None
