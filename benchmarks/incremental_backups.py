@@ -10,7 +10,11 @@ own process:
   none         no backup: the reference training time
   incremental  keras_ps.IncrementalBackup.save(): a full backup first, then
                deltas (a new full backup when the deltas add up to one or
-               after 20), training waiting for each to be published
+               after --max-deltas, 20 by default: compaction, written by the
+               ps while training goes on and published with the next
+               delta), training waiting for each delta to be published
+  blocking     the same with background_compaction=False: training waits
+               while the compaction's full backup is written
   background   the same with background_deltas=True (BackupAndRestore's
                default): training waits only while each ps copies a
                delta's rows; the files are written and the delta is
@@ -51,7 +55,7 @@ sys.path.insert(0, HERE)
 import fit_large_tables as large  # noqa: E402  (the model's data)
 
 EVERY = 100  # steps between backups
-MODES = ("none", "incremental", "background", "keras_h5")
+MODES = ("none", "incremental", "blocking", "background", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
 
@@ -70,7 +74,7 @@ def _model(keras, keras_ps, strategy, rows, dim, ids):
     return model
 
 
-def run_child(mode, rows, epochs, steps, directory):
+def run_child(mode, rows, epochs, steps, directory, max_deltas):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -106,9 +110,10 @@ def run_child(mode, rows, epochs, steps, directory):
             for shard in model.layers[0].weights]
 
     backup = None
-    if mode in ("incremental", "background"):
+    if mode in ("incremental", "blocking", "background"):
         backup = keras_ps.IncrementalBackup(
-            model, directory, background_deltas=mode == "background")
+            model, directory, background_deltas=mode == "background",
+            background_compaction=mode != "blocking", max_deltas=max_deltas)
     records, ends = [], []
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 
@@ -147,6 +152,7 @@ def run_child(mode, rows, epochs, steps, directory):
                 state["last_iterations"] = iterations
                 records.append(dict(
                     step=step, id=entry.id, kind=entry.kind,
+                    deltas=entry.deltas, compacting=backup.compacting,
                     bytes=entry.bytes, join_s=joined - started,
                     seconds=seconds, touched=touched,
                     minimum=touched * ROW_BYTES + sizes["dense_bytes"]))
@@ -232,13 +238,13 @@ def _complete(backup, record):
                     if r["keys"][0] == "model/0")
 
 
-def run(mode, rows, epochs, steps, parent, timeout=7200):
+def run(mode, rows, epochs, steps, parent, max_deltas, timeout=7200):
     directory = tempfile.mkdtemp(prefix=f"incremental-{mode}-", dir=parent)
     try:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_child", mode,
-             str(rows), str(epochs), str(steps), directory],
+             str(rows), str(epochs), str(steps), directory, str(max_deltas)],
             capture_output=True, text=True, env=env, timeout=timeout)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -286,6 +292,7 @@ def summary(results):
     if runs["none"]:
         lines.append(f"| no backup | | | | {speed('none')} |")
     for mode, label in (("incremental", "incremental"),
+                        ("blocking", "incremental, compaction blocking"),
                         ("background", "incremental, deltas written in "
                          "the background")):
         records = [x for r in runs[mode] for x in r["records"]]
@@ -300,6 +307,13 @@ def summary(results):
                 f" | {_spread([x['bytes'] / x['minimum'] for x in deltas])}x"
                 f" | {_median(x['seconds'] for x in deltas)} (join "
                 f"{_median(x['join_s'] for x in deltas)}) | {speed(mode)} |")
+        seals = [x for previous, x in zip(records, records[1:])
+                 if x["deltas"] == 1 and previous["deltas"] > 1]
+        if seals:
+            lines.append(
+                f"| {label}: compactions written while training | "
+                f"{len(seals)} sealed | | {_median(x['seconds'] for x in seals)}"
+                " (the sealing delta) | | |")
         if fulls:
             lines.append(
                 f"| {label}: full | "
@@ -339,18 +353,21 @@ def main():
     parser.add_argument("--repeats", type=int, default=1,
                         help="each mode this many times, interleaved")
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--max-deltas", type=int, default=20)
+    parser.add_argument("--_child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
-        mode, rows, epochs, steps, directory = args._child
-        result = run_child(mode, int(rows), int(epochs), int(steps), directory)
+        mode, rows, epochs, steps, directory, max_deltas = args._child
+        result = run_child(mode, int(rows), int(epochs), int(steps), directory,
+                           int(max_deltas))
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
     for repeat in range(args.repeats):
         for mode in args.modes.split(","):
             started = time.perf_counter()
-            result = run(mode, args.rows, args.epochs, args.steps, args.dir)
+            result = run(mode, args.rows, args.epochs, args.steps, args.dir,
+                         args.max_deltas)
             result["repeat"] = repeat
             print(f"{mode} run {repeat}: {time.perf_counter() - started:.0f} s"
                   + (f" FAILED {result['error'][-800:]}" if "error" in result

@@ -54,27 +54,41 @@ class Writer:
         return self._functions[key]
 
     def _snapshot_functions(self, device):
+        """(snapshot, write) of `device`: `snapshot(since)` copies what a
+        delta since generation `since` holds into buffer variables on the
+        device; `write(prefix)` writes them and empties them.
+
+        The copies stay in variables: a function returning them as outputs
+        took 6-8x as long as the gather itself (TF copies a remote
+        function's outputs), and training waits for the snapshot."""
         key = (device, "snapshot")
         if key not in self._functions:
             groups = self._groups(device)
+            with tf.device(device):
+                buffers = [[_buffer(v.dtype, v.shape) for v in g.variables]
+                           if g.kind == "bundle" else
+                           [_buffer(tf.int64, [None])] + [
+                               _buffer(v.dtype, [None] + v.shape[1:].as_list())
+                               for v in g.variables] for g in groups]
 
             def snapshot(since):
-                taken = []
-                for group in groups:
+                for group, kept in zip(groups, buffers):
                     with tf.device(group.device):
                         if group.kind == "bundle":
                             # A value read is kept as it is: an update of
                             # the variable after it copies the buffer first.
-                            taken.append([tf.raw_ops.ReadVariableOp(
+                            values = [tf.raw_ops.ReadVariableOp(
                                 resource=v.handle, dtype=v.dtype)
-                                for v in group.variables])
-                            continue
-                        ids = _rows_to_write(group, False, since)
-                        taken.append([ids] + _row_files.gather_rows(
-                            ids, group.variables))
-                return taken
+                                for v in group.variables]
+                        else:
+                            ids = _rows_to_write(group, False, since)
+                            values = [ids] + _row_files.gather_rows(
+                                ids, group.variables)
+                        for buffer, value in zip(kept, values):
+                            buffer.assign(value)
 
-            def write(prefix, taken):
+            def write(prefix):
+                taken = [[b.read_value() for b in kept] for kept in buffers]
                 return _write_groups(
                     prefix, groups,
                     [None if g.kind == "bundle" else t[0]
@@ -82,18 +96,25 @@ class Writer:
                     [t if g.kind == "bundle" else t[1:]
                      for g, t in zip(groups, taken)])
 
-            # Traced once: the row counts differ at each delta.
-            signature = [tf.TensorSpec([], tf.string), [
-                [tf.TensorSpec(v.shape, v.dtype) for v in g.variables]
-                if g.kind == "bundle" else
-                [tf.TensorSpec([None], tf.int64)]
-                + [tf.TensorSpec([None] + v.shape[1:].as_list(), v.dtype)
-                   for v in g.variables] for g in groups]]
-            self._functions[key] = (
-                tf.function(snapshot, autograph=False),
-                tf.function(write, autograph=False,
-                            input_signature=signature))
+            def free():
+                # A call of its own, after the write returned: emptied in
+                # the write's function, the buffers were found empty there.
+                for group, kept in zip(groups, buffers):
+                    if group.kind != "bundle":
+                        for buffer in kept:
+                            buffer.assign(tf.zeros(
+                                [0] + buffer.shape[1:].as_list(), buffer.dtype))
+
+            self._functions[key] = (tf.function(snapshot, autograph=False),
+                                    tf.function(write, autograph=False),
+                                    tf.function(free, autograph=False))
         return self._functions[key]
+
+    def forget_snapshots(self):
+        """Drops the snapshot buffers and functions (made again at the next
+        snapshot): after a ps lost its state, those on it are gone."""
+        self._functions = {key: value for key, value in self._functions.items()
+                           if key[1] != "snapshot"}
 
     def can_snapshot(self):
         """Whether `snapshot` copies only a delta's worth on each device: no
@@ -129,18 +150,19 @@ class Writer:
             A Snapshot, whose `write(prefix)` writes them.
         """
         def snapshot(device):
-            return device, self._snapshot_functions(device)[0](
-                tf.constant(since, tf.int32))
+            self._snapshot_functions(device)[0](tf.constant(since, tf.int32))
+            return device
 
-        return Snapshot(self, dict(per_device(snapshot, self._devices())))
+        return Snapshot(self, per_device(snapshot, self._devices()))
 
-    def _write_snapshot(self, prefix, taken):
+    def _write_snapshot(self, prefix, devices):
         def write(device):
-            records = self._snapshot_functions(device)[1](
-                tf.constant(prefix), taken[device])
-            return self._groups(device), [r.numpy() for r in records]
+            _, write, free = self._snapshot_functions(device)
+            records = [r.numpy() for r in write(tf.constant(prefix))]
+            free()
+            return self._groups(device), records
 
-        return self._describe(per_device(write, sorted(taken)))
+        return self._describe(per_device(write, sorted(devices)))
 
     def _block_function(self, group):
         """(function writing one block of `group`'s row files, rows per
@@ -253,12 +275,13 @@ class WriteStopped(Exception):
 
 
 class Snapshot:
-    """What a delta holds, copied on each device by `Writer.snapshot`;
-    `write(prefix)` has each device write its own files (once)."""
+    """What a delta holds, copied on each device by `Writer.snapshot` (into
+    that device's buffers: one snapshot at a time); `write(prefix)` has each
+    device write its own files (once)."""
 
-    def __init__(self, writer, taken):
+    def __init__(self, writer, devices):
         self._writer = writer
-        self._taken = taken  # {device: tensors there}
+        self._devices = devices
 
     def write(self, prefix):
         """Writes the files (each device its own, at once) and frees the
@@ -267,8 +290,17 @@ class Snapshot:
         Returns:
             (file records for the manifest, rows of tables written).
         """
-        taken, self._taken = self._taken, None
-        return self._writer._write_snapshot(prefix, taken)
+        devices, self._devices = self._devices, None
+        return self._writer._write_snapshot(prefix, devices)
+
+
+def _buffer(dtype, shape):
+    """An empty variable on the device in scope, of `shape` (None: any
+    number of rows), that a snapshot assigns its copies to."""
+    shape = tf.TensorShape(shape)
+    return _tf_adapter.plain_variable(
+        initial_value=tf.zeros([d or 0 for d in shape.as_list()], dtype),
+        shape=shape, trainable=False, name="keras_ps_snapshot")
 
 
 def _rows_to_write(group, full, since):

@@ -102,11 +102,12 @@ class IncrementalBackup:
             chain. Until then the old chain goes on (deltas) and is what
             `restore()` loads (with no row-tracked table, where a delta
             is as big as a full backup, the full backup is written at
-            once). A restore, `save_full()` or `stop_compaction()`
-            drops a full backup being written; if the chain reaches twice
-            its limits meanwhile, `save()` writes the full backup before it
-            returns. False: `save()` writes the compaction's full backup
-            before it returns.
+            once). A restore, `save_full()` or `stop_compaction()` drops a
+            full backup being written; once the chain reached twice its
+            limits without one in progress (compactions dropped again and
+            again), `save()` writes the full backup before it returns.
+            False: `save()` writes the compaction's full backup before it
+            returns.
 
     Example:
     ```python
@@ -249,10 +250,6 @@ class IncrementalBackup:
                 entry = self._save("delta", metadata, manifest, base)
                 self._start_compaction(entry.id)
                 return entry
-            if self._compaction is not None and self._compaction_due(
-                    manifest, base, 2):
-                self._stop_compaction("the chain reached twice its limits")
-                return self._save("full", metadata, manifest, None)
             return self._save("delta", metadata, manifest, base)
 
     def save_full(self, metadata=None):
@@ -328,6 +325,9 @@ class IncrementalBackup:
             return _backup_chain.with_entry(manifest, base, entry,
                                             self.keep_chains)
 
+        if kind == "full":
+            # No delta is pending; a ps may have lost the snapshot buffers.
+            self._writer.forget_snapshots()
         generation = _dirty_rows.GENERATIONS.advance()
         if (kind == "delta" and self.background_deltas
                 and self._writer.can_snapshot()):
@@ -558,6 +558,9 @@ class IncrementalBackup:
             self._stop_compaction("a restore changes the variables")
             started = time.monotonic()
             catalog = self._ready()
+            # A delta abandoned above may still write (and empty) the
+            # snapshot buffers it used, which a lost ps no longer holds.
+            self._writer.forget_snapshots()
             manifest = _backup_chain.read(self.directory)
             if not manifest or not manifest["chains"]:
                 return None
