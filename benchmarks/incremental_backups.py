@@ -19,6 +19,10 @@ own process:
                default): training waits only while each ps copies a
                delta's rows; the files are written and the delta is
                published while training goes on
+  background_blocking
+               background deltas, background_compaction=False
+  join         no backup, but the join every 100 steps that each backup
+               starts with: what draining the steps in flight costs alone
   keras_h5     model.save_weights(...weights.h5): the full Keras weights file
                BackupAndRestore writes without `incremental` (R <= 1M only:
                at 10M each would write 7.7 GB)
@@ -55,7 +59,8 @@ sys.path.insert(0, HERE)
 import fit_large_tables as large  # noqa: E402  (the model's data)
 
 EVERY = 100  # steps between backups
-MODES = ("none", "incremental", "blocking", "background", "keras_h5")
+MODES = ("none", "join", "incremental", "blocking", "background",
+         "background_blocking", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
 
@@ -110,10 +115,12 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
             for shard in model.layers[0].weights]
 
     backup = None
-    if mode in ("incremental", "blocking", "background"):
+    if mode in ("incremental", "blocking", "background",
+                "background_blocking"):
         backup = keras_ps.IncrementalBackup(
-            model, directory, background_deltas=mode == "background",
-            background_compaction=mode != "blocking", max_deltas=max_deltas)
+            model, directory, background_deltas=mode.startswith("background"),
+            background_compaction=not mode.endswith("blocking"),
+            max_deltas=max_deltas)
     records, ends = [], []
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 
@@ -143,7 +150,10 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
             started = time.perf_counter()
             coordinator.join()
             joined = time.perf_counter()
-            if backup is not None:
+            if mode == "join":
+                records.append(dict(step=step, kind="join",
+                                    join_s=joined - started))
+            elif backup is not None:
                 entry = backup.save()
                 seconds = time.perf_counter() - joined
                 counting = time.perf_counter()
@@ -291,12 +301,22 @@ def summary(results):
              "| steps/s | / no backup |", "|---|---|---|---|---|---|"]
     if runs["none"]:
         lines.append(f"| no backup | | | | {speed('none')} |")
+    if runs["join"]:
+        lines.append(f"| no backup, a join every {EVERY} steps | | | | "
+                     f"{speed('join')} |")
     for mode, label in (("incremental", "incremental"),
                         ("blocking", "incremental, compaction blocking"),
                         ("background", "incremental, deltas written in "
-                         "the background")):
+                         "the background"),
+                        ("background_blocking", "background deltas, "
+                         "compaction blocking")):
         records = [x for r in runs[mode] for x in r["records"]]
-        deltas = [x for x in records if x["kind"] == "delta"]
+        # A sealing delta holds the rows changed since its compaction
+        # began, not since the previous backup: listed apart.
+        seals = [x for previous, x in zip(records, records[1:])
+                 if x["deltas"] == 1 and previous["deltas"] > 1]
+        deltas = [x for x in records if x["kind"] == "delta"
+                  and not any(x is y for y in seals)]
         fulls = [x for x in records if x["kind"] == "full"]
         if deltas:
             lines.append(
@@ -307,13 +327,13 @@ def summary(results):
                 f" | {_spread([x['bytes'] / x['minimum'] for x in deltas])}x"
                 f" | {_median(x['seconds'] for x in deltas)} (join "
                 f"{_median(x['join_s'] for x in deltas)}) | {speed(mode)} |")
-        seals = [x for previous, x in zip(records, records[1:])
-                 if x["deltas"] == 1 and previous["deltas"] > 1]
         if seals:
             lines.append(
-                f"| {label}: compactions written while training | "
-                f"{len(seals)} sealed | | {_median(x['seconds'] for x in seals)}"
-                " (the sealing delta) | | |")
+                f"| {label}: compactions written while training, "
+                f"{len(seals)} sealed; the sealing delta | "
+                f"{_mb(statistics.median(x['bytes'] for x in seals))} "
+                f"({_median((x['table_rows'] for x in seals), 0)} table rows)"
+                f" | | {_median(x['seconds'] for x in seals)} | | |")
         if fulls:
             lines.append(
                 f"| {label}: full | "
