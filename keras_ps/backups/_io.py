@@ -54,9 +54,9 @@ class Writer:
         return self._functions[key]
 
     def _snapshot_functions(self, device):
-        """(snapshot, write) of `device`: `snapshot(since)` copies what a
-        delta since generation `since` holds into buffer variables on the
-        device; `write(prefix)` writes them and empties them.
+        """(snapshot, write, free) of `device`: `snapshot(since)` copies
+        what a delta since generation `since` holds into buffer variables
+        on the device; `write(prefix)` writes them; `free()` empties them.
 
         The copies stay in variables: a function returning them as outputs
         took 6-8x as long as the gather itself (TF copies a remote

@@ -220,8 +220,9 @@ class IncrementalBackup:
     # -- saving -------------------------------------------------------------------------
     def save(self, metadata=None):
         """A delta, or a full backup when a delta cannot be or should not be
-        written (no backup to build on, compaction due). Returns its
-        BackupEntry."""
+        written (no backup to build on; compaction due, unless it is
+        written in the background: see `background_compaction`). Returns
+        its BackupEntry."""
         with self._lock:
             self._finish_pending()
             manifest = _backup_chain.read(self.directory)
