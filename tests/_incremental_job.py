@@ -618,11 +618,11 @@ def background_compaction(directory):
             report.update(
                 dropped_started=started.id, dropped_restored=entry.id,
                 dropped_thread_alive=compaction.thread.is_alive(),
-                dropped_error=type(compaction.outcome.get("error")).__name__,
+                dropped_error=type(compaction.error).__name__,
                 dropped_equal=restored_equal, after_kind=after.kind,
                 dropped_folder_left=os.path.exists(dropped_folder),
                 started_again=again is not None, stop_compaction=stopped,
-                stopped_error=type(again.outcome.get("error")).__name__)
+                stopped_error=type(again.error).__name__)
             say(**report)
 
 

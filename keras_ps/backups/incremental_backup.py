@@ -23,6 +23,8 @@ import uuid
 
 import tensorflow as tf
 
+from keras_ps.backups import _apply as _backup_apply
+from keras_ps.backups import _background
 from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _io as _backup_io
@@ -31,7 +33,6 @@ from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documen
 from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
 from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
 from keras_ps.tables import _dirty_rows
-from keras_ps import _tf_adapter
 from keras_ps.errors import BackupCorruptError
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MIN_TABLE_BYTES = 2**20
 
 
-class IncrementalBackup:
+class IncrementalBackup(_background.BackgroundWrites):
     """Full and incremental backups of a model and its optimizer.
 
     `save_full()` writes every variable. `save_delta()` writes, for each
@@ -144,7 +145,7 @@ class IncrementalBackup:
         self._writer = self._applier = None
         self._base = None  # (entry id, generation) of what a delta builds on
         self.background_deltas = bool(background_deltas)
-        self._pending = None  # a delta being written: (thread, outcome)
+        self._pending = None  # a _background.PendingDelta
         # Held while a background delta is published, and to abandon one.
         self._publish_lock = threading.Lock()
         self._next_id = 1  # above an abandoned delta's id: not given out again
@@ -164,7 +165,7 @@ class IncrementalBackup:
             self._check_shared(catalog)
             _tracking.track(catalog)
             self._writer = _backup_io.Writer(catalog)
-            self._applier = _backup_io.Applier(catalog)
+            self._applier = _backup_apply.Applier(catalog)
             self._catalog = catalog
         return self._catalog
 
@@ -231,17 +232,16 @@ class IncrementalBackup:
                 self._stop_compaction("there is no backup to build on")
                 return self._save("full", metadata, manifest, None)
             compaction = self._compaction
-            if compaction is not None and not compaction.thread.is_alive():
+            if compaction is not None and not compaction.running:
                 self._compaction = None
-                if "error" not in compaction.outcome:
+                if compaction.error is None:
                     # The delta that makes it a state; both as a new chain.
                     return self._save("delta", metadata, manifest, None,
                                       seal=compaction)
                 logger.warning(
                     "[chief] the full backup written in the background was "
-                    "dropped (%s: %s)", type(compaction.outcome["error"]
-                                             ).__name__,
-                    compaction.outcome["error"])
+                    "dropped (%s: %s)", type(compaction.error).__name__,
+                    compaction.error)
             if self._compaction is None and self._compaction_due(
                     manifest, base, 1):
                 if (not self.background_compaction
@@ -346,121 +346,6 @@ class IncrementalBackup:
         deltas = _backup_chain.locate(updated, entry_id)[1] - 1
         return self._publish(updated, entry, generation, deltas, started)
 
-    # -- compaction while training goes on ----------------------------------------
-    @property
-    def compacting(self):
-        """Whether a full backup is being written in the background (it is
-        published by the next `save()` after its write ends)."""
-        compaction = self._compaction
-        return compaction is not None and compaction.thread.is_alive()
-
-    def _start_compaction(self, last_id):
-        """Starts writing a full backup in a thread, block by block, while
-        training goes on; called between steps (the rows changed from here
-        on are the ones the sealing delta writes). `last_id`: the entry
-        just saved (it may not be published yet)."""
-        catalog = self._ready()
-        self._next_id = max(self._next_id, last_id + 1)
-        manifest = _backup_chain.read(self.directory) or _backup_chain.empty()
-        entry_id, folder, path = self._new_folder("full", manifest)
-        # Not in the manifest until sealed: not given out again.
-        self._next_id = entry_id + 1
-        compaction = _Compaction(entry_id, folder,
-                                 _dirty_rows.GENERATIONS.advance())
-        hook = self._before_compaction_block
-
-        def write():
-            started = time.monotonic()
-            try:
-                with _tf_adapter.own_executor():
-                    files, table_rows = self._writer.write_in_blocks(
-                        path + os.sep, lambda: compaction.stopped, hook)
-                entry = _backup_chain.new_entry(entry_id, "full", folder,
-                                                files, table_rows, None)
-                entry.update(catalog.describe(), fuzzy=True)
-                compaction.entry = entry
-                logger.info("[chief] full backup %d written while training "
-                            "went on: %d bytes in %.2fs; the next backup "
-                            "publishes it", entry_id, entry["bytes"],
-                            time.monotonic() - started)
-            except Exception as error:  # noqa: BLE001  (logged by save())
-                compaction.outcome["error"] = error
-
-        compaction.thread = threading.Thread(
-            target=write, daemon=True, name=f"keras_ps-compaction-{entry_id}")
-        self._compaction = compaction
-        compaction.thread.start()
-        logger.info("[chief] compaction: full backup %d being written while "
-                    "training goes on", entry_id)
-
-    def _stop_compaction(self, reason):
-        """Drops the full backup being written in the background, if any,
-        without waiting for it: it stops before its next block, and its
-        folder goes at the next publish."""
-        compaction, self._compaction = self._compaction, None
-        if compaction is None:
-            return
-        compaction.stopped = True
-        logger.info("[chief] the full backup %d being written in the "
-                    "background is dropped: %s", compaction.entry_id, reason)
-
-    def stop_compaction(self, timeout=None):
-        """Drops the full backup being written in the background, if any,
-        and waits up to `timeout` seconds (None: no limit) for its thread
-        to stop (it stops between two blocks). `BackupAndRestore` calls it
-        at the end of `fit`; the next `save()` due to compact starts again.
-
-        Returns:
-            False if the thread was still running after `timeout`.
-        """
-        with self._lock:
-            compaction = self._compaction
-            self._stop_compaction("stop_compaction() was called")
-        if compaction is None:
-            return True
-        compaction.thread.join(timeout)
-        return not compaction.thread.is_alive()
-
-    def _save_in_background(self, snapshot, path, entry_id, kind, folder,
-                            metadata, manifest, add, deltas, generation,
-                            started):
-        """Writes and publishes a delta whose `snapshot` was taken, in a
-        thread; returns its BackupEntry (`bytes` 0: not known yet)."""
-        outcome = {"id": entry_id}
-
-        def finish():
-            try:
-                with _tf_adapter.own_executor():
-                    files, table_rows = snapshot.write(path + os.sep)
-                if not _dirty_rows.GENERATIONS.agree():
-                    # Its copies may have been read from the zeros a lost
-                    # ps was given back: a delta to drop, not to restore.
-                    raise RuntimeError(
-                        f"a ps lost its variables while delta {entry_id} was "
-                        "written")
-                entry = _backup_chain.new_entry(entry_id, kind, folder, files,
-                                                table_rows, metadata)
-                updated = add(manifest, entry)
-                with self._publish_lock:
-                    if outcome.get("abandoned"):
-                        raise RuntimeError(
-                            f"delta {entry_id} was abandoned by a restore")
-                    outcome["entry"] = self._publish(
-                        updated, entry, generation, deltas, started)
-            except Exception as error:  # noqa: BLE001  (kept for wait())
-                outcome["error"] = error
-
-        thread = threading.Thread(target=finish, daemon=True,
-                                  name=f"keras_ps-backup-{entry_id}")
-        thread.start()
-        self._pending = (thread, outcome)
-        seconds = time.monotonic() - started
-        logger.info("[chief] delta backup %d: copied on the ps in %.2fs, "
-                    "being written", entry_id, seconds)
-        return BackupEntry(id=entry_id, kind=kind, bytes=0, files=0,
-                           table_rows=0, deltas=deltas, metadata=metadata
-                           or {}, seconds=seconds)
-
     def _publish(self, manifest, entry, generation, deltas, started):
         compaction = self._compaction
         _backup_chain.publish(self.directory, manifest, keep=(
@@ -471,54 +356,6 @@ class IncrementalBackup:
                     "table rows, %.2fs", entry["kind"], entry["id"],
                     info.bytes, info.files, entry["table_rows"], info.seconds)
         return info
-
-    def wait(self):
-        """Waits for the delta being written in the background, if any.
-
-        Returns:
-            Its BackupEntry once published (`seconds`: from the save to the
-            publication), or None when none was pending.
-
-        Raises:
-            The error that stopped it (it was not published; the next
-            backup holds its rows).
-        """
-        with self._lock:
-            if self._pending is None:
-                return None
-            thread, outcome = self._pending
-            thread.join()
-            self._pending = None
-            if "error" in outcome:
-                raise outcome["error"]
-            return outcome["entry"]
-
-    def _finish_pending(self):
-        try:
-            self.wait()
-        except Exception as error:  # noqa: BLE001  (not fatal: logged)
-            logger.warning("[chief] a delta written in the background was "
-                           "not published (%s: %s); the next backup holds "
-                           "its rows", type(error).__name__, error)
-
-    def _abandon_pending_after_a_ps_loss(self):
-        """Drops the delta being written in the background when a ps lost
-        its variables since its snapshot, without waiting for it: its copies
-        on that ps are gone, and its write, which may be stuck in a call to
-        the lost ps, is never published (no restore waits on it)."""
-        if self._pending is None or _dirty_rows.GENERATIONS.agree():
-            return
-        with self._publish_lock:
-            thread, outcome = self._pending
-            self._pending = None
-            if "entry" in outcome:
-                return  # published before the loss was seen
-            outcome["abandoned"] = True
-            self._next_id = max(self._next_id, outcome["id"] + 1)
-        logger.warning("[chief] a ps lost its variables while a delta was "
-                       "written in the background (%s): that delta is "
-                       "dropped, the restore takes the backup before it",
-                       thread.name)
 
     # -- restoring -------------------------------------------------------------------
     def latest(self):
@@ -591,17 +428,3 @@ class IncrementalBackup:
                 f"No backup in {self.directory!r} is complete: "
                 f"{' | '.join(problems)}")
 
-
-class _Compaction:
-    """A full backup being written in the background (`entry`, its manifest
-    entry, once written); `generation`: the rows marked after it changed
-    since its write began."""
-
-    def __init__(self, entry_id, folder, generation):
-        self.entry_id = entry_id
-        self.folder = folder
-        self.generation = generation
-        self.entry = None
-        self.stopped = False
-        self.outcome = {}
-        self.thread = None

@@ -1,0 +1,259 @@
+"""Backups written in threads of the chief while training goes on.
+
+- `BackgroundWrites`: the part of keras_ps.IncrementalBackup that starts,
+  waits for and drops them.
+- `PendingDelta`: a delta whose rows each ps has copied (a consistent
+  snapshot, taken between steps); the thread has each ps write its copy,
+  then publishes the delta, unless a ps lost its variables meanwhile or a
+  restore abandoned it.
+- `Compaction`: a full backup each ps writes block by block from its live
+  variables while the steps go on. Alone it is not one state (rows changed
+  during the write may hold any value they had); the delta of every row
+  marked since `generation` makes it one (keras_ps.backups.incremental_backup
+  writes that delta and publishes both).
+"""
+
+import logging
+import os
+import threading
+import time
+
+from keras_ps import _tf_adapter
+from keras_ps.backups import _chain as _backup_chain
+from keras_ps.backups._chain import BackupEntry
+from keras_ps.tables import _dirty_rows
+
+logger = logging.getLogger("keras_ps.backups.incremental_backup")
+
+
+class PendingDelta:
+    """Writes a delta's `snapshot` into `path` and calls `publish(files,
+    table_rows)` (under `lock`), in a thread.
+
+    Args:
+        entry_id: the delta's id.
+        snapshot: a keras_ps.backups._io.Snapshot.
+        path: the delta's folder.
+        publish: returns the published BackupEntry.
+        lock: held while publishing, and by `abandon`.
+    """
+
+    def __init__(self, entry_id, snapshot, path, publish, lock):
+        self.entry_id = entry_id
+        self._lock = lock
+        self._abandoned = False
+        self._outcome = {}
+
+        def finish():
+            try:
+                with _tf_adapter.own_executor():
+                    files, table_rows = snapshot.write(path + os.sep)
+                if not _dirty_rows.GENERATIONS.agree():
+                    # Its copies may have been read from the zeros a lost
+                    # ps was given back: a delta to drop, not to restore.
+                    raise RuntimeError(
+                        f"a ps lost its variables while delta {entry_id} was "
+                        "written")
+                with lock:
+                    if self._abandoned:
+                        raise RuntimeError(
+                            f"delta {entry_id} was abandoned by a restore")
+                    self._outcome["entry"] = publish(files, table_rows)
+            except Exception as error:  # noqa: BLE001  (kept for wait())
+                self._outcome["error"] = error
+
+        self.thread = threading.Thread(target=finish, daemon=True,
+                                       name=f"keras_ps-backup-{entry_id}")
+        self.thread.start()
+
+    def wait(self):
+        """The published BackupEntry, once the thread ended; raises the
+        error that stopped it."""
+        self.thread.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["entry"]
+
+    def abandon(self):
+        """Makes sure the delta is never published, without waiting for its
+        thread; False if it was published already."""
+        with self._lock:
+            if "entry" in self._outcome:
+                return False
+            self._abandoned = True
+            return True
+
+
+class Compaction:
+    """Writes a full backup into `path` with `writer.write_in_blocks`, in a
+    thread, while training goes on.
+
+    Args:
+        writer: a keras_ps.backups._io.Writer.
+        catalog: its keras_ps.backups._catalog.Catalog.
+        path: the full backup's folder; `folder` its name.
+        entry_id: the full backup's id.
+        generation: every row changed since the write began is marked
+            after it.
+        before_block: None, or called before each block (tests).
+
+    Attributes:
+        entry: its manifest entry (`"fuzzy": True`) once written.
+        error: what stopped the write (`WriteStopped` after `stop()`).
+    """
+
+    def __init__(self, writer, catalog, path, folder, entry_id, generation,
+                 before_block=None):
+        self.folder = folder
+        self.entry_id = entry_id
+        self.generation = generation
+        self.entry = self.error = None
+        self.stopped = False
+
+        def write():
+            started = time.monotonic()
+            try:
+                with _tf_adapter.own_executor():
+                    files, table_rows = writer.write_in_blocks(
+                        path + os.sep, lambda: self.stopped, before_block)
+                entry = _backup_chain.new_entry(entry_id, "full", folder,
+                                                files, table_rows, None)
+                entry.update(catalog.describe(), fuzzy=True)
+                self.entry = entry
+                logger.info("[chief] full backup %d written while training "
+                            "went on: %d bytes in %.2fs; the next backup "
+                            "publishes it", entry_id, entry["bytes"],
+                            time.monotonic() - started)
+            except Exception as error:  # noqa: BLE001  (logged by save())
+                self.error = error
+
+        self.thread = threading.Thread(
+            target=write, daemon=True, name=f"keras_ps-compaction-{entry_id}")
+        self.thread.start()
+        logger.info("[chief] compaction: full backup %d being written while "
+                    "training goes on", entry_id)
+
+    @property
+    def running(self):
+        return self.thread.is_alive()
+
+    def stop(self, reason):
+        """Stops the write before its next block (without waiting)."""
+        self.stopped = True
+        logger.info("[chief] the full backup %d being written in the "
+                    "background is dropped: %s", self.entry_id, reason)
+
+
+class BackgroundWrites:
+    """What keras_ps.IncrementalBackup writes in the background: the delta
+    being written (`_pending`, a PendingDelta) and the compaction
+    (`_compaction`, a Compaction). Uses the backup's `_lock`,
+    `_publish_lock`, `_next_id`, `_writer`, `_ready()`, `_new_folder()` and
+    `_publish()`."""
+
+    # -- compaction while training goes on ----------------------------------------
+    @property
+    def compacting(self):
+        """Whether a full backup is being written in the background (it is
+        published by the next `save()` after its write ends)."""
+        compaction = self._compaction
+        return compaction is not None and compaction.running
+
+    def _start_compaction(self, last_id):
+        """Starts writing a full backup in a thread, block by block, while
+        training goes on; called between steps (the rows changed from here
+        on are the ones the sealing delta writes). `last_id`: the entry
+        just saved (it may not be published yet)."""
+        self._next_id = max(self._next_id, last_id + 1)
+        manifest = _backup_chain.read(self.directory) or _backup_chain.empty()
+        entry_id, folder, path = self._new_folder("full", manifest)
+        # Not in the manifest until sealed: not given out again.
+        self._next_id = entry_id + 1
+        self._compaction = Compaction(
+            self._writer, self._ready(), path, folder, entry_id,
+            _dirty_rows.GENERATIONS.advance(), self._before_compaction_block)
+
+    def _stop_compaction(self, reason):
+        """Drops the full backup being written in the background, if any,
+        without waiting for it: it stops before its next block, and its
+        folder goes at the next publish."""
+        compaction, self._compaction = self._compaction, None
+        if compaction is not None:
+            compaction.stop(reason)
+
+    def stop_compaction(self, timeout=None):
+        """Drops the full backup being written in the background, if any,
+        and waits up to `timeout` seconds (None: no limit) for its thread
+        to stop (it stops between two blocks). `BackupAndRestore` calls it
+        at the end of `fit`; the next `save()` due to compact starts again.
+
+        Returns:
+            False if the thread was still running after `timeout`.
+        """
+        with self._lock:
+            compaction = self._compaction
+            self._stop_compaction("stop_compaction() was called")
+        if compaction is None:
+            return True
+        compaction.thread.join(timeout)
+        return not compaction.running
+
+    def _save_in_background(self, snapshot, path, entry_id, kind, folder,
+                            metadata, manifest, add, deltas, generation,
+                            started):
+        """Writes and publishes a delta whose `snapshot` was taken, in a
+        thread; returns its BackupEntry (`bytes` 0: not known yet)."""
+        def publish(files, table_rows):
+            entry = _backup_chain.new_entry(entry_id, kind, folder, files,
+                                            table_rows, metadata)
+            return self._publish(add(manifest, entry), entry, generation,
+                                 deltas, started)
+
+        self._pending = PendingDelta(
+            entry_id, snapshot, path, publish, self._publish_lock)
+        seconds = time.monotonic() - started
+        logger.info("[chief] delta backup %d: copied on the ps in %.2fs, "
+                    "being written", entry_id, seconds)
+        return BackupEntry(id=entry_id, kind=kind, bytes=0, files=0,
+                           table_rows=0, deltas=deltas, metadata=metadata
+                           or {}, seconds=seconds)
+
+    def wait(self):
+        """Waits for the delta being written in the background, if any.
+
+        Returns:
+            Its BackupEntry once published (`seconds`: from the save to the
+            publication), or None when none was pending.
+
+        Raises:
+            The error that stopped it (it was not published; the next
+            backup holds its rows).
+        """
+        with self._lock:
+            pending, self._pending = self._pending, None
+            return None if pending is None else pending.wait()
+
+    def _finish_pending(self):
+        try:
+            self.wait()
+        except Exception as error:  # noqa: BLE001  (not fatal: logged)
+            logger.warning("[chief] a delta written in the background was "
+                           "not published (%s: %s); the next backup holds "
+                           "its rows", type(error).__name__, error)
+
+    def _abandon_pending_after_a_ps_loss(self):
+        """Drops the delta being written in the background when a ps lost
+        its variables since its snapshot, without waiting for it: its copies
+        on that ps are gone, and its write, which may be stuck in a call to
+        the lost ps, is never published (no restore waits on it)."""
+        if self._pending is None or _dirty_rows.GENERATIONS.agree():
+            return
+        pending, self._pending = self._pending, None
+        if not pending.abandon():
+            return  # published before the loss was seen
+        self._next_id = max(self._next_id, pending.entry_id + 1)
+        logger.warning("[chief] a ps lost its variables while a delta was "
+                       "written in the background (%s): that delta is "
+                       "dropped, the restore takes the backup before it",
+                       pending.thread.name)
+
