@@ -20,7 +20,9 @@ JOB = os.path.join(TESTS, "_fit_job.py")
 
 
 def _env():
-    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1")
+    # A job that crashes (a signal) prints its threads' stacks.
+    return dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+                PYTHONFAULTHANDLER="1")
 
 
 def _result(output):
