@@ -159,13 +159,12 @@ class BackgroundWrites:
         compaction = self._compaction
         return compaction is not None and compaction.running
 
-    def _start_compaction(self, last_id):
+    def _start_compaction(self, last_id, manifest):
         """Starts writing a full backup in a thread, block by block, while
         training goes on; called between steps (the rows changed from here
         on are the ones the sealing delta writes). `last_id`: the entry
-        just saved (it may not be published yet)."""
+        just saved (it may not be published yet), after `manifest`."""
         self._next_id = max(self._next_id, last_id + 1)
-        manifest = _backup_chain.read(self.directory) or _backup_chain.empty()
         entry_id, folder, path = self._new_folder("full", manifest)
         # Not in the manifest until sealed: not given out again.
         self._next_id = entry_id + 1

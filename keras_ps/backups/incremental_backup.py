@@ -249,7 +249,7 @@ class IncrementalBackup(_background.BackgroundWrites):
                         or self._compaction_due(manifest, base, 2)):
                     return self._save("full", metadata, manifest, None)
                 entry = self._save("delta", metadata, manifest, base)
-                self._start_compaction(entry.id)
+                self._start_compaction(entry.id, manifest)
                 return entry
             return self._save("delta", metadata, manifest, base)
 
@@ -310,7 +310,7 @@ class IncrementalBackup(_background.BackgroundWrites):
 
     def _save(self, kind, metadata, manifest, base, seal=None):
         """Writes a full backup or a delta since `base` (chain index,
-        length), or, with `seal` (a finished `_Compaction`), the delta that
+        length), or, with `seal` (a finished `_background.Compaction`), the delta that
         makes it a state: published with it as a new chain."""
         started = time.monotonic()
         catalog = self._ready()
