@@ -44,7 +44,8 @@ class FreeStack:
     def pop(self, count):
         """`count` (<= size) free slots, last pushed first."""
         top = self.top.assign_sub(count, read_value=True)
-        return tf.reverse(self.stack.read_value()[top:top + count], [0])
+        return tf.reverse(self.stack.sparse_read(
+            tf.range(top, top + count, dtype=tf.int64)), [0])
 
     def reset(self, used):
         """Slots `[0, used)` in use, the rest free (after a restore)."""
@@ -99,7 +100,7 @@ class LruQueue:
         head, size = self.head.read_value(), self.size.read_value()
         cached = self.slots.read_value()[head:size]
         cached_seen = self.seen.read_value()[head:size]
-        current = tf.gather(last_seen.read_value(), cached)
+        current = last_seen.sparse_read(cached)
         valid = tf.reshape(tf.where(tf.equal(current, cached_seen)), [-1])
 
         def from_cache():

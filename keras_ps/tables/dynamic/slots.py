@@ -101,7 +101,7 @@ class SlotShard:
         """Which of `slots` (-1: none) hold a row older than `max_age` at `step`."""
         if self.config.max_age is None:
             return tf.zeros(tf.shape(slots), tf.bool)
-        seen = tf.gather(self.last_seen.read_value(), tf.maximum(slots, 0))
+        seen = self.last_seen.sparse_read(tf.maximum(slots, 0))
         return tf.logical_and(slots >= 0, step - seen > self.config.max_age)
 
     def lookup(self, keys):
@@ -140,8 +140,10 @@ class SlotShard:
     def _free(self, slots, column, step=None):
         """Frees `slots`, counted in `column` (or, with `step`, by age when
         older than `max_age`, else in `column`)."""
-        seen = tf.gather(self.last_seen.read_value(), slots)
-        keys = tf.gather(self.slot_keys.read_value(), slots)
+        # Sparse reads: a whole-variable read still alive when the scatters
+        # below run would make each of them copy the whole variable first.
+        seen = self.last_seen.sparse_read(slots)
+        keys = self.slot_keys.sparse_read(slots)
         removed = self.table.remove(keys)
         with tf.control_dependencies([removed]):
             self.last_seen.scatter_update(tf.IndexedSlices(
