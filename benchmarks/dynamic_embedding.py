@@ -101,7 +101,7 @@ def make_stream(vocabulary, lifetime, alpha):
     return batch_ids, labels
 
 
-def build_models(strategy, capacity):
+def build_models(strategy, capacity, tower=()):
     import keras
     import keras_ps
     from keras_ps.tables.dynamic import hashing
@@ -118,12 +118,20 @@ def build_models(strategy, capacity):
                     lambda k: hashing.bucket(hashing.fingerprint(k), capacity))(ids)
                 x = keras.layers.Embedding(capacity, DIM, name="hashed")(hashed)
             x = keras.layers.GlobalAveragePooling1D()(x)
+            for units in tower:
+                x = keras.layers.Dense(units, "relu")(x)
             model = keras.Model(ids, keras.layers.Dense(1, "sigmoid")(x),
                                 name=variant)
             model.compile(keras.optimizers.Adagrad(0.1), "binary_crossentropy",
                           steps_per_execution=STEPS_PER_EXECUTION)
             models[variant] = model
     return models
+
+
+def _tower(text):
+    """`--tower 256,128` -> (256, 128): ReLU layers between the pooled
+    embedding and the output, the same in both models."""
+    return tuple(int(u) for u in text.split(",")) if text else ()
 
 
 def run(args):
@@ -162,7 +170,7 @@ def run(args):
         strategy = keras_ps.ParameterServerStrategy(
             cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
         coordinator = keras_ps.ClusterCoordinator(strategy)
-        models = build_models(strategy, args.capacity)
+        models = build_models(strategy, args.capacity, _tower(args.tower))
         started = time.monotonic()
         phase = {"now": "build"}
         stop = threading.Event()
@@ -406,6 +414,9 @@ def main():
     parser.add_argument("--vocabulary", type=int, default=5_000_000)
     parser.add_argument("--lifetime", type=int, default=1000)
     parser.add_argument("--alpha", type=float, default=0.9)
+    parser.add_argument("--tower", default="",
+                        help="units of ReLU layers before the output, "
+                             "e.g. 256,128 (default: none)")
     parser.add_argument("--eval_batches", type=int, default=40)
     parser.add_argument("--count_distinct", action="store_true")
     parser.add_argument("--tmp", default=None,
