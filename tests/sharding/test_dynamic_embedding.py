@@ -194,6 +194,32 @@ def _one_off_admission_share(strategy, coordinator, steps=150, late=50):
     return share
 
 
+def test_admission_and_eviction_counts_with_fit(strategy):
+    # Through Model.fit, batches on both workers in any order: each record
+    # holds one id twice (admitted at once with min_count=2) and two ids
+    # seen once in the whole run (never admitted). No id comes back, so the
+    # counts do not depend on the order: all 120 ids seen twice are
+    # admitted, the table keeps 30 of them, 90 are evicted by capacity.
+    n, capacity = 120, 30
+    rng = np.random.default_rng(5)
+    ids = rng.choice(2**40, size=3 * n, replace=False).astype(np.int64)
+    twice, once = ids[:n], ids[n:].reshape(n, 2)
+    x = np.concatenate([twice[:, None], twice[:, None], once], axis=1)
+    y = np.zeros([n, 1], np.float32)
+    model, table = _id_model(strategy, capacity=capacity, min_count=2)
+    model.compile(keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=2)
+    history = model.fit(keras_ps.ShardedInput((x, y), batch_size=4,
+                                              shuffle=False),
+                        epochs=1, verbose=0)
+    logs = {k: v[-1] for k, v in history.history.items()}
+    assert (logs["ids_admissions"], logs["ids_evictions"],
+            logs["ids_live_rows"]) == (n, n - capacity, capacity), logs
+    assert _stats(table) == {"admitted": n, "by_age": 0,
+                             "by_capacity": n - capacity, "live": capacity}
+    keys = set(table.live_state()["keys"].tolist())
+    assert len(keys) == capacity and keys <= set(twice.tolist())
+
+
 @pytest.mark.slow  # two streams through the filter: minutes on a loaded machine
 def test_admission_filter_does_not_saturate_on_a_stream(
         strategy, coordinator, monkeypatch):
