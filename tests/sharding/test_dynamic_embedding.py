@@ -101,12 +101,17 @@ def _id_data(n=512, vocabulary=200, seed=0, as_strings=False):
     return x, y
 
 
-def test_unseen_ids_get_rows_and_train_custom_loop(strategy, coordinator):
-    model, table = _id_model(strategy)
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_unseen_ids_get_rows_and_train_custom_loop(key_dtype, strategy,
+                                                   coordinator):
+    strings = key_dtype == "string"
+    model, table = _id_model(strategy, key_dtype=key_dtype)
     with strategy.scope():
         optimizer = keras_ps.optimizers.LazyAdam(0.05)
         optimizer.build(model.trainable_variables)
-    x, y = _id_data()
+    x, y = _id_data(as_strings=strings)
+    if strings:
+        x = x.astype(str)
 
     @tf.function
     def step(ids, targets):
@@ -127,10 +132,11 @@ def test_unseen_ids_get_rows_and_train_custom_loop(strategy, coordinator):
     assert _stats(table) == {"admitted": distinct, "by_age": 0,
                              "by_capacity": 0, "live": distinct}
     # Evaluation and prediction never insert: unseen ids read the default row.
-    unseen = np.array([[7, 8, 9, 10]], np.int64)
+    unseen = np.array([["7", "8", "9", "10"]]) if strings else \
+        np.array([[7, 8, 9, 10]], np.int64)
     rows = table(tf.constant(unseen), training=False).numpy()
     np.testing.assert_array_equal(rows, np.zeros((1, 4, 8), np.float32))
-    model.predict(unseen, verbose=0)
+    model.predict(tf.constant(unseen), verbose=0)
     assert _stats(table)["live"] == distinct
 
 
@@ -194,30 +200,37 @@ def _one_off_admission_share(strategy, coordinator, steps=150, late=50):
     return share
 
 
-def test_admission_and_eviction_counts_with_fit(strategy):
+@pytest.mark.parametrize("evict", ["capacity", "age"])
+def test_admission_and_eviction_counts_with_fit(evict, strategy):
     # Through Model.fit, batches on both workers in any order: each record
     # holds one id twice (admitted at once with min_count=2) and two ids
     # seen once in the whole run (never admitted). No id comes back, so the
-    # counts do not depend on the order: all 120 ids seen twice are
-    # admitted, the table keeps 30 of them, 90 are evicted by capacity.
-    n, capacity = 120, 30
+    # counts do not depend on the order. All 120 ids seen twice are
+    # admitted; by capacity, the table keeps 30 and evicts 90; by age
+    # (max_age=2, the table never full), the rows of the last 3 of the 30
+    # steps (4 ids each) stay and 108 are evicted.
+    n, batch = 120, 4
     rng = np.random.default_rng(5)
     ids = rng.choice(2**40, size=3 * n, replace=False).astype(np.int64)
     twice, once = ids[:n], ids[n:].reshape(n, 2)
     x = np.concatenate([twice[:, None], twice[:, None], once], axis=1)
     y = np.zeros([n, 1], np.float32)
-    model, table = _id_model(strategy, capacity=capacity, min_count=2)
+    if evict == "capacity":
+        model, table = _id_model(strategy, capacity=30, min_count=2)
+        live, by_age = 30, 0
+    else:
+        model, table = _id_model(strategy, capacity=3 * n, min_count=2,
+                                 max_age=2)
+        live, by_age = 3 * batch, n - 3 * batch
     model.compile(keras.optimizers.Adagrad(0.1), "mse", steps_per_execution=2)
-    history = model.fit(keras_ps.ShardedInput((x, y), batch_size=4,
+    history = model.fit(keras_ps.ShardedInput((x, y), batch_size=batch,
                                               shuffle=False),
                         epochs=1, verbose=0)
-    logs = {k: v[-1] for k, v in history.history.items()}
-    assert (logs["ids_admissions"], logs["ids_evictions"],
-            logs["ids_live_rows"]) == (n, n - capacity, capacity), logs
-    assert _stats(table) == {"admitted": n, "by_age": 0,
-                             "by_capacity": n - capacity, "live": capacity}
-    keys = set(table.live_state()["keys"].tolist())
-    assert len(keys) == capacity and keys <= set(twice.tolist())
+    assert history.history["ids_admissions"][-1] == n, history.history
+    keys = set(table.live_state()["keys"].tolist())  # sweeps, as a step would
+    assert _stats(table) == {"admitted": n, "by_age": by_age,
+                             "by_capacity": n - live - by_age, "live": live}
+    assert len(keys) == live and keys <= set(twice.tolist())
 
 
 @pytest.mark.slow  # two streams through the filter: minutes on a loaded machine

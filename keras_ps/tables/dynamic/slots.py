@@ -30,6 +30,26 @@ def _flat(x):
     return tf.reshape(x, [-1])
 
 
+def _after_every_write(fn):
+    """`fn()`'s tensor, ready only once every stateful op `fn` made has run.
+
+    A `tf.CriticalSection` frees its lock as soon as its function's outputs
+    are ready. A write no output depends on (a slot's key, its last-seen
+    step, the free stack) could then land after the next worker's step on
+    this shard has read it: that step would free a slot under its previous
+    key and leave the new key in the map, pointing at a row another key
+    then gets."""
+    if tf.executing_eagerly():
+        return fn()
+    graph = tf.compat.v1.get_default_graph()
+    before = set(graph.get_operations())
+    result = fn()
+    writes = [op for op in graph.get_operations()
+              if op not in before and op.op_def.is_stateful]
+    with tf.control_dependencies(writes):
+        return tf.identity(result)
+
+
 class SlotShard:
     """The key -> slot map of one shard, on `device`.
 
@@ -134,7 +154,8 @@ class SlotShard:
         """
         with tf.device(self.device):
             return self.lock.execute(
-                lambda: self._train_slots(keys, counts, init_rows),
+                lambda: _after_every_write(
+                    lambda: self._train_slots(keys, counts, init_rows)),
                 exclusive_resource_access=False)
 
     def _free(self, slots, column, step=None):
