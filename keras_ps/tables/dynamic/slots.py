@@ -30,8 +30,8 @@ def _flat(x):
     return tf.reshape(x, [-1])
 
 
-def _after_every_write(fn):
-    """`fn()`'s tensor, ready only once every stateful op `fn` made has run.
+def _after_every_write(fn, *args):
+    """`fn(*args)`'s tensor, ready only once every stateful op it made has run.
 
     A `tf.CriticalSection` frees its lock as soon as its function's outputs
     are ready. A write no output depends on (a slot's key, its last-seen
@@ -40,10 +40,10 @@ def _after_every_write(fn):
     key and leave the new key in the map, pointing at a row another key
     then gets."""
     if tf.executing_eagerly():
-        return fn()
+        return fn(*args)
     graph = tf.compat.v1.get_default_graph()
     before = set(graph.get_operations())
-    result = fn()
+    result = fn(*args)
     writes = [op for op in graph.get_operations()
               if op not in before and op.op_def.is_stateful]
     with tf.control_dependencies(writes):
@@ -154,8 +154,8 @@ class SlotShard:
         """
         with tf.device(self.device):
             return self.lock.execute(
-                lambda: _after_every_write(
-                    lambda: self._train_slots(keys, counts, init_rows)),
+                lambda: _after_every_write(self._train_slots, keys, counts,
+                                           init_rows),
                 exclusive_resource_access=False)
 
     def _free(self, slots, column, step=None):
