@@ -55,6 +55,13 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
 DEFAULT_UNROLL_STEPS = 0
 
+# Whether fit and evaluate hand their dataset iterators to a holder on each
+# worker instead of dropping them (keras_ps/coordinator/iterator_release.py):
+# TF's destructor of an iterator can stall the worker's next request for
+# seconds. 0 drops them the plain way, as TF does.
+RELEASE_ITERATORS_ENV_VAR = "KERAS_PS_RELEASE_ITERATORS"
+DEFAULT_RELEASE_ITERATORS = 1
+
 # Seconds a remote call may run before the coordinator probes its worker; a
 # worker that is then unreachable (e.g. SIGSTOPped, hung host) is declared
 # failed and its closures run elsewhere. A busy worker still answers the

@@ -113,6 +113,25 @@ def own_executor():
         enable_async=False, enable_streaming_enqueue=False))
 
 
+def new_async_executor():
+    """A new asynchronous eager executor: ops run under it (see
+    `executor_scope`) return at once and run in order on its own thread, so
+    a slow or hung remote task never blocks the caller (no public API for
+    executors)."""
+    return _internals().executor.new_executor(enable_async=True)
+
+
+def clear_executor_error(executor):
+    """Forgets the error an asynchronous executor holds (a call to a task
+    that died), so that destroying it later does not raise it again."""
+    executor.clear_error()
+
+
+def executor_scope(executor):
+    """Makes `executor` the calling thread's eager executor for the block."""
+    return _internals().context.executor_scope(executor)
+
+
 def get_server_def():
     return _internals().context.context().get_server_def()
 

@@ -1,7 +1,8 @@
 """A coordinator process for tests of connecting and per-worker datasets
 around workers that are down; prints RESULT lines the test reads.
 
-Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster
+Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster|
+    release_after_restart
 """
 
 import logging
@@ -152,8 +153,49 @@ def second_cluster():
     say(runs=runs, refused=refused)
 
 
+def release_after_restart():
+    """Iterators released (ClusterCoordinator.release_iterators) before and
+    after a worker is killed, restarted and re-admitted."""
+    import tempfile
+
+    from _open_files import open_on, reading_iterator, write_records
+    from _polling import wait_until
+
+    folder = tempfile.mkdtemp()
+    paths = [write_records(os.path.join(folder, f"{k}.tfrecord"))
+             for k in range(4)]
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        coordinator = keras_ps.ClusterCoordinator(
+            keras_ps.ParameterServerStrategy(cluster.resolver))
+        pids = lambda: [cluster.pid("worker", i) for i in range(2)]
+
+        def read_and_release(path):
+            iterator = reading_iterator(coordinator, path)
+            coordinator.release_iterators(iterator)
+
+        iterator = reading_iterator(coordinator, paths[0])
+        first = open_on(pids(), paths[0])
+        coordinator.release_iterators(iterator)
+        del iterator
+        cluster.kill("worker", 1)
+        read_and_release(paths[1])  # worker 1 fails; not handed to its line
+        cluster.restart("worker", 1)
+        readmitted = coordinator.workers[1].wait_until_runnable(timeout=60)
+        read_and_release(paths[2])
+        iterator = reading_iterator(coordinator, paths[3])
+        held, reading = open_on(pids(), paths[2]), open_on(pids(), paths[3])
+        coordinator.release_iterators(iterator)
+        del iterator
+        read_and_release(paths[0])
+        wait_until(lambda: open_on(pids(), paths[3]) == [0, 0], 60,
+                   "the released iterators' files to be closed")
+        say(readmitted=readmitted, first=first, held=held, reading=reading,
+            freed=open_on(pids(), paths[3]))
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     {"connect": connect, "dataset_while_down": dataset_while_down,
      "dataset_no_worker": dataset_no_worker,
-     "second_cluster": second_cluster}[sys.argv[1]]()
+     "second_cluster": second_cluster,
+     "release_after_restart": release_after_restart}[sys.argv[1]]()

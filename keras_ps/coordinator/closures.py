@@ -6,10 +6,14 @@ import logging
 import threading
 import time
 
+import tensorflow as tf
+
 from keras_ps import _tf_adapter
 from keras_ps.coordinator import packing
 from keras_ps.coordinator.values import RemoteValue
 from keras_ps.errors import ClosureCancelledError
+from keras_ps.errors import ScheduleUsageError
+from keras_ps.strategy._per_worker import PerWorkerValues
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,33 @@ class Closure:
         # told when the closure starts on a worker, finishes, is requeued or
         # fails; None for ordinary closures.
         self.listener = listener
+
+    @classmethod
+    def of(cls, fn, args, kwargs):
+        """The closure of `schedule(fn, args, kwargs)`.
+
+        Raises:
+            ScheduleUsageError: an argument is a RemoteValue.
+        """
+        per_worker = False
+        listener = None
+        for value in tf.nest.flatten((args, kwargs)):
+            if isinstance(value, ScheduledShard):
+                # A shard of a keras_ps.ShardedInput epoch: replaced by its
+                # arguments; its ledger follows the closure (keras_ps/shards).
+                listener = value.listener(fn)
+                args, kwargs = tf.nest.map_structure(
+                    lambda v: v.arguments() if isinstance(v, ScheduledShard)
+                    else v, (args, kwargs))
+                continue
+            if isinstance(value, RemoteValue):
+                raise ScheduleUsageError(
+                    "A RemoteValue was passed as an argument to schedule. "
+                    f"Received: {value!r}. Call .fetch() on it first, or "
+                    "return the value from the scheduled function that needs it.")
+            if isinstance(value, PerWorkerValues):
+                per_worker = True
+        return cls(fn, args, kwargs, per_worker, listener)
 
     def cancel(self):
         self.remote_value._set_error(ClosureCancelledError(

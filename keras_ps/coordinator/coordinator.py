@@ -12,10 +12,10 @@ from keras_ps import cluster as cluster_lib
 from keras_ps import errors
 from keras_ps.cluster import _network
 from keras_ps.coordinator import failure_handling
+from keras_ps.coordinator import iterator_release
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure
 from keras_ps.coordinator.closures import ClosureQueue
-from keras_ps.coordinator.closures import ScheduledShard
 from keras_ps.coordinator.config import CoordinatorConfig
 from keras_ps.coordinator.datasets import PerWorkerDataset
 from keras_ps.coordinator.gate import SharedExclusiveLock
@@ -112,6 +112,8 @@ class ClusterCoordinator:
         self._readmission = failure_handling.Readmission(
             self._gate, self._members_by_index, lambda: self.num_workers,
             lambda: list(self._datasets))
+        self._release = iterator_release.IteratorRelease(
+            lambda: self._readmission.generation)
         self._services = worker_lib.WorkerServices(
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
@@ -170,27 +172,7 @@ class ClusterCoordinator:
                 "coordinator.schedule needs a tf.function. Received: "
                 f"fn={getattr(fn, '__name__', fn)!r} of type "
                 f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
-        args = tuple(args or ())
-        kwargs = dict(kwargs or {})
-        per_worker = False
-        listener = None
-        for value in tf.nest.flatten((args, kwargs)):
-            if isinstance(value, ScheduledShard):
-                # A shard of a keras_ps.ShardedInput epoch: replaced by its
-                # arguments; its ledger follows the closure (keras_ps/shards).
-                listener = value.listener(fn)
-                args, kwargs = tf.nest.map_structure(
-                    lambda v: v.arguments() if isinstance(v, ScheduledShard)
-                    else v, (args, kwargs))
-                continue
-            if isinstance(value, RemoteValue):
-                raise errors.ScheduleUsageError(
-                    "A RemoteValue was passed as an argument to schedule. "
-                    f"Received: {value!r}. Call .fetch() on it first, or "
-                    "return the value from the scheduled function that needs it.")
-            if isinstance(value, PerWorkerValues):
-                per_worker = True
-        closure = Closure(fn, args, kwargs, per_worker, listener)
+        closure = Closure.of(fn, tuple(args or ()), dict(kwargs or {}))
         self._queue.put(closure)
         return closure.remote_value
 
@@ -232,6 +214,13 @@ class ClusterCoordinator:
                                        self._members, self._unreachable)
             self._datasets.add(dataset)
         return dataset
+
+    def release_iterators(self, iterators):
+        """Drops `iterators` (of `iter(per_worker_dataset)`) without
+        stalling the workers, as fit and evaluate do when they end; see
+        keras_ps/coordinator/iterator_release.py. Empty after."""
+        with self._gate.shared():
+            self._release.release(iterators, list(self._workers))
 
     def lost_parameter_servers(self):
         """{index: address} of the ps that do not hold this job's variables
@@ -366,6 +355,7 @@ class ClusterCoordinator:
         for w in self._workers:
             w.stop()
         self._queue.stop()
+        self._release.close()
 
     # -- membership and health ---------------------------------------------------
     def _join(self, index, address):

@@ -62,6 +62,12 @@ class PerWorkerValues:
             self._values.append(None)
         self._values[index] = value
 
+    def take_values(self):
+        """Returns the values and forgets them (see
+        `ClusterCoordinator.release_iterators`)."""
+        values, self._values = self._values, [None] * len(self._values)
+        return values
+
     def __len__(self):
         return len(self._values)
 

@@ -247,6 +247,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     training_logs = _fit_epochs.train_with_ps_recovery(
         coordinator, _fit_epochs.recovering_callback(callback_list),
         train_from, (start_epoch, start_step), progress)
+    coordinator.release_iterators(iterator)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
 
@@ -321,6 +322,7 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
         _batch_end(callback_list, begin + count - 1, StepLogs(remote, tracker),
                    "on_test_batch_end")
     coordinator.join()
+    coordinator.release_iterators(iterator)
     logs = python_logs(model.get_metrics_result())
     callback_list.on_test_end(logs)
     return logs

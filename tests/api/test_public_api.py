@@ -39,6 +39,12 @@ def test_tf_internals_still_exist():
     assert callable(_tf_adapter.get_server_def)
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3
+    executor = _tf_adapter.new_async_executor()
+    with _tf_adapter.executor_scope(executor):
+        total = tf.add(1, 2)
+    executor.wait()
+    assert total.numpy() == 3
+    _tf_adapter.clear_executor_error(executor)
     assert _tf_adapter.inside_function() is False
 
 

@@ -1,0 +1,169 @@
+"""Dropping a per-worker dataset iterator without stalling its worker.
+
+TF 2.21 destroys a dataset iterator on the thread that drops its last
+reference. When the coordinator drops its handle to an iterator on a worker,
+that is the worker's thread serving the coordinator's requests, and the
+destructor waits for the iterator's autotuning thread to stop. That thread
+sleeps between tuning rounds (10 ms at first, doubling up to 60 s), and TF can
+miss the wake-up it sends it (it signals before it marks the iterator
+cancelled, and the woken thread goes back to sleep). Every later request to
+the worker then waits out the sleep: measured here 2.1-2.5 s at the start of a
+fit call after one of 3 s, and 14-15 s after one of 27 s, in 1 to 3 of every 4
+calls, with TF's own ClusterCoordinator as with keras_ps.
+
+So fit and evaluate hand their iterators over instead of dropping them. Each
+worker has a release line: a queue on the worker, and a dataset on the worker
+whose own background thread takes each iterator from the queue and holds it
+until the next one arrives, then drops it. The coordinator's handle is never
+the last one, and the destruction (and its wait) runs on tf.data's thread.
+A worker thus keeps one released iterator (its buffers and threads) until the
+next release. The hand-over runs on an asynchronous executor, so a hung
+worker never blocks the caller; when it fails, the iterator is dropped the
+plain way and the line is made again at the next release.
+"""
+
+import atexit
+import contextlib
+import ctypes
+import logging
+import uuid
+
+import tensorflow as tf
+
+from keras_ps import _constants
+from keras_ps import _tf_adapter
+from keras_ps.coordinator.worker import RUNNABLE
+from keras_ps.strategy._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import worker_device
+
+logger = logging.getLogger(__name__)
+
+# Elements of the holding dataset; far more than any process releases.
+_ENDLESS = 2**62
+
+# Every line's executor, kept for the life of the process: a dropped executor
+# first waits for its pending calls, and one to a worker that hung would
+# never end. A process makes one per worker, and one more per re-admission.
+_EXECUTORS = []
+
+
+@atexit.register
+def _keep_executors_at_exit():
+    # Destroying an executor waits for its pending calls and raises the error
+    # of one to a worker that died (printed as an ignored exception; that
+    # iterator was dropped the plain way, nothing to report). At exit there
+    # is nothing left to wait for: the errors are cleared, and each executor
+    # gets one more reference so that the interpreter's teardown never
+    # destroys it (its thread idles until the process ends, as TF's own do).
+    for executor in _EXECUTORS:
+        _tf_adapter.clear_executor_error(executor)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(executor))
+
+
+@tf.function
+def _holding_dataset(queue):
+    def hold(previous, unused_index):
+        del previous  # the iterator held so far: dropped on tf.data's thread
+        (handle,) = tf.raw_ops.QueueDequeueV2(handle=queue,
+                                              component_types=[tf.resource])
+        return handle, False
+
+    # The first element comes at once (taking it starts the background
+    # thread); the thread then waits in the queue for ever, yielding nothing.
+    held = tf.data.Dataset.range(_ENDLESS).scan(queue, hold).filter(
+        lambda keep: keep)
+    dataset = tf.data.Dataset.from_tensors(True).concatenate(held).prefetch(1)
+    options = tf.data.Options()
+    options.autotune.enabled = False  # no tuning thread of its own to wait for
+    return dataset.with_options(options)
+
+
+@tf.function
+def _hand_over(queue, handle):
+    tf.raw_ops.QueueEnqueueV2(handle=queue, components=[handle])
+
+
+class _ReleaseLine:
+    """One worker's queue and holding dataset (see the module docstring)."""
+
+    def __init__(self, index, generation):
+        self.index = index
+        self.generation = generation
+        self._device = worker_device(index)
+        self._executor = _tf_adapter.new_async_executor()
+        _EXECUTORS.append(self._executor)
+        with self._on_worker():
+            self._queue = tf.raw_ops.FIFOQueueV2(
+                component_types=[tf.resource], shapes=[[]], capacity=-1,
+                shared_name=f"keras_ps_iterator_release_{uuid.uuid4().hex}")
+            self._holder = iter(_holding_dataset(self._queue))
+            next(self._holder)
+
+    @contextlib.contextmanager
+    def _on_worker(self):
+        with _tf_adapter.executor_scope(self._executor), tf.device(self._device):
+            yield
+
+    def hand_over(self, iterator):
+        (handle,) = tf.nest.flatten(iterator, expand_composites=True)
+        with self._on_worker():
+            _hand_over(self._queue, handle)
+
+
+class IteratorRelease:
+    """The release lines of one coordinator, made on first use per worker
+    (none with KERAS_PS_RELEASE_ITERATORS=0).
+
+    Args:
+        generation: () -> the coordinator's re-admission count; a line made
+            before a worker was re-admitted may be on a process that is gone,
+            so it is made again.
+    """
+
+    def __init__(self, generation):
+        self._generation = generation
+        self._lines = {}
+        self.enabled = bool(_constants.env_int(
+            _constants.RELEASE_ITERATORS_ENV_VAR,
+            _constants.DEFAULT_RELEASE_ITERATORS))
+
+    def release(self, iterators, workers):
+        """Hands each worker's iterator in `iterators` (a `PerWorkerValues`,
+        emptied) to that worker's line; those of workers in `workers` that
+        do not take calls now are dropped the plain way."""
+        if not isinstance(iterators, PerWorkerValues):
+            raise TypeError(
+                "release_iterators takes the iterators of iter(per_worker_"
+                f"dataset). Received: {iterators!r}.")
+        values = iterators.take_values()
+        if not self.enabled:
+            return
+        generation = self._generation()
+        for index, iterator in enumerate(values):
+            if (iterator is None or index >= len(workers)
+                    or workers[index].state not in RUNNABLE):
+                continue
+            try:
+                self._line(index, generation).hand_over(iterator)
+            except Exception as error:  # noqa: BLE001  fall back: plain drop
+                logger.info("[worker:%d] iterator dropped without its release "
+                            "line (%s: %s); the line is made again next time",
+                            index, type(error).__name__, error)
+                self._discard(index)
+
+    def _line(self, index, generation):
+        line = self._lines.get(index)
+        if line is not None and line.generation != generation:
+            self._discard(index)
+            line = None
+        if line is None:
+            line = self._lines[index] = _ReleaseLine(index, generation)
+        return line
+
+    def _discard(self, index):
+        # Dropping the holder's iterator cancels its wait in the queue; what it
+        # held is destroyed then (on a worker that is still there).
+        self._lines.pop(index, None)
+
+    def close(self):
+        self._lines.clear()
