@@ -87,7 +87,6 @@ class _ReleaseLine:
     """One worker's queue and holding dataset (see the module docstring)."""
 
     def __init__(self, index, generation):
-        self.index = index
         self.generation = generation
         self._device = worker_device(index)
         self._executor = _tf_adapter.new_async_executor()
