@@ -18,8 +18,10 @@ until the next one arrives, then drops it. The coordinator's handle is never
 the last one, and the destruction (and its wait) runs on tf.data's thread.
 A worker thus keeps one released iterator (its buffers and threads) until the
 next release. The hand-over runs on an asynchronous executor, so a hung
-worker never blocks the caller; when it fails, the iterator is dropped the
-plain way and the line is made again at the next release.
+worker never blocks the caller. A hand-over that fails (the worker died) is
+seen at the next one, which then drops its iterator the plain way and makes
+the line again; after the cluster is pushed to the tasks again (a worker
+re-admitted, a ps recovered) every line is made again.
 """
 
 import atexit
