@@ -17,10 +17,10 @@ whose own background thread takes each iterator from the queue and holds it
 until the next one arrives, then drops it. The coordinator's handle is never
 the last one, and the destruction (and its wait) runs on tf.data's thread.
 A worker thus keeps one released iterator (its buffers and threads) until the
-next release. The hand-over runs on an asynchronous executor, so a hung
-worker never blocks the caller. A hand-over that fails (the worker died) is
-seen at the next one, which then drops its iterator the plain way and makes
-the line again; after the cluster is pushed to the tasks again (a worker
+next release. The hand-over runs on an asynchronous executor and is waited
+for at most a few seconds, so a hung worker cannot hold the caller longer. A
+hand-over that fails (the worker died) is seen at the next one, which then
+drops its iterator the plain way and makes the line again; after the cluster is pushed to the tasks again (a worker
 re-admitted, a ps recovered) every line is made again.
 """
 
@@ -28,6 +28,8 @@ import atexit
 import contextlib
 import ctypes
 import logging
+import threading
+import time
 import uuid
 
 import tensorflow as tf
@@ -42,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 # Elements of the holding dataset; far more than any process releases.
 _ENDLESS = 2**62
+
+# Seconds a release waits for its hand-overs to be done on the workers (a few
+# milliseconds each), so none is still running when the caller goes on. A
+# worker that hung is not waited for longer; its hand-over finishes, or fails,
+# on the executor's own thread.
+_HAND_OVER_WAIT = 5.0
 
 # Every line's executor, kept for the life of the process: a dropped executor
 # first waits for its pending calls, and one to a worker that hung would
@@ -89,6 +97,7 @@ class _ReleaseLine:
     """One worker's queue and holding dataset (see the module docstring)."""
 
     def __init__(self, index, generation):
+        self.worker = index
         self.generation = generation
         self._device = worker_device(index)
         self._executor = _tf_adapter.new_async_executor()
@@ -104,6 +113,22 @@ class _ReleaseLine:
     def _on_worker(self):
         with _tf_adapter.executor_scope(self._executor), tf.device(self._device):
             yield
+
+    def wait(self, timeout):
+        """Whether the calls made on the line finished within `timeout`
+        seconds (an error of theirs surfaces at the next hand-over)."""
+        done = threading.Event()
+
+        def wait():
+            try:
+                self._executor.wait()
+            except Exception:  # noqa: BLE001  raised again by the next call
+                pass
+            finally:
+                done.set()
+        threading.Thread(target=wait, daemon=True,
+                         name=f"release-wait-{self.worker}").start()
+        return done.wait(max(0.0, timeout))
 
     def hand_over(self, iterator):
         (handle,) = tf.nest.flatten(iterator, expand_composites=True)
@@ -140,17 +165,26 @@ class IteratorRelease:
         if not self.enabled:
             return
         generation = self._generation()
+        used = []
         for index, iterator in enumerate(values):
             if (iterator is None or index >= len(workers)
                     or workers[index].state not in RUNNABLE):
                 continue
             try:
-                self._line(index, generation).hand_over(iterator)
+                line = self._line(index, generation)
+                line.hand_over(iterator)
+                used.append(line)
             except Exception as error:  # noqa: BLE001  fall back: plain drop
                 logger.info("[worker:%d] iterator dropped without its release "
                             "line (%s: %s); the line is made again next time",
                             index, type(error).__name__, error)
                 self._discard(index)
+        deadline = time.monotonic() + _HAND_OVER_WAIT
+        for line in used:
+            if not line.wait(deadline - time.monotonic()):
+                logger.info("[worker:%d] a hand-over did not finish within "
+                            "%gs; it goes on without the caller",
+                            line.worker, _HAND_OVER_WAIT)
 
     def _line(self, index, generation):
         line = self._lines.get(index)
