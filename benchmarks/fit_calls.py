@@ -58,7 +58,10 @@ def _hwm_gb(pid):
     return float("nan")
 
 
-def run_one(system, rows):
+def build(system, rows, metrics=("accuracy",)):
+    """The cluster (its own processes), the model compiled under `system`'s
+    strategy, the DatasetCreator and the Keras module in use; every
+    benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
     optimizer_name = system.removesuffix(UNROLLED).rsplit("_", 1)[1]
     if system.endswith(UNROLLED):
@@ -98,27 +101,35 @@ def run_one(system, rows):
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(1, activation="sigmoid"),
         ])
-        model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
+        model.compile(optimizer, "binary_crossentropy", metrics=list(metrics),
                       steps_per_execution=STEPS_PER_EXECUTION)
+    return cluster, model, creator, keras
 
+
+def timed_fit(keras, model, creator, epochs, steps):
+    """fit(epochs x steps); each epoch's seconds (the first with the call's
+    start-up)."""
     epoch_ends = []
 
     class EpochTimer(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             epoch_ends.append(time.perf_counter())
 
-    def timed_fit(epochs, steps):
-        epoch_ends.clear()
-        start = time.perf_counter()
-        model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                  callbacks=[EpochTimer()])
-        marks = [start] + epoch_ends
-        return [b - a for a, b in zip(marks, marks[1:])]
+    start = time.perf_counter()
+    model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
+              callbacks=[EpochTimer()])
+    marks = [start] + epoch_ends
+    return [b - a for a, b in zip(marks, marks[1:])]
 
-    first_call_s = sum(timed_fit(1, EPOCH_STEPS))
-    whole = [sum(timed_fit(1, WHOLE_CALL_STEPS))]
-    epochs = timed_fit(4, EPOCH_STEPS)
-    whole.append(sum(timed_fit(1, WHOLE_CALL_STEPS)))
+
+def run_one(system, rows):
+    cluster, model, creator, keras = build(system, rows)
+    timed = lambda epochs, steps: timed_fit(keras, model, creator, epochs, steps)  # noqa: E731
+
+    first_call_s = sum(timed(1, EPOCH_STEPS))
+    whole = [sum(timed(1, WHOLE_CALL_STEPS))]
+    epochs = timed(4, EPOCH_STEPS)
+    whole.append(sum(timed(1, WHOLE_CALL_STEPS)))
     steady = 3 * EPOCH_STEPS / sum(epochs[1:])
     evaluate_s = []
     for _ in range(2):

@@ -30,73 +30,28 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
-from fit_large_tables import dataset_fn_for  # noqa: E402
+from fit_calls import build, timed_fit  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_adagrad_norelease")
 NORELEASE = "_norelease"
 
 
 def run_one(system, rows, lengths, rounds):
-    native = system.startswith("tf_native")
     if system.endswith(NORELEASE):
         os.environ["KERAS_PS_RELEASE_ITERATORS"] = "0"
-    if native:
-        os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TF is imported
-    import tensorflow as tf
+    cluster, model, creator, keras = build(
+        system.removesuffix(NORELEASE), rows, metrics=())
+    timed = lambda epochs, steps: timed_fit(keras, model, creator, epochs, steps)  # noqa: E731
 
-    import keras_ps
-    cluster = keras_ps.LocalCluster(num_workers=2, num_ps=2)
-    if native:
-        import tf_keras as keras
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(cluster.spec), rpc_layer="grpc")
-        strategy = tf.distribute.ParameterServerStrategy(
-            resolver, variable_partitioner=tf.distribute.experimental
-            .partitioners.FixedShardsPartitioner(2))
-        creator = keras.utils.experimental.DatasetCreator(dataset_fn_for(tf, rows))
-    else:
-        import keras
-        from keras_ps.partitioners import FixedShardsPartitioner
-        strategy = keras_ps.ParameterServerStrategy(
-            cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
-        creator = keras_ps.DatasetCreator(dataset_fn_for(tf, rows))
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int64"),
-            keras.layers.Embedding(rows, DIM),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
-        model.compile(keras.optimizers.Adagrad(0.1), "binary_crossentropy",
-                      steps_per_execution=STEPS_PER_EXECUTION)
-    epoch_ends = []
-
-    class EpochTimer(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            epoch_ends.append(time.perf_counter())
-
-    def timed_fit(epochs, steps):
-        epoch_ends.clear()
-        start = time.perf_counter()
-        model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
-                  callbacks=[EpochTimer()])
-        marks = [start] + epoch_ends
-        return [b - a for a, b in zip(marks, marks[1:])]
-
-    timed_fit(1, 100)
+    timed(1, 100)
     result = {"system": system, "rows": rows, "startup_s": {}, "before_s": {}}
     for length in lengths:
         startups, befores = [], []
         for _ in range(rounds):
-            befores.append(sum(timed_fit(1, length)))
-            epochs = timed_fit(3, 100)
+            befores.append(sum(timed(1, length)))
+            epochs = timed(3, 100)
             startups.append(epochs[0] - statistics.median(epochs[1:]))
         result["startup_s"][str(length)] = startups
         result["before_s"][str(length)] = befores
