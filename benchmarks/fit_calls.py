@@ -39,12 +39,17 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
 from fit_large_tables import dataset_fn_for  # noqa: E402
+from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
-           "keras_ps_adagrad_unrolled")
+           "keras_ps_adagrad_unrolled", "keras_ps_adagrad_ungrouped",
+           "keras_ps_adagrad_ungrouped_unrolled")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
-# steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS).
+# steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
+# "<system>_ungrouped" moves one tensor per variable between processes
+# instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
 UNROLLED = "_unrolled"
+UNGROUPED = "_ungrouped"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
 EVAL_STEPS = 100
@@ -63,9 +68,12 @@ def build(system, rows, metrics=("accuracy",)):
     strategy, the DatasetCreator and the Keras module in use; every
     benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
-    optimizer_name = system.removesuffix(UNROLLED).rsplit("_", 1)[1]
+    base = system.removesuffix(UNROLLED)
+    optimizer_name = base.removesuffix(UNGROUPED).rsplit("_", 1)[1]
     if system.endswith(UNROLLED):
         os.environ["KERAS_PS_UNROLL_STEPS"] = str(STEPS_PER_EXECUTION)
+    if base.endswith(UNGROUPED):
+        os.environ["KERAS_PS_GROUP_TRANSFERS"] = "0"
     if native:
         os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TF is imported
     import tensorflow as tf
@@ -144,6 +152,7 @@ def run_one(system, rows):
     cluster.shutdown()
     return {
         "system": system, "rows": rows,
+        "ids": os.environ.get(IDS_ENV_VAR, "zipf"),
         "steady_steps_per_s": steady,
         "epoch_s": epochs,
         "startup_s": epochs[0] - statistics.median(epochs[1:]),
@@ -160,6 +169,7 @@ def run_child(system, rows, timeout=1800):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
     env.pop("KERAS_PS_UNROLL_STEPS", None)
+    env.pop("KERAS_PS_GROUP_TRANSFERS", None)
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_child", system,
          str(rows)], capture_output=True, text=True, env=env, timeout=timeout)
@@ -231,6 +241,8 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--ids", choices=ID_DISTRIBUTIONS, default="zipf",
+                        help="how a batch's ids are drawn")
     parser.add_argument("--json", help="also write the raw runs here")
     parser.add_argument("--from-json", help="format saved runs instead")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
@@ -239,6 +251,7 @@ def main():
         system, rows = args._child
         print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
         os._exit(0)
+    os.environ[IDS_ENV_VAR] = args.ids  # the children inherit it
     if args.from_json:
         with open(args.from_json) as f:
             runs = json.load(f)

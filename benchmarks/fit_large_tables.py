@@ -55,10 +55,21 @@ SCHEDULE = {"tf_native_adam": (3, 20)}
 DEFAULT_SCHEDULE = (4, 300)
 
 
+# Ids "zipf" (log-uniform, the default: most of a batch repeats a few rows)
+# or "uniform" over the whole table (BENCH_IDS in the environment).
+IDS_ENV_VAR = "BENCH_IDS"
+ID_DISTRIBUTIONS = ("zipf", "uniform")
+
+
 def make_batch(tf, rows, worker, index):
     seed = tf.stack([tf.cast(worker, tf.int64), tf.cast(index, tf.int64)])
-    u = tf.random.stateless_uniform([BATCH, IDS], seed, 0.0, math.log(rows + 1))
-    ids = tf.minimum(tf.cast(tf.floor(tf.exp(u)), tf.int64) - 1, rows - 1)
+    if os.environ.get(IDS_ENV_VAR, "zipf") == "uniform":
+        ids = tf.random.stateless_uniform([BATCH, IDS], seed, 0, rows,
+                                          dtype=tf.int64)
+    else:
+        u = tf.random.stateless_uniform([BATCH, IDS], seed, 0.0,
+                                        math.log(rows + 1))
+        ids = tf.minimum(tf.cast(tf.floor(tf.exp(u)), tf.int64) - 1, rows - 1)
     odd = tf.reduce_sum(tf.math.floormod(ids, 2), axis=1, keepdims=True)
     return ids, tf.cast(odd >= IDS // 2, tf.float32)
 

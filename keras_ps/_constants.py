@@ -55,6 +55,17 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
 DEFAULT_UNROLL_STEPS = 0
 
+# Whether a training, evaluation or prediction step moves the small dense
+# variables of each ps (an MLP's kernels and biases, each at most
+# GROUPED_TRANSFER_MAX_ELEMENTS elements) as one tensor per ps and dtype each
+# way, their reads to the worker and their gradients back, instead of one
+# tensor per variable (keras_ps/tables/_grouped_transfers.py): a tensor that
+# crosses processes costs about the same CPU whatever its size. 0 moves one
+# tensor per variable, as TF does.
+GROUP_TRANSFERS_ENV_VAR = "KERAS_PS_GROUP_TRANSFERS"
+DEFAULT_GROUP_TRANSFERS = 1
+GROUPED_TRANSFER_MAX_ELEMENTS = 1 << 18
+
 # Whether fit and evaluate hand their dataset iterators to a holder on each
 # worker instead of dropping them (keras_ps/coordinator/iterator_release.py):
 # TF's destructor of an iterator can stall the worker's next request for

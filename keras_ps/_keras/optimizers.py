@@ -18,13 +18,16 @@ import threading
 import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import optimizer as tf_optimizer
 from keras.src.optimizers import adagrad as adagrad_lib
 from keras.src.optimizers import adam as adam_lib
 from keras.src.optimizers import ftrl as ftrl_lib
 from keras.src.optimizers import sgd as sgd_lib
 from keras.src.optimizers.schedules import learning_rate_schedule
 
+from keras_ps import _constants
 from keras_ps.tables import _dirty_rows
+from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _rowwise
 from keras_ps.tables import _sharded_weights
 from keras_ps import _keras as hooks
@@ -32,6 +35,7 @@ from keras_ps import _keras as hooks
 logger = logging.getLogger(__name__)
 
 VARIABLE_CLASS = tf_core.Variable
+OPTIMIZER_CLASS = tf_optimizer.TFOptimizer
 
 
 def install():
@@ -106,8 +110,18 @@ _apply_state = threading.local()
 
 
 def _per_apply_scalars(keras_backend_update_step):
+    # Also where each ps' dense gradients cross as one tensor (see
+    # keras_ps.tables._grouped_transfers): every update then runs on the ps
+    # from its piece. Missing public API: Keras 3 applies a gradient per
+    # variable and gives a strategy no say in how gradients travel.
     @functools.wraps(keras_backend_update_step)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        if _constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
+                              _constants.DEFAULT_GROUP_TRANSFERS) \
+                and not in_stateless_scope():
+            grads = _grouped_transfers.gradients_to_ps(
+                grads, [_tf_variable(v) for v in trainable_variables],
+                _constants.GROUPED_TRANSFER_MAX_ELEMENTS)
         caches = _apply_state.__dict__.setdefault("caches", {})
         caches[id(self)] = {}
         try:
@@ -152,7 +166,7 @@ def _fused_adam_update_step(keras_update_step):
 
 
 def _install_fused_adam():
-    hooks.wrap(ADAM_CLASS, "_backend_update_step", _per_apply_scalars)
+    hooks.wrap(OPTIMIZER_CLASS, "_backend_update_step", _per_apply_scalars)
     hooks.wrap(ADAM_CLASS, "update_step", _fused_adam_update_step)
 
 

@@ -28,6 +28,7 @@ from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import compat as keras_compat
+from keras_ps._keras import grouped_reads as keras_grouped_reads
 from keras_ps._keras import initializers as keras_initializers
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import sharding as keras_sharding
@@ -437,5 +438,6 @@ def _current_partitioner():
 keras_sharding.install(_current_partitioner)
 keras_atomic_updates.install()
 keras_optimizers.install()
+keras_grouped_reads.install()
 keras_initializers.install()
 keras_compat.install(lambda s: isinstance(s, ParameterServerStrategy))

@@ -15,6 +15,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
+from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _row_chunks
 from keras_ps.tables import _slicing
 
@@ -193,7 +194,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
 
     def read_value(self):
         """The whole variable as one tensor (concatenates every shard)."""
-        return tf.concat([v.read_value() for v in self._parts()[0]], axis=0)
+        return tf.concat([_read_shard(v) for v in self._parts()[0]], axis=0)
 
     def value(self):
         return self.read_value()
@@ -406,6 +407,12 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
+
+
+def _read_shard(variable):
+    # Inside a training step, from its ps' one transfer when it is grouped.
+    grouped = _grouped_transfers.read(variable)
+    return variable.read_value() if grouped is None else grouped
 
 
 class _NoValues(tf.__internal__.tracking.Trackable):

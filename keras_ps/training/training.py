@@ -20,7 +20,9 @@ from keras_ps.training import _fit_epochs
 from keras_ps.training import exact_evaluation
 from keras_ps.training import inputs
 from keras_ps import shards
+from keras_ps.tables import _grouped_transfers
 from keras_ps._keras import compat
+from keras_ps._keras import grouped_reads
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.coordinator import packing
@@ -65,7 +67,15 @@ class _StepFunctions:
         unrolled = count <= self._unroll
 
         def multi_step(iterator):
-            step = getattr(model_ref(), step_name)
+            model = model_ref()
+            grouped = grouped_reads.step_variables(model, step_name)
+            model_step = getattr(model, step_name)
+
+            def step(batch):
+                # Each step reads its ps' small weights in one transfer per ps.
+                with _grouped_transfers.scope(grouped):
+                    return model_step(batch)
+
             logs = step(next(iterator))
             if count > 1 and unrolled:
                 # Written out: automatic control dependencies keep every

@@ -19,6 +19,7 @@ from keras_ps.tables import partitioners
 from keras_ps.tables import sharded_variable
 from keras_ps._keras import atomic_updates as keras_atomic_updates
 from keras_ps._keras import fit_routing
+from keras_ps._keras import grouped_reads as keras_grouped_reads
 from keras_ps import _keras as hooks
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import saving as keras_saving
@@ -272,6 +273,38 @@ def test_fused_adam_keras_internals():
     assert optimizer._distribution_strategy is tf.distribute.get_strategy()
     # A variable that is not on a ps takes Keras' own update.
     assert not keras_optimizers._can_fuse_adam(optimizer, var.value)
+
+
+# -- grouped reads and gradients ---------------------------------------------------
+@pytest.mark.timeout(60)
+def test_grouped_transfer_keras_internals():
+    def params(fn):
+        fn = getattr(fn, "__keras_ps_original__", fn)
+        return list(inspect.signature(fn).parameters)
+
+    variable_class = keras_grouped_reads.VARIABLE_CLASS
+    assert hooks.installed(variable_class, "__tf_tensor__")
+    assert params(variable_class.__tf_tensor__) == ["self", "dtype", "name"]
+    assert hooks.installed(keras_grouped_reads.OPTIMIZER_CLASS, "apply")
+    assert params(keras_grouped_reads.OPTIMIZER_CLASS.apply) == [
+        "self", "grads", "trainable_variables"]
+    assert hooks.installed(keras_optimizers.OPTIMIZER_CLASS, "_backend_update_step")
+    assert issubclass(keras.optimizers.Adagrad, keras_optimizers.OPTIMIZER_CLASS)
+    # Keras' own train_step is what the grouped reads trust to read inside
+    # its tape.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert model.train_step.__func__ is keras_grouped_reads.TRAINER_CLASS.train_step
+    # Tables inside nested models are found (and never read whole).
+    nested = keras.Sequential([keras.Input((1,), dtype="int64"), keras.Sequential(
+        [keras.layers.Embedding(3, 2)])])
+    assert any(isinstance(layer, keras_grouped_reads.ROW_LOOKUP_LAYERS)
+               for layer in nested._flatten_layers())
+    # Off the ps, a weight converts as Keras converts it.
+    weight = model.layers[0].kernel
+    assert isinstance(weight._value, tf.Variable)
+    assert weight._maybe_autocast(weight._value) is weight._value
+    np.testing.assert_array_equal(tf.convert_to_tensor(weight).numpy(),
+                                  weight.numpy())
 
 
 # -- Model.fit routing and atomic updates ---------------------------------------------

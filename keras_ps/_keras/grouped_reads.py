@@ -1,0 +1,96 @@
+"""Reads of a step's small dense ps weights, one transfer per ps.
+
+Missing public API: Keras 3 reads a weight where a layer uses it (its
+conversion to a tensor, `Variable.__tf_tensor__`), one tensor per weight,
+and has no hook through which a distribution strategy could fetch several
+at once. keras_ps' step functions
+open a `keras_ps.tables._grouped_transfers.scope` over the weights that
+`step_variables` picks; the hook on that conversion below serves a weight
+from its ps' one transfer there, and the hook on `Optimizer.apply` ends the
+sharing before any weight is written (a constraint applied after the update
+reads the updated weight). Gradients are grouped in
+keras_ps._keras.optimizers. Outside such a scope, in a stateless scope and
+for other weights, Keras' own read runs, as it does for a weight's Python
+operators (`kernel * 2` reads the weight on its own: correct, not grouped).
+"""
+
+import functools
+
+import keras
+import tensorflow as tf
+from keras.src.backend.common.stateless_scope import in_stateless_scope
+from keras.src.backend.tensorflow import core as tf_core
+from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.optimizers import base_optimizer
+
+from keras_ps import _constants
+from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _sharded_weights
+from keras_ps import _keras as hooks
+
+VARIABLE_CLASS = tf_core.Variable
+OPTIMIZER_CLASS = base_optimizer.BaseOptimizer
+TRAINER_CLASS = tf_trainer.TensorFlowTrainer
+# Layers that read their weight a few rows at a time: never read whole.
+ROW_LOOKUP_LAYERS = (keras.layers.Embedding,)
+
+
+def _grouped_tensor(keras_tf_tensor):
+    @functools.wraps(keras_tf_tensor)
+    def __tf_tensor__(self, dtype=None, name=None):
+        if not in_stateless_scope():
+            grouped = _grouped_transfers.read(self._value)
+            if grouped is not None:
+                return tf.convert_to_tensor(self._maybe_autocast(grouped),
+                                            dtype=dtype, name=name)
+        return keras_tf_tensor(self, dtype=dtype, name=name)
+
+    return __tf_tensor__
+
+
+def _closing_reads(keras_apply):
+    @functools.wraps(keras_apply)
+    def apply(self, grads, trainable_variables=None):
+        _grouped_transfers.close_reads()
+        return keras_apply(self, grads, trainable_variables)
+
+    return apply
+
+
+def install():
+    hooks.wrap(VARIABLE_CLASS, "__tf_tensor__", _grouped_tensor)
+    hooks.wrap(OPTIMIZER_CLASS, "apply", _closing_reads)
+
+
+def enabled():
+    return bool(_constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
+                                   _constants.DEFAULT_GROUP_TRANSFERS))
+
+
+def step_variables(model, step_name):
+    """The tf.Variables whose reads `model.<step_name>` groups: its trainable
+    weights on a ps of at most GROUPED_TRANSFER_MAX_ELEMENTS elements, but
+    not the tables of row-lookup layers, nor weights their layer saves
+    itself (a dynamic table's). Empty for a `train_step` other than Keras'
+    own (a subclass' or one set on the model): its tape might start after a
+    first read, and a read outside the tape would get no gradient."""
+    if not enabled():
+        return []
+    if step_name == "train_step" and getattr(
+            model.train_step, "__func__", None) is not TRAINER_CLASS.train_step:
+        return []
+    excluded = set()
+    for layer in model._flatten_layers():
+        if isinstance(layer, ROW_LOOKUP_LAYERS):
+            excluded.update(id(w) for w in layer.weights)
+    chosen = []
+    for weight in model.trainable_weights:
+        inner = getattr(weight, "_value", None)
+        if (id(weight) in excluded or inner is None
+                or getattr(weight, _sharded_weights.SAVED_BY_OWNER_ATTR, False)
+                or getattr(inner, _sharded_weights.SAVED_BY_OWNER_ATTR, False)
+                or not _grouped_transfers.groupable(
+                    inner, _constants.GROUPED_TRANSFER_MAX_ELEMENTS)):
+            continue
+        chosen.append(inner)
+    return chosen

@@ -1,0 +1,107 @@
+"""A step moves each ps' small dense weights as one tensor per ps each way
+(KERAS_PS_GROUP_TRANSFERS, on by default) and trains exactly as with one
+tensor per weight."""
+
+import numpy as np
+import pytest
+
+import keras
+import tensorflow as tf
+
+import keras_ps
+from keras_ps.tables import _grouped_transfers
+
+
+@pytest.fixture(scope="module")
+def sharded_strategy(cluster):
+    # Splits every weight over 2 ps, as the benchmarks' model does.
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=keras_ps.partitioners.FixedShardsPartitioner(2))
+
+
+def _data():
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 60, size=(128, 3))
+    y = (ids.sum(1, keepdims=True) % 2).astype("float32")
+    return ids, y
+
+
+def _fit(strategy, optimizer, monkeypatch, group):
+    monkeypatch.setenv("KERAS_PS_GROUP_TRANSFERS", group)
+    ids, y = _data()
+
+    def creator(context):
+        # Every batch is the whole data and each epoch is one execution:
+        # the result does not depend on which worker runs it.
+        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(128).repeat()
+
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((3,), dtype="int64"), keras.layers.Embedding(60, 4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8, activation="relu",
+                               kernel_regularizer=keras.regularizers.L2(1e-3)),
+            keras.layers.Dense(4, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid",
+                               kernel_constraint=keras.constraints.MaxNorm(0.5))])
+        model.compile(keras.optimizers.get(optimizer), "binary_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=4)
+    history = model.fit(keras_ps.DatasetCreator(creator), epochs=3,
+                        steps_per_epoch=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 12
+    evaluated = model.evaluate(keras_ps.DatasetCreator(creator), steps=2,
+                               verbose=0, return_dict=True)
+    return model.get_weights(), history.history["loss"], evaluated
+
+
+class _Spy:
+    """Records what the step's traces grouped (the real functions run)."""
+
+    def __init__(self, monkeypatch):
+        self.read_groups, self.moved = [], []
+        read_group, to_ps = (_grouped_transfers._read_group,
+                             _grouped_transfers.gradients_to_ps)
+
+        def spy_read_group(group):
+            self.read_groups.append([v.device for v in group])
+            return read_group(group)
+
+        def spy_to_ps(grads, variables, max_elements):
+            moved = to_ps(grads, variables, max_elements)
+            self.moved.extend(
+                (v.device, m.device) for g, v, m in zip(grads, variables, moved)
+                if m is not g)
+            return moved
+
+        monkeypatch.setattr(_grouped_transfers, "_read_group", spy_read_group)
+        monkeypatch.setattr(_grouped_transfers, "gradients_to_ps", spy_to_ps)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "sgd"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
+def test_grouped_steps_train_as_one_tensor_per_weight(
+        cluster, strategy, sharded_strategy, monkeypatch, optimizer, sharded):
+    on = sharded_strategy if sharded else strategy
+    spy = _Spy(monkeypatch)
+    plain = _fit(on, optimizer, monkeypatch, "0")
+    assert spy.read_groups == [] and spy.moved == []
+    grouped = _fit(on, optimizer, monkeypatch, "1")
+
+    # Grouping happened: reads of several weights from one ps at once (never
+    # the embedding table), and gradients split on their ps.
+    assert spy.read_groups, "no read was grouped"
+    for devices in spy.read_groups:
+        assert len(devices) >= 2 and len(set(devices)) == 1, devices
+    assert spy.moved, "no gradient was grouped"
+    for variable_device, grad_device in spy.moved:
+        assert grad_device == variable_device, (grad_device, variable_device)
+
+    # The same training, step for step: weights, losses, evaluation.
+    for want, got in zip(plain[0], grouped[0]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grouped[1], plain[1], rtol=1e-5)
+    assert grouped[2].keys() == plain[2].keys()
+    for key in plain[2]:
+        np.testing.assert_allclose(grouped[2][key], plain[2][key], rtol=1e-5)
