@@ -114,6 +114,8 @@ class ClusterCoordinator:
             lambda: list(self._datasets))
         self._release = iterator_release.IteratorRelease(
             lambda: self._readmission.generation)
+        self._dropped = iterator_release.DroppedIterators(
+            lambda values: self.release_iterators(PerWorkerValues(values)))
         self._services = worker_lib.WorkerServices(
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
@@ -210,8 +212,11 @@ class ClusterCoordinator:
         # Under the shared gate: a worker's re-admission (which rebuilds every
         # tracked dataset on it) cannot interleave with creating this one.
         with self._gate.shared():
+            if self._release.enabled:
+                self._dropped.start()
             dataset = PerWorkerDataset(dataset_fn, self.strategy, self._gate,
-                                       self._members, self._unreachable)
+                                       self._members, self._unreachable,
+                                       self._dropped.dropped)
             self._datasets.add(dataset)
         return dataset
 
@@ -355,6 +360,7 @@ class ClusterCoordinator:
         for w in self._workers:
             w.stop()
         self._queue.stop()
+        self._dropped.stop()
         self._release.close()
 
     # -- membership and health ---------------------------------------------------

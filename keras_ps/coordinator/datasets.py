@@ -62,15 +62,20 @@ class PerWorkerDataset:
         on_unreachable: called with a worker's index when its dataset cannot
             be made because the worker does not answer; the coordinator then
             counts it failed, and its dataset is made when it is re-admitted.
+        on_iterators_dropped: called with each worker's iterator (or None)
+            left in an `iter()` result that was garbage-collected: the
+            coordinator hands them to its release lines.
     """
 
     def __init__(self, dataset_or_fn, strategy, gate, members,
-                 on_unreachable):
+                 on_unreachable, on_iterators_dropped=None):
         self._members_now = members
         members = members()
         self._strategy = strategy
         self._gate = gate
         self._on_unreachable = on_unreachable
+        # Given each worker's iterators left in a dropped iter(self).
+        self._on_iterators_dropped = on_iterators_dropped
         if isinstance(dataset_or_fn, tf.data.Dataset):
             self._fn = serialized(dataset_or_fn)
             self._with_context = False
@@ -182,6 +187,8 @@ class PerWorkerDataset:
                 [self._unless_unreachable(i, self._iter_on, i)
                  for i in range(len(self._datasets))], source=self)
             self._iterators.add(iterators)
+        if self._on_iterators_dropped is not None:
+            iterators.on_dropped(self._on_iterators_dropped)
         return iterators
 
     def rebuild(self, index, num_workers):

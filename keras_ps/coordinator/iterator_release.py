@@ -11,7 +11,9 @@ the worker then waits out the sleep: measured here 2.1-2.5 s at the start of a
 fit call after one of 3 s, and 14-15 s after one of 27 s, in 1 to 3 of every 4
 calls, with TF's own ClusterCoordinator as with keras_ps.
 
-So fit and evaluate hand their iterators over instead of dropping them. Each
+So fit and evaluate hand their iterators over instead of dropping them,
+and so does the coordinator for the iterators of a custom loop that the
+user drops (`DroppedIterators`: a new `iter(per_worker_dataset)` each epoch). Each
 worker has a release line: a queue on the worker, and a dataset on the worker
 whose own background thread takes each iterator from the queue and holds it
 until the next one arrives, then drops it. The coordinator's handle is never
@@ -25,12 +27,14 @@ re-admitted, a ps recovered) every line is made again.
 """
 
 import atexit
+import collections
 import contextlib
 import ctypes
 import logging
 import threading
 import time
 import uuid
+import weakref
 
 import tensorflow as tf
 
@@ -65,6 +69,8 @@ def _keep_executors_at_exit():
     # is nothing left to wait for: the errors are cleared, and each executor
     # gets one more reference so that the interpreter's teardown never
     # destroys it (its thread idles until the process ends, as TF's own do).
+    for releaser in list(_RELEASERS):
+        releaser.stop()
     for executor in _EXECUTORS:
         _tf_adapter.clear_executor_error(executor)
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(executor))
@@ -149,6 +155,8 @@ class IteratorRelease:
     def __init__(self, generation):
         self._generation = generation
         self._lines = {}
+        # fit's release and the release of dropped iterators may overlap.
+        self._lock = threading.Lock()
         self.enabled = bool(_constants.env_int(
             _constants.RELEASE_ITERATORS_ENV_VAR,
             _constants.DEFAULT_RELEASE_ITERATORS))
@@ -164,6 +172,10 @@ class IteratorRelease:
         values = iterators.take_values()
         if not self.enabled:
             return
+        with self._lock:
+            self._release_values(values, workers)
+
+    def _release_values(self, values, workers):
         generation = self._generation()
         used = []
         for index, iterator in enumerate(values):
@@ -201,4 +213,68 @@ class IteratorRelease:
         self._lines.pop(index, None)
 
     def close(self):
-        self._lines.clear()
+        with self._lock:
+            self._lines.clear()
+
+
+class DroppedIterators:
+    """Releases the iterators of `iter(per_worker_dataset)` results that
+    the user dropped (a custom loop that makes a new iterator each epoch),
+    on a thread of its own, so that dropping one never stalls a worker.
+
+    Args:
+        release: `release(values)`, each worker's iterator or None; runs on
+            this object's thread.
+    """
+
+    def __init__(self, release):
+        self._release = release
+        self._pending = collections.deque()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = None
+        _RELEASERS.add(self)
+
+    def start(self):
+        """Starts the thread (before the first iterator is handed out: the
+        garbage collector, which reports a drop, must not start threads)."""
+        if self._thread is None and not self._stopped:
+            self._thread = threading.Thread(
+                target=self._run, daemon=True, name="keras_ps-iterator-release")
+            self._thread.start()
+
+    def dropped(self, values):
+        # Called by the garbage collector, on whatever thread it runs on:
+        # only hands the iterators over.
+        if self._stopped or self._thread is None or \
+                all(value is None for value in values):
+            return
+        self._pending.append(list(values))
+        self._wake.set()
+
+    def _run(self):
+        while not self._stopped:
+            self._wake.wait()
+            self._wake.clear()
+            while self._pending and not self._stopped:
+                values = self._pending.popleft()
+                try:
+                    self._release(values)
+                except Exception as error:  # noqa: BLE001  dropped plainly
+                    logger.info("dropped iterators released the plain way "
+                                "(%s: %s)", type(error).__name__, error)
+                del values
+
+    def stop(self, timeout=_HAND_OVER_WAIT + 1.0):
+        """Stops the thread; iterators still pending are dropped plainly."""
+        self._stopped = True
+        self._pending.clear()
+        self._wake.set()
+        if self._thread is not None and \
+                self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+# Every DroppedIterators of the process, stopped at exit before the
+# interpreter tears down what their threads use.
+_RELEASERS = weakref.WeakSet()

@@ -8,6 +8,7 @@ coordinator's worker threads set the context.
 """
 
 import threading
+import weakref
 
 import tensorflow as tf
 
@@ -65,8 +66,16 @@ class PerWorkerValues:
     def take_values(self):
         """Returns the values and forgets them (see
         `ClusterCoordinator.release_iterators`)."""
-        values, self._values = self._values, [None] * len(self._values)
+        values = list(self._values)
+        self._values[:] = [None] * len(values)
         return values
+
+    def on_dropped(self, callback):
+        """Calls `callback(values)` with the values still held when this
+        object is garbage-collected (not at interpreter exit): the callback
+        then holds the last references to them."""
+        # The list is changed in place (replace, take_values), never rebound.
+        weakref.finalize(self, callback, self._values).atexit = False
 
     def __len__(self):
         return len(self._values)

@@ -5,8 +5,10 @@ runs on tf.data's thread there, not on the thread serving the coordinator.
 What the tests can see for real: a TFRecord reader keeps its file open on the
 worker process while its iterator lives (/proc/<pid>/fd). A released iterator
 stays alive, held, until the next release on that worker, and is then
-destroyed."""
+destroyed. The same holds for the iterators of a custom loop that it drops.
+"""
 
+import gc
 import os
 import subprocess
 import sys
@@ -45,6 +47,27 @@ def test_a_released_iterator_is_held_until_the_next_release(
         "the released iterators were destroyed before the next release")
     coordinator.release_iterators(iterator)
     del iterator
+    wait_until(lambda: _open_on_workers(cluster, first) == 0, 60,
+               "the first iterators' files to be closed on the workers")
+    assert _open_on_workers(cluster, second) >= 1
+
+
+def test_a_dropped_iterator_is_released_too(cluster, coordinator, tmp_path):
+    # A custom loop that makes a new iterator each epoch and drops the last
+    # one: the coordinator releases it on a thread of its own.
+    first = write_records(str(tmp_path / "first.tfrecord"))
+    second = write_records(str(tmp_path / "second.tfrecord"))
+
+    iterator = reading_iterator(coordinator, first)
+    readers = _open_on_workers(cluster, first)
+    assert readers >= 1, "no worker holds the dataset's file open"
+    del iterator
+    gc.collect()
+    iterator = reading_iterator(coordinator, second)
+    assert _open_on_workers(cluster, first) == readers, (
+        "the dropped iterators were destroyed instead of released")
+    del iterator
+    gc.collect()
     wait_until(lambda: _open_on_workers(cluster, first) == 0, 60,
                "the first iterators' files to be closed on the workers")
     assert _open_on_workers(cluster, second) >= 1
