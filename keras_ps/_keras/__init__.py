@@ -13,7 +13,9 @@ and finds Keras' own function behind it (`original`).
 - `fit_routing`: Model.fit/evaluate/predict of a keras_ps model go to keras_ps.
 - `atomic_updates`: `assign_add`/`assign_sub` of ps variables as one atomic op.
 - `sharding`: sharded layer weights (creation, lookup, saving).
-- `optimizers`: how optimizers update variables that live on a ps.
+- `optimizers`: how optimizers update variables that live on a ps (and how
+  each ps' dense gradients travel: one tensor per ps).
+- `grouped_reads`: a step reads each ps' small weights in one transfer.
 - `initializers`: which initializers a large variable can be drawn with in
   row blocks on its ps.
 - `saving`: Keras weights files of weights on the ps, a block of rows at a time.

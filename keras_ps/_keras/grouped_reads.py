@@ -14,7 +14,9 @@ for other weights, Keras' own read runs, as it does for a weight's Python
 operators (`kernel * 2` reads the weight on its own: correct, not grouped).
 """
 
+import contextlib
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -22,6 +24,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.optimizers import base_optimizer
+from keras.src.trainers import trainer as trainer_lib
 
 from keras_ps import _constants
 from keras_ps.tables import _grouped_transfers
@@ -57,9 +60,56 @@ def _closing_reads(keras_apply):
     return apply
 
 
+# -- Section: the metrics' results read once per scheduled function -------------
+# Missing public API: Keras' train_step and test_step end by reading every
+# metric's result (`get_metrics_result`), each a read of one or two variables
+# on a ps; run `steps_per_execution` times in one function, only the last
+# step's logs are returned, but every step's reads still run (TF keeps a
+# variable read whose value is used, even by ops whose output nobody uses).
+# `metric_results_skipped()` makes Keras' `get_metrics_result` return no
+# logs, which the step functions use for every step but the last: they read
+# the results once, after the steps.
+_skip = threading.local()
+TRAINER_BASE_CLASS = trainer_lib.Trainer
+
+
+def _results_unless_skipped(keras_get_metrics_result):
+    @functools.wraps(keras_get_metrics_result)
+    def get_metrics_result(self):
+        if getattr(_skip, "on", False):
+            return {}
+        return keras_get_metrics_result(self)
+
+    return get_metrics_result
+
+
+@contextlib.contextmanager
+def metric_results_skipped():
+    """Keras' `get_metrics_result` returns `{}` inside (this thread only)."""
+    previous = getattr(_skip, "on", False)
+    _skip.on = True
+    try:
+        yield
+    finally:
+        _skip.on = previous
+
+
+def logs_are_metric_results(model, step_name):
+    """Whether `model.<step_name>` returns `model.get_metrics_result()`:
+    Keras' own train_step or test_step with Keras' own compute_metrics."""
+    keras_step = getattr(TRAINER_CLASS, step_name, None)
+    return (keras_step is not None
+            and getattr(getattr(model, step_name), "__func__", None) is keras_step
+            and getattr(model.compute_metrics, "__func__", None)
+            is TRAINER_BASE_CLASS.compute_metrics
+            and getattr(model.get_metrics_result, "__func__", None)
+            is TRAINER_BASE_CLASS.get_metrics_result)
+
+
 def install():
     hooks.wrap(VARIABLE_CLASS, "__tf_tensor__", _grouped_tensor)
     hooks.wrap(OPTIMIZER_CLASS, "apply", _closing_reads)
+    hooks.wrap(TRAINER_BASE_CLASS, "get_metrics_result", _results_unless_skipped)
 
 
 def enabled():

@@ -76,6 +76,10 @@ class _StepFunctions:
                 with _grouped_transfers.scope(grouped):
                     return model_step(batch)
 
+            if count > 1 and grouped_reads.logs_are_metric_results(
+                    model, step_name):
+                return _steps_then_results(model, step, iterator, count,
+                                           unrolled)
             logs = step(next(iterator))
             if count > 1 and unrolled:
                 # Written out: automatic control dependencies keep every
@@ -91,6 +95,29 @@ class _StepFunctions:
 
         multi_step.__name__ = f"keras_ps_{step_name}_x{count}"
         return multi_step
+
+
+def _steps_then_results(model, step, iterator, count, unrolled):
+    """`count` steps, then the metrics' results: Keras' step logs are those
+    results, and only the last step's are returned, so the steps skip
+    reading them (a read of each metric's variables on the ps per step)."""
+    def quiet_step():
+        with grouped_reads.metric_results_skipped():
+            step(next(iterator))
+
+    if unrolled:
+        # Automatic control dependencies keep every step's reads and updates
+        # in the order written.
+        for _ in range(count):
+            quiet_step()
+    else:
+        def body(i):
+            quiet_step()
+            return i + 1
+        tf.while_loop(lambda i: i < count, body, (tf.constant(0),))
+    # Read after the steps' updates (ordered by automatic control
+    # dependencies on the metrics' variables).
+    return model.get_metrics_result()
 
 
 # model -> {step name: (compile count, _StepFunctions)}.

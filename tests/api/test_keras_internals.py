@@ -294,6 +294,22 @@ def test_grouped_transfer_keras_internals():
     # its tape.
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     assert model.train_step.__func__ is keras_grouped_reads.TRAINER_CLASS.train_step
+    # Keras' own steps return get_metrics_result() (through compute_metrics),
+    # which the step functions skip in all but the last step.
+    assert hooks.installed(keras_grouped_reads.TRAINER_BASE_CLASS,
+                           "get_metrics_result")
+    assert keras_grouped_reads.logs_are_metric_results(model, "train_step")
+    assert keras_grouped_reads.logs_are_metric_results(model, "test_step")
+    for step in ("train_step", "test_step"):
+        source = inspect.getsource(getattr(keras_grouped_reads.TRAINER_CLASS, step))
+        assert "return self.compute_metrics(" in source, step
+    assert "return self.get_metrics_result()" in inspect.getsource(
+        keras_grouped_reads.TRAINER_BASE_CLASS.compute_metrics)
+    model.compile("sgd", "mse")
+    assert "loss" in model.get_metrics_result()
+    with keras_grouped_reads.metric_results_skipped():
+        assert model.get_metrics_result() == {}
+    assert "loss" in model.get_metrics_result()
     # Tables inside nested models are found (and never read whole).
     nested = keras.Sequential([keras.Input((1,), dtype="int64"), keras.Sequential(
         [keras.layers.Embedding(3, 2)])])

@@ -105,3 +105,43 @@ def test_grouped_steps_train_as_one_tensor_per_weight(
     assert grouped[2].keys() == plain[2].keys()
     for key in plain[2]:
         np.testing.assert_allclose(grouped[2][key], plain[2][key], rtol=1e-5)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("unroll", ["0", "4"], ids=["loop", "written_out"])
+def test_steps_read_the_metrics_once_and_log_what_every_step_would(
+        monkeypatch, unroll):
+    # A plain (local) model: the step functions' logic alone. Four steps of
+    # one scheduled function against four calls of Keras' own train_step.
+    from keras_ps._keras import grouped_reads
+    from keras_ps.training import training
+
+    monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+    ids, y = _data()
+    x = ids.astype("float32") / 60.0
+    batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+
+    def model():
+        keras.utils.set_random_seed(3)
+        built = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4),
+                                  keras.layers.Dense(1, activation="sigmoid")])
+        built.compile("adagrad", "binary_crossentropy", metrics=["accuracy"])
+        return built
+
+    plain = model()
+    step = tf.function(plain.train_step)
+    for batch in batches:
+        want = step(batch)
+
+    packed = model()
+    assert grouped_reads.logs_are_metric_results(packed, "train_step")
+    function = training._StepFunctions(packed, "train_step").get(4)
+    got = function(iter(batches))
+
+    assert set(got) == set(want) == {"loss", "accuracy"}
+    for key in want:
+        np.testing.assert_allclose(got[key].numpy(), want[key].numpy(), rtol=1e-6)
+    for a, b in zip(packed.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    # The skipped results were skipped in the steps only.
+    assert packed.get_metrics_result().keys() == {"loss", "accuracy"}
