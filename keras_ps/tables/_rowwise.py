@@ -19,8 +19,40 @@ import tensorflow as tf
 from keras_ps.tables import _dirty_rows
 
 
+# Graph attribute: references of the row-index tensors known to hold each
+# index once (see `mark_distinct`).
+_DISTINCT_ATTR = "_keras_ps_distinct_indices"
+
+
+def mark_distinct(indices):
+    """Records that `indices` (a graph tensor) holds each row index once, as
+    the rows a sharded lookup gathers do: the gradient of that gather then
+    needs no summing of repeats on the ps."""
+    if tf.executing_eagerly():
+        return
+    graph = indices.graph
+    marked = getattr(graph, _DISTINCT_ATTR, None)
+    if marked is None:
+        marked = set()
+        setattr(graph, _DISTINCT_ATTR, marked)
+    marked.add(indices.ref())
+
+
+def _known_distinct(indices):
+    if not hasattr(indices, "graph") or tf.executing_eagerly():
+        return False
+    marked = getattr(indices.graph, _DISTINCT_ATTR, ())
+    # A gather's gradient names its indices reshaped to 1-D.
+    while indices.ref() not in marked and indices.op.type in ("Reshape", "Identity"):
+        indices = indices.op.inputs[0]
+    return indices.ref() in marked
+
+
 def deduplicate(gradient):
     """(values, indices) of `gradient` with each index once, repeats summed.
+
+    A gradient whose indices are known to be distinct (`mark_distinct`) is
+    returned as it is: summing would give the same values.
 
     Args:
         gradient: a `tf.IndexedSlices` over axis 0 (indices of any rank).
@@ -28,6 +60,8 @@ def deduplicate(gradient):
     indices = tf.reshape(gradient.indices, [-1])
     values = tf.reshape(gradient.values, tf.concat(
         [[-1], tf.shape(gradient.values)[tf.rank(gradient.indices):]], 0))
+    if _known_distinct(gradient.indices):
+        return values, indices
     unique, position = tf.unique(indices)
     summed = tf.math.unsorted_segment_sum(values, position, tf.size(unique))
     return summed, unique

@@ -17,6 +17,7 @@ import tensorflow as tf
 from keras_ps import _tf_adapter
 from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _row_chunks
+from keras_ps.tables import _rowwise
 from keras_ps.tables import _slicing
 
 
@@ -308,6 +309,8 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         positions, locals_ = self._route(unique)
         parts = []
         for v, rows in zip(self._parts()[0], locals_):
+            # Each shard's rows are distinct: its gradient needs no summing.
+            _rowwise.mark_distinct(rows)
             with tf.device(v.device):
                 parts.append(tf.gather(v, rows))
         gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)

@@ -304,6 +304,43 @@ def test_lookup_gradient_has_each_row_once(sharded, strategy, two_shards):
         offset += rows
 
 
+def test_sharded_lookup_gradient_is_not_summed_again(two_shards):
+    # Its rows are distinct already: the update skips the summing of repeats
+    # (a unique and a segment sum of every row on the ps) and gets the same
+    # rows and values.
+    with two_shards.scope():
+        layer = keras.layers.Embedding(ROWS, DIM)
+        layer.build()
+    weights = [w.value for w in layer.trainable_variables]
+    ids = tf.constant([[4, 5, 4], [5, 9, 0]], tf.int32)
+    scale = tf.reshape(tf.range(18, dtype=tf.float32), (2, 3, 3))
+
+    @tf.function
+    def summed():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(layer(ids) * scale)
+        results = []
+        for grad in tape.gradient(loss, weights):
+            uniques = _count_ops("Unique")
+            values, indices = _rowwise.deduplicate(grad)
+            assert _count_ops("Unique") == uniques, "repeats summed again"
+            plain = tf.IndexedSlices(tf.identity(grad.values),
+                                     tf.identity(grad.indices) + 0)
+            want_values, want_indices = _rowwise.deduplicate(plain)
+            assert _count_ops("Unique") == uniques + 1  # unknown indices: summed
+            results.append((values, indices, want_values, want_indices))
+        return results
+
+    for values, indices, want_values, want_indices in summed():
+        np.testing.assert_array_equal(indices.numpy(), want_indices.numpy())
+        np.testing.assert_array_equal(values.numpy(), want_values.numpy())
+
+
+def _count_ops(op_type):
+    graph = tf.compat.v1.get_default_graph()
+    return sum(op.type == op_type for op in graph.get_operations())
+
+
 @pytest.mark.parametrize("kind", ["sgd", "adagrad", "ftrl", "lazy_adam"])
 def test_empty_batch_changes_nothing(kind, strategy, coordinator):
     make = {"sgd": lambda: keras.optimizers.SGD(0.1),
