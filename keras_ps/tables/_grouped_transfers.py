@@ -111,6 +111,12 @@ def read(variable):
     return None if reads is None else reads.get(variable)
 
 
+def read_value(variable):
+    """tf.Variable `variable`'s value: grouped in a step, else read as usual."""
+    grouped = read(variable)
+    return variable.read_value() if grouped is None else grouped
+
+
 def close_reads():
     """Ends the sharing of grouped reads in the current step: the optimizer
     is about to write the variables."""

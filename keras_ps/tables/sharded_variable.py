@@ -195,7 +195,9 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
 
     def read_value(self):
         """The whole variable as one tensor (concatenates every shard)."""
-        return tf.concat([_read_shard(v) for v in self._parts()[0]], axis=0)
+        # Inside a step, from each ps' one transfer (_grouped_transfers).
+        return tf.concat([_grouped_transfers.read_value(v)
+                          for v in self._parts()[0]], axis=0)
 
     def value(self):
         return self.read_value()
@@ -410,12 +412,6 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
-
-
-def _read_shard(variable):
-    # Inside a training step, from its ps' one transfer when it is grouped.
-    grouped = _grouped_transfers.read(variable)
-    return variable.read_value() if grouped is None else grouped
 
 
 class _NoValues(tf.__internal__.tracking.Trackable):
