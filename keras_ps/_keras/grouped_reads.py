@@ -112,11 +112,6 @@ def install():
     hooks.wrap(TRAINER_BASE_CLASS, "get_metrics_result", _results_unless_skipped)
 
 
-def enabled():
-    return bool(_constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
-                                   _constants.DEFAULT_GROUP_TRANSFERS))
-
-
 def step_variables(model, step_name):
     """The tf.Variables whose reads `model.<step_name>` groups: its trainable
     weights on a ps of at most GROUPED_TRANSFER_MAX_ELEMENTS elements, but
@@ -124,7 +119,7 @@ def step_variables(model, step_name):
     itself (a dynamic table's). Empty for a `train_step` other than Keras'
     own (a subclass' or one set on the model): its tape might start after a
     first read, and a read outside the tape would get no gradient."""
-    if not enabled():
+    if not _grouped_transfers.enabled():
         return []
     if step_name == "train_step" and getattr(
             model.train_step, "__func__", None) is not TRAINER_CLASS.train_step:

@@ -116,9 +116,7 @@ def _per_apply_scalars(keras_backend_update_step):
     # variable and gives a strategy no say in how gradients travel.
     @functools.wraps(keras_backend_update_step)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
-        if _constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
-                              _constants.DEFAULT_GROUP_TRANSFERS) \
-                and not in_stateless_scope():
+        if _grouped_transfers.enabled() and not in_stateless_scope():
             grads = _grouped_transfers.gradients_to_ps(
                 grads, [_tf_variable(v) for v in trainable_variables],
                 _constants.GROUPED_TRANSFER_MAX_ELEMENTS)

@@ -35,7 +35,15 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps import _constants
+
 _local = threading.local()
+
+
+def enabled():
+    """Whether steps group their transfers (KERAS_PS_GROUP_TRANSFERS)."""
+    return bool(_constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
+                                   _constants.DEFAULT_GROUP_TRANSFERS))
 
 
 def _on_ps(variable):
