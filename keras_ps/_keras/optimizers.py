@@ -87,7 +87,7 @@ def _can_fuse_adam(optimizer, variable):
 def _adam_scalars(optimizer, dtype, learning_rate):
     """(beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step, as `dtype`.
 
-    Made once per `apply` (see _per_apply_scalars) and shared by every
+    Made once per `apply` (see _per_apply) and shared by every
     variable's update: one read of `iterations` per step, not one per
     variable (each a message from the ps holding it)."""
     cache = getattr(_apply_state, "caches", {}).get(id(optimizer))
@@ -109,10 +109,11 @@ def _adam_scalars(optimizer, dtype, learning_rate):
 _apply_state = threading.local()
 
 
-def _per_apply_scalars(keras_backend_update_step):
-    # Also where each ps' dense gradients cross as one tensor (see
-    # keras_ps.tables._grouped_transfers): every update then runs on the ps
-    # from its piece. Missing public API: Keras 3 applies a gradient per
+def _per_apply(keras_backend_update_step):
+    # Once per `apply` (every optimizer): Adam's scalars are made once (see
+    # _adam_scalars), and each ps' dense gradients cross as one tensor (see
+    # keras_ps.tables._grouped_transfers), every update then running on the
+    # ps from its piece. Missing public API: Keras 3 applies a gradient per
     # variable and gives a strategy no say in how gradients travel.
     @functools.wraps(keras_backend_update_step)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -164,7 +165,7 @@ def _fused_adam_update_step(keras_update_step):
 
 
 def _install_fused_adam():
-    hooks.wrap(OPTIMIZER_CLASS, "_backend_update_step", _per_apply_scalars)
+    hooks.wrap(OPTIMIZER_CLASS, "_backend_update_step", _per_apply)
     hooks.wrap(ADAM_CLASS, "update_step", _fused_adam_update_step)
 
 
