@@ -252,12 +252,14 @@ def test_saving_streams_a_sharded_weight_by_rows(tmp_path, monkeypatch):
 
 
 # -- optimizer updates on the ps ------------------------------------------------------
+def params(fn):
+    """The parameter names of Keras' own function behind a hook."""
+    fn = getattr(fn, "__keras_ps_original__", fn)
+    return list(inspect.signature(fn).parameters)
+
+
 @pytest.mark.timeout(60)
 def test_fused_adam_keras_internals():
-    def params(fn):
-        fn = getattr(fn, "__keras_ps_original__", fn)
-        return list(inspect.signature(fn).parameters)
-
     adam = keras_optimizers.ADAM_CLASS
     assert adam is keras.optimizers.Adam
     assert params(adam.update_step) == [
@@ -278,10 +280,6 @@ def test_fused_adam_keras_internals():
 # -- grouped reads and gradients ---------------------------------------------------
 @pytest.mark.timeout(60)
 def test_grouped_transfer_keras_internals():
-    def params(fn):
-        fn = getattr(fn, "__keras_ps_original__", fn)
-        return list(inspect.signature(fn).parameters)
-
     variable_class = keras_grouped_reads.VARIABLE_CLASS
     assert hooks.installed(variable_class, "__tf_tensor__")
     assert params(variable_class.__tf_tensor__) == ["self", "dtype", "name"]
