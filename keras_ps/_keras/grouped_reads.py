@@ -12,6 +12,9 @@ reads the updated weight). Gradients are grouped in
 keras_ps._keras.optimizers. Outside such a scope, in a stateless scope and
 for other weights, Keras' own read runs, as it does for a weight's Python
 operators (`kernel * 2` reads the weight on its own: correct, not grouped).
+
+A second section lets the step functions read the metrics' results once per
+function instead of once per step.
 """
 
 import contextlib
@@ -94,12 +97,16 @@ def metric_results_skipped():
         _skip.on = previous
 
 
+def _is_keras_own_step(model, step_name):
+    keras_step = getattr(TRAINER_CLASS, step_name, None)
+    return (keras_step is not None and
+            getattr(getattr(model, step_name), "__func__", None) is keras_step)
+
+
 def logs_are_metric_results(model, step_name):
     """Whether `model.<step_name>` returns `model.get_metrics_result()`:
     Keras' own train_step or test_step with Keras' own compute_metrics."""
-    keras_step = getattr(TRAINER_CLASS, step_name, None)
-    return (keras_step is not None
-            and getattr(getattr(model, step_name), "__func__", None) is keras_step
+    return (_is_keras_own_step(model, step_name)
             and getattr(model.compute_metrics, "__func__", None)
             is TRAINER_BASE_CLASS.compute_metrics
             and getattr(model.get_metrics_result, "__func__", None)
@@ -121,8 +128,7 @@ def step_variables(model, step_name):
     first read, and a read outside the tape would get no gradient."""
     if not _grouped_transfers.enabled():
         return []
-    if step_name == "train_step" and getattr(
-            model.train_step, "__func__", None) is not TRAINER_CLASS.train_step:
+    if step_name == "train_step" and not _is_keras_own_step(model, step_name):
         return []
     excluded = set()
     for layer in model._flatten_layers():
