@@ -29,7 +29,6 @@ from keras.src.backend.tensorflow import trainer as tf_trainer
 from keras.src.optimizers import base_optimizer
 from keras.src.trainers import trainer as trainer_lib
 
-from keras_ps import _constants
 from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _sharded_weights
 from keras_ps import _keras as hooks
@@ -140,8 +139,7 @@ def step_variables(model, step_name):
         if (id(weight) in excluded or inner is None
                 or getattr(weight, _sharded_weights.SAVED_BY_OWNER_ATTR, False)
                 or getattr(inner, _sharded_weights.SAVED_BY_OWNER_ATTR, False)
-                or not _grouped_transfers.groupable(
-                    inner, _constants.GROUPED_TRANSFER_MAX_ELEMENTS)):
+                or not _grouped_transfers.groupable(inner)):
             continue
         chosen.append(inner)
     return chosen

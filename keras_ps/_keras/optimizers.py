@@ -25,7 +25,6 @@ from keras.src.optimizers import ftrl as ftrl_lib
 from keras.src.optimizers import sgd as sgd_lib
 from keras.src.optimizers.schedules import learning_rate_schedule
 
-from keras_ps import _constants
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _rowwise
@@ -119,8 +118,7 @@ def _per_apply(keras_backend_update_step):
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         if _grouped_transfers.enabled() and not in_stateless_scope():
             grads = _grouped_transfers.gradients_to_ps(
-                grads, [_tf_variable(v) for v in trainable_variables],
-                _constants.GROUPED_TRANSFER_MAX_ELEMENTS)
+                grads, [_tf_variable(v) for v in trainable_variables])
         caches = _apply_state.__dict__.setdefault("caches", {})
         caches[id(self)] = {}
         try:

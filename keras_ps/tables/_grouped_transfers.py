@@ -50,11 +50,13 @@ def _on_ps(variable):
     return "/job:ps/" in (getattr(variable, "device", None) or "")
 
 
-def groupable(variable, max_elements):
+def groupable(variable):
     """Whether a tf.Variable's reads and gradients may be grouped: on a ps,
-    of a fully known shape of at most `max_elements` elements."""
+    of a fully known shape of at most GROUPED_TRANSFER_MAX_ELEMENTS
+    elements."""
     return (_on_ps(variable) and variable.shape.is_fully_defined()
-            and variable.shape.num_elements() <= max_elements)
+            and variable.shape.num_elements()
+            <= _constants.GROUPED_TRANSFER_MAX_ELEMENTS)
 
 
 class _StepReads:
@@ -133,20 +135,19 @@ def close_reads():
         reads.open = False
 
 
-def gradients_to_ps(grads, variables, max_elements):
+def gradients_to_ps(grads, variables):
     """`grads` with the dense gradients of each ps' groupable variables moved
     there as one tensor per (ps, dtype) and split on the ps.
 
     Args:
         grads: one gradient (or None) per variable.
         variables: the tf.Variables, in the order of `grads`.
-        max_elements: the largest variable grouped (see `groupable`).
     """
     if tf.executing_eagerly():
         return list(grads)
     groups = {}
     for i, (grad, variable) in enumerate(zip(grads, variables)):
-        if (isinstance(grad, tf.Tensor) and groupable(variable, max_elements)
+        if (isinstance(grad, tf.Tensor) and groupable(variable)
                 and grad.shape == variable.shape):
             groups.setdefault((variable.device, grad.dtype), []).append(i)
     moved = list(grads)

@@ -67,8 +67,8 @@ class _Spy:
             self.read_groups.append([v.device for v in group])
             return read_group(group)
 
-        def spy_to_ps(grads, variables, max_elements):
-            moved = to_ps(grads, variables, max_elements)
+        def spy_to_ps(grads, variables):
+            moved = to_ps(grads, variables)
             self.moved.extend(
                 (v.device, m.device) for g, v, m in zip(grads, variables, moved)
                 if m is not g)
