@@ -83,24 +83,45 @@ def _can_fuse_adam(optimizer, variable):
             and inner.dtype in FUSED_ADAM_DTYPES)
 
 
-def _adam_scalars(optimizer, dtype, learning_rate):
-    """(beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step, as `dtype`.
-
-    Made once per `apply` (see _per_apply) and shared by every
-    variable's update: one read of `iterations` per step, not one per
-    variable (each a message from the ps holding it)."""
+def _cached(optimizer, key, make):
+    """`make()`, made once per `apply` of `optimizer` (see _per_apply) and
+    shared by every variable's update; made anew outside an apply."""
     cache = getattr(_apply_state, "caches", {}).get(id(optimizer))
-    if cache is not None and dtype in cache:
-        return cache[dtype]
-    step = tf.cast(optimizer.iterations + 1, dtype)
-    beta_1 = tf.cast(optimizer.beta_1, dtype)
-    beta_2 = tf.cast(optimizer.beta_2, dtype)
-    scalars = (tf.pow(beta_1, step), tf.pow(beta_2, step),
-               tf.cast(learning_rate, dtype), beta_1, beta_2,
-               tf.cast(optimizer.epsilon, dtype))
-    if cache is not None:
-        cache[dtype] = scalars
-    return scalars
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
+
+
+def _next_step(optimizer):
+    """`iterations + 1` of this step, read once per `apply`: each read is a
+    message from the ps holding `iterations` to the ps of the update."""
+    return _cached(optimizer, "next_step",
+                   lambda: tf.convert_to_tensor(optimizer.iterations) + 1)
+
+
+def _adam_scalars(optimizer, dtype, learning_rate, device):
+    """(beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step, as `dtype`,
+    for an update on `device`.
+
+    Made once per `apply` as one tensor, where the first update runs, and
+    split again on each other device: one message per ps, not six scalars
+    (each a message between processes) per variable."""
+    def pack():
+        step = tf.cast(_next_step(optimizer), dtype)
+        beta_1 = tf.cast(optimizer.beta_1, dtype)
+        beta_2 = tf.cast(optimizer.beta_2, dtype)
+        return tf.stack([tf.pow(beta_1, step), tf.pow(beta_2, step),
+                         tf.cast(learning_rate, dtype), beta_1, beta_2,
+                         tf.cast(optimizer.epsilon, dtype)])
+
+    def unpack():
+        packed = _cached(optimizer, ("adam", dtype), pack)
+        with tf.device(device):
+            return tuple(tf.unstack(packed))
+
+    return _cached(optimizer, ("adam", dtype, device), unpack)
 
 
 # Per thread: the coordinator's worker threads trace steps concurrently, and
@@ -108,9 +129,20 @@ def _adam_scalars(optimizer, dtype, learning_rate):
 _apply_state = threading.local()
 
 
+def _read_once(learning_rate):
+    """A learning rate held in a variable, read once for the whole `apply`.
+    Keras passes the variable itself to every variable's update, and each
+    update reads it again: a message from the ps holding it to every other
+    ps, per variable and step."""
+    if isinstance(learning_rate, (VARIABLE_CLASS, tf.Variable)):
+        return tf.convert_to_tensor(learning_rate)
+    return learning_rate
+
+
 def _per_apply(keras_backend_update_step):
-    # Once per `apply` (every optimizer): Adam's scalars are made once (see
-    # _adam_scalars), and each ps' dense gradients cross as one tensor (see
+    # Once per `apply` (every optimizer): the learning rate is read once (see
+    # _read_once), Adam's scalars are made once (see _adam_scalars), and
+    # each ps' dense gradients cross as one tensor (see
     # keras_ps.tables._grouped_transfers), every update then running on the
     # ps from its piece. Missing public API: Keras 3 applies a gradient per
     # variable and gives a strategy no say in how gradients travel.
@@ -123,7 +155,7 @@ def _per_apply(keras_backend_update_step):
         caches[id(self)] = {}
         try:
             return keras_backend_update_step(self, grads, trainable_variables,
-                                             learning_rate)
+                                             _read_once(learning_rate))
         finally:
             caches.pop(id(self), None)
 
@@ -147,7 +179,7 @@ def _fused_adam_update_step(keras_update_step):
         # v += (g^2 - v)(1 - b2); var -= m * alpha / (sqrt(v) + epsilon).
         with tf.device(inner.device):
             beta1_power, beta2_power, lr, beta_1, beta_2, epsilon = \
-                _adam_scalars(self, dtype, learning_rate)
+                _adam_scalars(self, dtype, learning_rate, inner.device)
             tf.raw_ops.ResourceApplyAdam(
                 var=inner.handle,
                 m=_tf_variable(self._momentums[index]).handle,
@@ -373,7 +405,7 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
     """LazyAdam's update of one variable; see keras_ps.optimizers.LazyAdam."""
     index = optimizer._get_variable_index(variable)
     row_step = row_steps[index]
-    step = tf.convert_to_tensor(optimizer.iterations) + 1
+    step = _next_step(optimizer)
     inner = _tf_variable(variable)
     if not isinstance(gradient, tf.IndexedSlices) or row_step is None:
         ADAM_CLASS.update_step(optimizer, gradient, variable, learning_rate)

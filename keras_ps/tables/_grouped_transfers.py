@@ -18,10 +18,12 @@ What this module does, inside a traced step (`scope`):
   step's gradient tape, so gradients flow to each variable as before.
   `close_reads()` (called when the optimizer starts applying) ends the
   sharing: a variable read after its update reads it again.
-- gradients (`gradients_to_ps`): the dense gradients of one ps' variables
-  are concatenated on the worker and split on the ps, where the optimizer's
-  update of each variable runs (the strategy updates a variable under its
-  device).
+- gradients (`gradients_to_ps`): the dense gradients of one ps' variables,
+  and the gradient rows of its embedding shards, are concatenated on the
+  worker and split on the ps, where the optimizer's update of each variable
+  runs (the strategy updates a variable under its device). A shard's row
+  count is taken on the ps from the rows' indices, which its lookup sent
+  there already.
 
 One difference from one tensor per variable: a grouped variable that the
 loss does not use gets a zero gradient, not none (the split's gradient fills
@@ -135,9 +137,19 @@ def close_reads():
         reads.open = False
 
 
+def _row_gradient(grad, variable):
+    """Whether `grad` is rows of `variable` (a tf.IndexedSlices over axis 0
+    of a ps variable whose rows have a known shape) that can join its ps'
+    one tensor."""
+    return (isinstance(grad, tf.IndexedSlices) and _on_ps(variable)
+            and variable.shape[1:].is_fully_defined())
+
+
 def gradients_to_ps(grads, variables):
-    """`grads` with the dense gradients of each ps' groupable variables moved
-    there as one tensor per (ps, dtype) and split on the ps.
+    """`grads` with the gradients of each ps' variables moved there as one
+    tensor per (ps, dtype) and split on the ps: the dense gradients of its
+    groupable variables, and the rows of its sparse gradients (an embedding
+    shard's), whose indices the ps has already (its lookup sent them).
 
     Args:
         grads: one gradient (or None) per variable.
@@ -150,14 +162,40 @@ def gradients_to_ps(grads, variables):
         if (isinstance(grad, tf.Tensor) and groupable(variable)
                 and grad.shape == variable.shape):
             groups.setdefault((variable.device, grad.dtype), []).append(i)
+        elif _row_gradient(grad, variable):
+            groups.setdefault((variable.device, grad.values.dtype), []).append(i)
     moved = list(grads)
     for (device, _), members in groups.items():
         if len(members) < 2:
             continue
-        flat = tf.concat([tf.reshape(grads[i], [-1]) for i in members], axis=0)
+        flat = tf.concat([tf.reshape(_values(grads[i]), [-1]) for i in members],
+                         axis=0)
         with tf.device(device):
-            pieces = tf.split(
-                flat, [variables[i].shape.num_elements() for i in members])
+            sizes = [_size_on_ps(grads[i], variables[i]) for i in members]
+            if all(isinstance(size, int) for size in sizes):
+                pieces = tf.split(flat, sizes)
+            else:
+                pieces = tf.split(flat, tf.stack(sizes), num=len(sizes))
             for i, piece in zip(members, pieces):
-                moved[i] = tf.reshape(piece, variables[i].shape)
+                moved[i] = _as_before(piece, grads[i], variables[i])
     return moved
+
+
+def _values(grad):
+    return grad.values if isinstance(grad, tf.IndexedSlices) else grad
+
+
+def _size_on_ps(grad, variable):
+    """How many elements `grad` has: static for a dense gradient; for rows,
+    counted on the ps from their indices (which are there already)."""
+    if not isinstance(grad, tf.IndexedSlices):
+        return variable.shape.num_elements()
+    return tf.size(grad.indices) * variable.shape[1:].num_elements()
+
+
+def _as_before(piece, grad, variable):
+    if not isinstance(grad, tf.IndexedSlices):
+        return tf.reshape(piece, variable.shape)
+    shape = tf.concat([tf.shape(grad.indices), variable.shape[1:]], axis=0)
+    return tf.IndexedSlices(tf.reshape(piece, shape), grad.indices,
+                            grad.dense_shape)

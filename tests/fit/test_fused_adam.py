@@ -137,12 +137,12 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
     a_done = threading.Event()
     make_scalars = keras_optimizers._adam_scalars
 
-    def paced(opt, dtype, learning_rate):
+    def paced(opt, dtype, learning_rate, device):
         name = threading.current_thread().name
         if name == "a" and not a_waiting.is_set():
             a_waiting.set()
             assert b_made_scalars.wait(30)
-        scalars = make_scalars(opt, dtype, learning_rate)
+        scalars = make_scalars(opt, dtype, learning_rate, device)
         if name == "b" and not b_made_scalars.is_set():
             b_made_scalars.set()
             assert a_done.wait(30)

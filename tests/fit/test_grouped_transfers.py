@@ -145,3 +145,52 @@ def test_steps_read_the_metrics_once_and_log_what_every_step_would(
         np.testing.assert_allclose(a, b, rtol=1e-6)
     # The skipped results were skipped in the steps only.
     assert packed.get_metrics_result().keys() == {"loss", "accuracy"}
+
+
+def _reads_of(graph, handle_placeholder):
+    """How many ReadVariableOps of the traced graph read the captured
+    variable `handle_placeholder`."""
+    return sum(1 for op in graph.get_operations()
+               if op.type == "ReadVariableOp"
+               and op.inputs[0] is handle_placeholder)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "lazy_adam"])
+def test_an_apply_reads_the_learning_rate_and_the_step_once(
+        sharded_strategy, optimizer):
+    # Keras hands the learning-rate variable to every variable's update, and
+    # Adam and LazyAdam read `iterations` in each: every read is a message
+    # from the ps holding it to the ps of the update. One apply reads each
+    # of them once, whatever the number of weights and ps.
+    with sharded_strategy.scope():
+        weights = [keras.Variable(np.ones(shape, "float32"))
+                   for shape in ((64, 8), (8, 8), (8,), (8, 1), (1,))]
+        opt = (keras_ps.optimizers.LazyAdam(0.1) if optimizer == "lazy_adam"
+               else keras.optimizers.get({"class_name": optimizer,
+                                          "config": {"learning_rate": 0.1}}))
+        opt.build(weights)
+    devices = {w.value.device for w in weights
+               if isinstance(w.value, tf.Variable)}
+    devices |= {s.device for w in weights
+                for s in getattr(w.value, "variables", ())}
+    assert len({d for d in devices if "/job:ps/" in d}) >= 2, devices
+
+    @tf.function
+    def apply():
+        opt.apply([tf.ones(w.shape) for w in weights], weights)
+
+    graph = apply.get_concrete_function().graph
+    inner = {id(outer): inner for outer, inner in graph.captures}
+
+    def placeholder(variable):
+        handle = getattr(variable, "handle", None)
+        if handle is None:  # a Keras variable
+            handle = variable.value.handle
+        return inner[id(handle)]
+
+    assert _reads_of(graph, placeholder(opt._learning_rate)) == 1
+    if optimizer != "adagrad":
+        assert _reads_of(graph, placeholder(opt.iterations)) == 1
+    apply()  # and it runs
+    assert int(opt.iterations.numpy()) == 1
