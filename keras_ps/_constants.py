@@ -49,11 +49,13 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # The largest `steps_per_execution` whose steps a scheduled training or
 # evaluation function writes out one after another instead of running them in
 # a tf.while_loop (0: always the loop). A loop whose body reads and updates
-# variables on the ps costs more per step than the same steps written out
-# (benchmarks/step_breakdown.py); written out, the first call of each function
-# on a worker takes longer (a larger graph to trace and instantiate).
+# variables on the ps sends, at every step, the loop's condition and a
+# control signal to each ps and one back from it (benchmarks/step_messages.py):
+# written out, a step moves only its data. Written out, the first call of each
+# function on a worker takes longer (a larger graph to trace and instantiate),
+# which is why larger counts keep the loop.
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 0
+DEFAULT_UNROLL_STEPS = 10
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most

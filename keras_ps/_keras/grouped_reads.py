@@ -118,6 +118,13 @@ def install():
     hooks.wrap(TRAINER_BASE_CLASS, "get_metrics_result", _results_unless_skipped)
 
 
+def steps_in_a_loop(model):
+    """Whether a layer of `model` needs a function's steps in a
+    tf.while_loop, not written out (`keras_ps_steps_in_a_loop`)."""
+    return any(getattr(layer, "keras_ps_steps_in_a_loop", False)
+               for layer in model._flatten_layers())
+
+
 def step_variables(model, step_name):
     """The tf.Variables whose reads `model.<step_name>` groups: its trainable
     weights on a ps of at most GROUPED_TRANSFER_MAX_ELEMENTS elements, but

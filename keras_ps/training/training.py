@@ -64,7 +64,8 @@ class _StepFunctions:
 
     def _multi_step(self, count):
         model_ref, step_name = self._model, self._step_name
-        unrolled = count <= self._unroll
+        unrolled = (count <= self._unroll
+                    and not grouped_reads.steps_in_a_loop(model_ref()))
 
         def multi_step(iterator):
             model = model_ref()

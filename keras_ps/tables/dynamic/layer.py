@@ -84,6 +84,13 @@ class DynamicEmbedding(keras.layers.Layer):
     ```
     """
 
+    # Each training step takes every shard's lock (a tf.CriticalSection on
+    # its ps). Several steps written out in one function (see
+    # KERAS_PS_UNROLL_STEPS) hang on those locks, so a model with this layer
+    # runs its steps in a tf.while_loop, one lock per iteration.
+    keras_ps_steps_in_a_loop = True
+
+
     def __init__(self, output_dim, capacity, key_dtype="int64", min_count=1,
                  max_age=None, evict_lru=True, default_row="zeros",
                  embeddings_initializer="uniform", filter_size=1 << 20,
