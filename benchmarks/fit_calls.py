@@ -42,14 +42,13 @@ from fit_large_tables import dataset_fn_for  # noqa: E402
 from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
-           "keras_ps_adagrad_looped", "keras_ps_lazyadam_looped",
-           "keras_ps_adagrad_ungrouped", "keras_ps_adagrad_ungrouped_looped")
-# A system named "<system>_looped" is <system> with its steps_per_execution
-# steps run in a tf.while_loop instead of written out (KERAS_PS_UNROLL_STEPS=0;
-# written out is the default up to 10 steps); "<system>_ungrouped" moves one
-# tensor per variable between processes instead of one per ps
-# (KERAS_PS_GROUP_TRANSFERS=0).
-LOOPED = "_looped"
+           "keras_ps_adagrad_unrolled", "keras_ps_adagrad_ungrouped",
+           "keras_ps_adagrad_ungrouped_unrolled")
+# A system named "<system>_unrolled" is <system> with its steps_per_execution
+# steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
+# "<system>_ungrouped" moves one tensor per variable between processes
+# instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
+UNROLLED = "_unrolled"
 UNGROUPED = "_ungrouped"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
@@ -69,10 +68,10 @@ def build(system, rows, metrics=("accuracy",)):
     strategy, the DatasetCreator and the Keras module in use; every
     benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
-    base = system.removesuffix(LOOPED)
+    base = system.removesuffix(UNROLLED)
     optimizer_name = base.removesuffix(UNGROUPED).rsplit("_", 1)[1]
-    if system.endswith(LOOPED):
-        os.environ["KERAS_PS_UNROLL_STEPS"] = "0"
+    if system.endswith(UNROLLED):
+        os.environ["KERAS_PS_UNROLL_STEPS"] = str(STEPS_PER_EXECUTION)
     if base.endswith(UNGROUPED):
         os.environ["KERAS_PS_GROUP_TRANSFERS"] = "0"
     if native:

@@ -140,7 +140,12 @@ def test_unseen_ids_get_rows_and_train_custom_loop(key_dtype, strategy,
     assert _stats(table)["live"] == distinct
 
 
-def test_fit_with_string_keys(strategy):
+@pytest.mark.parametrize("unroll", ["0", "2"], ids=["loop", "unroll_knob"])
+def test_fit_with_string_keys(strategy, monkeypatch, unroll):
+    # With KERAS_PS_UNROLL_STEPS, the steps of a function are written out,
+    # but not with this layer: written out, its steps hang on the shards'
+    # locks (the "unroll_knob" case hung until the timeout before).
+    monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
     model, table = _id_model(strategy, key_dtype="string",
                              default_row="trainable")
     model.compile(keras.optimizers.Adagrad(0.5), "mse", steps_per_execution=2)
