@@ -42,7 +42,8 @@ from fit_large_tables import dataset_fn_for  # noqa: E402
 from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
-           "keras_ps_adagrad_unrolled", "keras_ps_adagrad_ungrouped",
+           "keras_ps_adagrad_unrolled", "keras_ps_lazyadam_unrolled",
+           "keras_ps_adagrad_ungrouped",
            "keras_ps_adagrad_ungrouped_unrolled")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
