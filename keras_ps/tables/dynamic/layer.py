@@ -90,7 +90,6 @@ class DynamicEmbedding(keras.layers.Layer):
     # runs its steps in a tf.while_loop, one lock per iteration.
     keras_ps_steps_in_a_loop = True
 
-
     def __init__(self, output_dim, capacity, key_dtype="int64", min_count=1,
                  max_age=None, evict_lru=True, default_row="zeros",
                  embeddings_initializer="uniform", filter_size=1 << 20,
