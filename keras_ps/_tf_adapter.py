@@ -283,3 +283,26 @@ def run_independently(op):
 def add_control_input(op, control):
     """Makes `op`, already in its graph, run after `control`."""
     op._add_control_input(control)  # pylint: disable=protected-access
+
+
+# -- A gradient given by hand (keras_ps.tables._grouped_transfers) -------------
+# Missing public API: `tf.custom_gradient` passes its inputs through an
+# IdentityN made where it is called (the worker), so a ps tensor given to it
+# would cross to the worker only to carry the gradient. These record ops on
+# the active gradient tapes directly, as `tf.custom_gradient` does inside.
+def _record():
+    from tensorflow.python.eager import record
+
+    return record
+
+
+def stop_recording():
+    """No gradient tape records the ops made inside."""
+    return _record().stop_recording()
+
+
+def record_operation(op_type, outputs, inputs, backward):
+    """Records on every active gradient tape one op from `inputs` to
+    `outputs` whose gradient is `backward(*output_gradients)` (one gradient
+    per input)."""
+    _record().record_operation(op_type, outputs, inputs, backward)

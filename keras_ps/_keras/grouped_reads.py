@@ -14,7 +14,8 @@ for other weights, Keras' own read runs, as it does for a weight's Python
 operators (`kernel * 2` reads the weight on its own: correct, not grouped).
 
 A second section lets the step functions read the metrics' results once per
-function instead of once per step.
+function instead of once per step; a third sends a step's metric additions
+once per ps.
 """
 
 import contextlib
@@ -26,7 +27,9 @@ import tensorflow as tf
 from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import trainer as tf_trainer
+from keras.src.metrics import reduction_metrics
 from keras.src.optimizers import base_optimizer
+from keras.src.trainers import compile_utils
 from keras.src.trainers import trainer as trainer_lib
 
 from keras_ps.tables import _grouped_transfers
@@ -80,6 +83,8 @@ def _results_unless_skipped(keras_get_metrics_result):
     def get_metrics_result(self):
         if getattr(_skip, "on", False):
             return {}
+        # The step's held additions first (see metric_adds_held).
+        _grouped_transfers.flush_adds()
         return keras_get_metrics_result(self)
 
     return get_metrics_result
@@ -110,6 +115,48 @@ def logs_are_metric_results(model, step_name):
             is TRAINER_BASE_CLASS.compute_metrics
             and getattr(model.get_metrics_result, "__func__", None)
             is TRAINER_BASE_CLASS.get_metrics_result)
+
+
+# -- Section: a step's metric additions sent once per ps ---------------------
+# Missing public API: Keras' metrics add to their variables one
+# `assign_add` at a time (a loss's total and count, each accuracy's), each a
+# tensor sent from the worker to the metric's ps. Keras' Sum and Mean (and
+# MeanMetricWrapper, the class of every compiled metric given by name such as
+# "accuracy", and of the loss trackers) only add in `update_state` and read
+# their variables only in `result()`. For those, while Keras' own step runs
+# and returns `get_metrics_result()` (so nothing else reads a result in the
+# step), the additions are held and sent once per ps
+# (keras_ps.tables._grouped_transfers.adds_deferred); reading the results
+# makes the held ones first.
+ADDING_UPDATES = (reduction_metrics.Sum.update_state,
+                  reduction_metrics.Mean.update_state,
+                  reduction_metrics.MeanMetricWrapper.update_state)
+METRIC_CONTAINER_CLASSES = (compile_utils.CompileMetrics,)
+
+
+def _adding_metric_variables(model):
+    """ids of the tf.Variables of `model`'s metrics whose update only adds."""
+    found = set()
+    pending = list(model.metrics)
+    while pending:
+        metric = pending.pop()
+        if isinstance(metric, METRIC_CONTAINER_CLASSES):
+            pending.extend(metric.metrics)
+        elif getattr(type(metric), "update_state", None) in ADDING_UPDATES:
+            found.update(id(getattr(v, "_value", v)) for v in metric.variables)
+    return found
+
+
+def metric_adds_held(model, step_name):
+    """Holds the metric additions of `model.<step_name>` traced inside (one
+    transfer per ps at the end; see the section comment): for Keras' own
+    step whose logs are the metrics' results, with grouped transfers on.
+    Otherwise a block that changes nothing."""
+    if not (_grouped_transfers.enabled()
+            and logs_are_metric_results(model, step_name)):
+        return contextlib.nullcontext()
+    return _grouped_transfers.adds_deferred(
+        lambda variable: id(variable) in _adding_metric_variables(model))
 
 
 def install():

@@ -102,24 +102,31 @@ def _next_step(optimizer):
 
 
 def _adam_scalars(optimizer, dtype, learning_rate, device):
-    """(beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step, as `dtype`,
-    for an update on `device`.
+    """(t, beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step for an
+    update on `device`: t (`iterations + 1`) as int64, the others as `dtype`.
 
     Made once per `apply` as one tensor, where the first update runs, and
-    split again on each other device: one message per ps, not six scalars
-    (each a message between processes) per variable."""
+    split again on each other device: one message per ps, not seven scalars
+    (each a message between processes) per variable. The tensor is float64,
+    which holds t exactly up to 2^53 and a value of `dtype` exactly; the
+    powers are taken in `dtype`, as Keras' Adam does."""
     def pack():
-        step = tf.cast(_next_step(optimizer), dtype)
+        step = _next_step(optimizer)
+        t = tf.cast(step, dtype)
         beta_1 = tf.cast(optimizer.beta_1, dtype)
         beta_2 = tf.cast(optimizer.beta_2, dtype)
-        return tf.stack([tf.pow(beta_1, step), tf.pow(beta_2, step),
-                         tf.cast(learning_rate, dtype), beta_1, beta_2,
-                         tf.cast(optimizer.epsilon, dtype)])
+        values = [tf.pow(beta_1, t), tf.pow(beta_2, t),
+                  tf.cast(learning_rate, dtype), beta_1, beta_2,
+                  tf.cast(optimizer.epsilon, dtype)]
+        return tf.stack([tf.cast(step, tf.float64)]
+                        + [tf.cast(value, tf.float64) for value in values])
 
     def unpack():
         packed = _cached(optimizer, ("adam", dtype), pack)
         with tf.device(device):
-            return tuple(tf.unstack(packed))
+            parts = tf.unstack(packed)
+            return ((tf.cast(parts[0], tf.int64),)
+                    + tuple(tf.cast(part, dtype) for part in parts[1:]))
 
     return _cached(optimizer, ("adam", dtype, device), unpack)
 
@@ -178,7 +185,7 @@ def _fused_adam_update_step(keras_update_step):
         # alpha = lr * sqrt(1 - b2^t) / (1 - b1^t); m += (g - m)(1 - b1);
         # v += (g^2 - v)(1 - b2); var -= m * alpha / (sqrt(v) + epsilon).
         with tf.device(inner.device):
-            beta1_power, beta2_power, lr, beta_1, beta_2, epsilon = \
+            _, beta1_power, beta2_power, lr, beta_1, beta_2, epsilon = \
                 _adam_scalars(self, dtype, learning_rate, inner.device)
             tf.raw_ops.ResourceApplyAdam(
                 var=inner.handle,
@@ -405,14 +412,16 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
     """LazyAdam's update of one variable; see keras_ps.optimizers.LazyAdam."""
     index = optimizer._get_variable_index(variable)
     row_step = row_steps[index]
-    step = _next_step(optimizer)
     inner = _tf_variable(variable)
     if not isinstance(gradient, tf.IndexedSlices) or row_step is None:
         ADAM_CLASS.update_step(optimizer, gradient, variable, learning_rate)
         if row_step is not None:
             # Every row was updated at this step.
-            _tf_variable(row_step).assign(
-                tf.fill(tf.shape(_tf_variable(row_step)), tf.cast(step, tf.int64)))
+            with tf.device(inner.device):
+                step = _adam_scalars(optimizer, inner.dtype, learning_rate,
+                                     inner.device)[0]
+                _tf_variable(row_step).assign(
+                    tf.fill(tf.shape(_tf_variable(row_step)), step))
         _dirty_rows.mark_all(inner)
         return
     if uses_weight_decay(optimizer, inner):
@@ -422,6 +431,11 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
             f"weight_decay={optimizer.weight_decay}. Exclude the table before "
             "the optimizer is built, e.g. optimizer.exclude_from_weight_decay("
             "var_names=['embeddings']), or use keras.optimizers.AdamW (dense).")
+    # The step and the learning rate arrive with Adam's other scalars: one
+    # message to this ps for the whole apply.
+    with tf.device(inner.device):
+        step, _, _, learning_rate, _, _, _ = _adam_scalars(
+            optimizer, inner.dtype, learning_rate, inner.device)
     _rowwise.lazy_adam(
         inner, slot(optimizer, "_momentums", variable),
         slot(optimizer, "_velocities", variable), _tf_variable(row_step),

@@ -18,6 +18,15 @@ What this module does, inside a traced step (`scope`):
   step's gradient tape, so gradients flow to each variable as before.
   `close_reads()` (called when the optimizer starts applying) ends the
   sharing: a variable read after its update reads it again.
+- rows (`gather_rows`): an embedding shard's rows gathered on its ps ride in
+  the same one tensor as that ps' group, when the lookup comes before the
+  group's first read in the step (the usual order: the embedding comes
+  first). The worker splits the rows off by their count, which it knows from
+  the ids it sent.
+- additions (`adds_deferred`): a step's `assign_add`s to chosen variables (the
+  metrics' totals and counts) are held until `flush_adds()` (the step's end,
+  or the metrics' results being read) and then sent as one tensor per
+  (ps, dtype), added on the ps one variable at a time.
 - gradients (`gradients_to_ps`): the dense gradients of one ps' variables,
   and the gradient rows of its embedding shards, are concatenated on the
   worker and split on the ps, where the optimizer's update of each variable
@@ -38,6 +47,7 @@ import threading
 import tensorflow as tf
 
 from keras_ps import _constants
+from keras_ps import _tf_adapter
 
 _local = threading.local()
 
@@ -71,7 +81,9 @@ class _StepReads:
         # A group of one would move the same one tensor.
         self._groups = [group for group in groups.values() if len(group) > 1]
         self._where = {}
+        self._by_ps = {}  # (device, dtype) -> group index
         for g, group in enumerate(self._groups):
+            self._by_ps[(group[0].device, group[0].dtype)] = g
             for i, variable in enumerate(group):
                 self._where[id(variable)] = (g, i)
         self._pieces = {}  # (graph, group index) -> one tensor per variable
@@ -93,6 +105,41 @@ class _StepReads:
         if pieces is None:
             pieces = self._pieces[key] = _read_group(self._groups[where[0]])
         return pieces[where[1]]
+
+    def gather_with_group(self, table, rows):
+        """Rows `rows` of tf.Variable `table`, moved from its ps in one
+        tensor with the group of the same ps and dtype, which is read now
+        (its later reads in this graph take their piece). None when there
+        is no such group, or it was read already in this graph."""
+        if not self.open or tf.executing_eagerly():
+            return None
+        g = self._by_ps.get((table.device, table.dtype))
+        row_shape = table.shape[1:]
+        key = (tf.compat.v1.get_default_graph(), g)
+        if g is None or key in self._pieces or not row_shape.is_fully_defined():
+            return None
+        group = self._groups[g]
+        with tf.device(table.device):
+            gathered = tf.gather(table, rows)
+            values = [v.read_value() for v in group]
+        # The pieces' gradients are those of the rows and values they carry;
+        # TF's own gradients of the concat and split would take the shapes of
+        # the ps' tensors, moving them to the worker to get them.
+        with _tf_adapter.stop_recording():
+            with tf.device(table.device):
+                flat = tf.concat([tf.reshape(t, [-1]) for t in [gathered] + values],
+                                 axis=0)
+            sizes = tf.stack([tf.size(rows) * row_shape.num_elements()]
+                             + [v.shape.num_elements() for v in group])
+            pieces = tf.split(flat, sizes, num=len(group) + 1)
+            own_rows = tf.reshape(pieces[0], [-1] + row_shape.as_list())
+            own_values = [tf.reshape(piece, v.shape)
+                          for piece, v in zip(pieces[1:], group)]
+        _tf_adapter.record_operation(
+            "KerasPsRowsWithGroup", [own_rows] + own_values,
+            [gathered] + values, lambda *grads: list(grads))
+        self._pieces[key] = own_values
+        return own_rows
 
 
 def _read_group(group):
@@ -129,12 +176,93 @@ def read_value(variable):
     return variable.read_value() if grouped is None else grouped
 
 
+def gather_rows(table, rows):
+    """`tf.gather(table, rows)` run on tf.Variable `table`'s ps, the rows
+    moved with its ps' grouped reads when the step has some (see the module
+    docstring)."""
+    reads = getattr(_local, "reads", None)
+    if reads is not None:
+        gathered = reads.gather_with_group(table, rows)
+        if gathered is not None:
+            return gathered
+    with tf.device(table.device):
+        return tf.gather(table, rows)
+
+
 def close_reads():
     """Ends the sharing of grouped reads in the current step: the optimizer
     is about to write the variables."""
     reads = getattr(_local, "reads", None)
     if reads is not None:
         reads.open = False
+
+
+class _DeferredAdds:
+    """The held `assign_add`s of one step (see `adds_deferred`)."""
+
+    def __init__(self, chosen):
+        self.chosen = chosen
+        self.graph = tf.compat.v1.get_default_graph()
+        self.adds = []  # (tf.Variable, value)
+
+
+@contextlib.contextmanager
+def adds_deferred(chosen):
+    """Holds the `assign_add`s of tf.Variables for which `chosen(variable)`
+    is true, made in the traced step inside, until `flush_adds()`; the held
+    ones are made when the block ends. Additions inside nested graphs (a cond
+    branch, a loop body of their own) are not held: they could not be made
+    after them. Inside a block of the same graph, the outer block holds
+    them."""
+    previous = getattr(_local, "adds", None)
+    if previous is not None and \
+            previous.graph is tf.compat.v1.get_default_graph():
+        yield
+        return
+    _local.adds = None if tf.executing_eagerly() else _DeferredAdds(chosen)
+    try:
+        yield
+        flush_adds()
+    finally:
+        _local.adds = previous
+
+
+def defer_add(variable, value):
+    """Holds `variable.assign_add(value)` if an `adds_deferred` block chose
+    `variable`; returns whether it did."""
+    held = getattr(_local, "adds", None)
+    if (held is None or variable.dtype != value.dtype
+            or not _on_ps(variable) or not variable.shape.is_fully_defined()
+            or value.shape != variable.shape
+            or tf.compat.v1.get_default_graph() is not held.graph
+            or not held.chosen(variable)):
+        return False
+    held.adds.append((variable, value))
+    return True
+
+
+def flush_adds():
+    """Makes the held additions: one tensor per (ps, dtype) crosses, split
+    and added where the variables live."""
+    held = getattr(_local, "adds", None)
+    if held is None or not held.adds:
+        return
+    adds, held.adds = held.adds, []
+    groups = {}
+    for variable, value in adds:
+        groups.setdefault((variable.device, variable.dtype), []).append(
+            (variable, value))
+    for (device, _), members in groups.items():
+        if len(members) == 1:
+            variable, value = members[0]
+            variable.assign_add(value)
+            continue
+        flat = tf.concat([tf.reshape(value, [-1]) for _, value in members],
+                         axis=0)
+        with tf.device(device):
+            pieces = tf.split(flat, [v.shape.num_elements() for v, _ in members])
+            for (variable, _), piece in zip(members, pieces):
+                variable.assign_add(tf.reshape(piece, variable.shape))
 
 
 def _row_gradient(grad, variable):

@@ -25,6 +25,7 @@ import threading
 import keras
 import tensorflow as tf
 
+from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import partitioners as partitioners_lib
 from keras_ps.tables.sharded_variable import ShardedVariable
 
@@ -353,8 +354,7 @@ def take_rows(table, indices):
         return table.embedding_lookup(indices)
     flat = tf.reshape(indices, [-1])
     unique, position = tf.unique(flat)
-    with tf.device(table.device):
-        gathered = tf.gather(table, unique)
+    gathered = _grouped_transfers.gather_rows(table, unique)
     gathered = tf.gather(gathered, position)
     return tf.reshape(gathered, tf.concat(
         [tf.shape(indices), tf.shape(gathered)[1:]], 0))

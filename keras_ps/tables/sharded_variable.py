@@ -313,8 +313,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         for v, rows in zip(self._parts()[0], locals_):
             # Each shard's rows are distinct: its gradient needs no summing.
             _rowwise.mark_distinct(rows)
-            with tf.device(v.device):
-                parts.append(tf.gather(v, rows))
+            parts.append(_grouped_transfers.gather_rows(v, rows))
         gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
         return tf.reshape(gathered, tf.concat(
             [tf.shape(ids), tf.shape(gathered)[1:]], 0))

@@ -73,14 +73,16 @@ class _StepFunctions:
             model_step = getattr(model, step_name)
 
             def step(batch):
-                # Each step reads its ps' small weights in one transfer per ps.
-                with _grouped_transfers.scope(grouped):
+                # Each step reads its ps' small weights in one transfer per
+                # ps, and sends its metric additions in one.
+                with _grouped_transfers.scope(grouped), \
+                        grouped_reads.metric_adds_held(model, step_name):
                     return model_step(batch)
 
             if count > 1 and grouped_reads.logs_are_metric_results(
                     model, step_name):
-                return _steps_then_results(model, step, iterator, count,
-                                           unrolled)
+                return _steps_then_results(model, step_name, step, iterator,
+                                           count, unrolled)
             logs = step(next(iterator))
             if count > 1 and unrolled:
                 # Written out: automatic control dependencies keep every
@@ -98,7 +100,7 @@ class _StepFunctions:
         return multi_step
 
 
-def _steps_then_results(model, step, iterator, count, unrolled):
+def _steps_then_results(model, step_name, step, iterator, count, unrolled):
     """`count` steps, then the metrics' results: Keras' step logs are those
     results, and only the last step's are returned, so the steps skip
     reading them (a read of each metric's variables on the ps per step)."""
@@ -108,9 +110,11 @@ def _steps_then_results(model, step, iterator, count, unrolled):
 
     if unrolled:
         # Automatic control dependencies keep every step's reads and updates
-        # in the order written.
-        for _ in range(count):
-            quiet_step()
+        # in the order written. The steps' metric additions are held until
+        # the last one: one transfer per ps for the whole function.
+        with grouped_reads.metric_adds_held(model, step_name):
+            for _ in range(count):
+                quiet_step()
     else:
         def body(i):
             quiet_step()

@@ -59,13 +59,31 @@ class _Spy:
     """Records what the step's traces grouped (the real functions run)."""
 
     def __init__(self, monkeypatch):
-        self.read_groups, self.moved = [], []
+        self.read_groups, self.moved, self.held = [], [], []
+        self.rows_with_group = []
         read_group, to_ps = (_grouped_transfers._read_group,
                              _grouped_transfers.gradients_to_ps)
+        with_group = _grouped_transfers._StepReads.gather_with_group
+        defer_add = _grouped_transfers.defer_add
 
         def spy_read_group(group):
             self.read_groups.append([v.device for v in group])
             return read_group(group)
+
+        def spy_with_group(reads, table, rows):
+            gathered = with_group(reads, table, rows)
+            if gathered is not None:
+                # The group read with these rows: the table's ps' last read.
+                group = reads._groups[reads._by_ps[(table.device, table.dtype)]]
+                self.read_groups.append([table.device] + [v.device for v in group])
+                self.rows_with_group.append(table.device)
+            return gathered
+
+        def spy_defer_add(variable, value):
+            held = defer_add(variable, value)
+            if held:
+                self.held.append(variable.device)
+            return held
 
         def spy_to_ps(grads, variables):
             moved = to_ps(grads, variables)
@@ -75,6 +93,9 @@ class _Spy:
             return moved
 
         monkeypatch.setattr(_grouped_transfers, "_read_group", spy_read_group)
+        monkeypatch.setattr(_grouped_transfers._StepReads, "gather_with_group",
+                            spy_with_group)
+        monkeypatch.setattr(_grouped_transfers, "defer_add", spy_defer_add)
         monkeypatch.setattr(_grouped_transfers, "gradients_to_ps", spy_to_ps)
 
 
@@ -86,15 +107,22 @@ def test_grouped_steps_train_as_one_tensor_per_weight(
     on = sharded_strategy if sharded else strategy
     spy = _Spy(monkeypatch)
     plain = _fit(on, optimizer, monkeypatch, "0")
-    assert spy.read_groups == [] and spy.moved == []
+    assert spy.read_groups == [] and spy.moved == [] and spy.held == []
     grouped = _fit(on, optimizer, monkeypatch, "1")
 
-    # Grouping happened: reads of several weights from one ps at once (never
-    # the embedding table), and gradients split on their ps.
+    # Grouping happened: reads of several weights from one ps at once (and
+    # the embedding's rows with them), gradients split on their ps, and the
+    # metrics' additions held for one transfer.
     assert spy.read_groups, "no read was grouped"
     for devices in spy.read_groups:
         assert len(devices) >= 2 and len(set(devices)) == 1, devices
     assert spy.moved, "no gradient was grouped"
+    # loss total and count, accuracy total and count: each step's, in train
+    # and evaluate.
+    assert len(spy.held) >= 4, spy.held
+    if sharded:
+        # Each ps holds a table shard and MLP shards: its rows ride with them.
+        assert len(set(spy.rows_with_group)) == 2, spy.rows_with_group
     for variable_device, grad_device in spy.moved:
         assert grad_device == variable_device, (grad_device, variable_device)
 
