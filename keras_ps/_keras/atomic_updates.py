@@ -36,7 +36,13 @@ def _atomic_update(name):
             if in_stateless_scope() or not on_parameter_server(self):
                 return keras_method(self, value)
             inner = self._value
-            value = tf.cast(self._convert_to_tensor(value), inner.dtype)
+            if tf.is_tensor(value):
+                value = tf.cast(value, inner.dtype)
+            else:
+                # A constant (`iterations.assign_add(1)`) made on the
+                # variable's ps: no message from the worker at each step.
+                with tf.device(inner.device):
+                    value = tf.cast(self._convert_to_tensor(value), inner.dtype)
             if name == "assign_add" and _grouped_transfers.defer_add(inner, value):
                 # Made with others of its ps at the step's end.
                 return value

@@ -222,3 +222,29 @@ def test_an_apply_reads_the_learning_rate_and_the_step_once(
         assert _reads_of(graph, placeholder(opt.iterations)) == 1
     apply()  # and it runs
     assert int(opt.iterations.numpy()) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_constant_added_to_a_ps_variable_is_made_on_that_ps(strategy):
+    # `optimizer.iterations.assign_add(1)` at every step: a constant made on
+    # the worker would be a message to the ps per step (inside the steps'
+    # loop TF does not fold it away).
+    with strategy.scope():
+        counter = keras.Variable(0, dtype="int64", trainable=False)
+    device = counter.value.device
+    assert "/job:ps/" in device
+
+    @tf.function
+    def add():
+        counter.assign_add(1)
+
+    graph = add.get_concrete_function().graph
+    adds = [op for op in graph.get_operations()
+            if op.type == "AssignAddVariableOp"]
+    assert len(adds) == 1
+    value_op = adds[0].inputs[1].op
+    assert tf.DeviceSpec.from_string(value_op.device) == \
+        tf.DeviceSpec.from_string(device), (value_op.type, value_op.device)
+    add()
+    add()
+    assert int(counter.numpy()) == 2
