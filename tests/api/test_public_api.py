@@ -46,6 +46,15 @@ def test_tf_internals_still_exist():
     assert total.numpy() == 3
     _tf_adapter.clear_executor_error(executor)
     assert _tf_adapter.inside_function() is False
+    # A gradient given by hand: the op made inside stop_recording has none
+    # of its own; the recorded one's is the given function.
+    x = tf.constant(2.0)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        with _tf_adapter.stop_recording():
+            y = x * 3.0
+        _tf_adapter.record_operation("Test", [y], [x], lambda dy: [dy * 5.0])
+    assert tape.gradient(y, x).numpy() == 5.0
 
 
 def test_tf_internals_of_ps_recovery_still_exist():
