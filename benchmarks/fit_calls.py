@@ -44,9 +44,11 @@ from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_unrolled", "keras_ps_lazyadam_unrolled",
            "keras_ps_adagrad_ungrouped",
-           "keras_ps_adagrad_ungrouped_unrolled")
+           "keras_ps_adagrad_ungrouped_unrolled", "keras_ps_adagrad_unrolled2",
+           "keras_ps_adagrad_unrolled3", "keras_ps_adagrad_unrolled5")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
+# "<system>_unrolled<K>" writes out K steps in each iteration of the loop;
 # "<system>_ungrouped" moves one tensor per variable between processes
 # instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
 UNROLLED = "_unrolled"
@@ -69,10 +71,11 @@ def build(system, rows, metrics=("accuracy",)):
     strategy, the DatasetCreator and the Keras module in use; every
     benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
-    base = system.removesuffix(UNROLLED)
+    base, unrolled, per_iteration = system.partition(UNROLLED)
     optimizer_name = base.removesuffix(UNGROUPED).rsplit("_", 1)[1]
-    if system.endswith(UNROLLED):
-        os.environ["KERAS_PS_UNROLL_STEPS"] = str(STEPS_PER_EXECUTION)
+    if unrolled:
+        os.environ["KERAS_PS_UNROLL_STEPS"] = per_iteration or str(
+            STEPS_PER_EXECUTION)
     if base.endswith(UNGROUPED):
         os.environ["KERAS_PS_GROUP_TRANSFERS"] = "0"
     if native:

@@ -46,17 +46,21 @@ DEFAULT_NO_WORKER_TIMEOUT = 0.0
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"
 DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 
-# The largest `steps_per_execution` whose steps a scheduled training or
-# evaluation function writes out one after another instead of running them in
-# a tf.while_loop (0: always the loop). A loop whose body reads and updates
-# variables on the ps sends, at every step, the loop's condition and a
-# control signal to each ps and one back from it (benchmarks/step_messages.py):
-# written out, a step moves only its data. Written out, the first call of each
-# function on a worker takes longer (a larger graph to trace and instantiate),
-# which is why larger counts keep the loop. Off by default: a process' first
-# fit of a new model traces and instantiates the larger graph (5.0 s against
-# 2.2 s for the benchmarks' model; test runs that build many small models took
-# 1.45x as long), and most users call fit in short jobs.
+# How many steps of a scheduled training or evaluation function are written
+# out one after another in each iteration of its tf.while_loop (0 or 1: one
+# step an iteration). A loop whose body reads and updates variables on the ps
+# sends, at every iteration, the loop's condition and a control signal to
+# each ps and one back from it (benchmarks/step_messages.py): K steps an
+# iteration pay them once per K steps. With K at least the function's step
+# count there is no loop. Keras' own train_step / test_step write out K an
+# iteration and the rest after the loop; a custom step whose logs are not the
+# metrics' results writes out all of them when they are at most K, else
+# loops. Written out, the first call of each function on a worker takes
+# longer (a larger graph to trace and instantiate). Off by default: a
+# process' first fit of a new model traces and instantiates the larger graph
+# (5.0 s against 2.2 s for the benchmarks' model with K = 10; test runs that
+# build many small models took 1.45x as long), and most users call fit in
+# short jobs.
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
 DEFAULT_UNROLL_STEPS = 0
 

@@ -167,8 +167,11 @@ def assign_rows(variable, first, ids, rows, contained):
             return
         if not contained:
             last = first + int(variable.shape[0])
-            keep = tf.logical_and(ids >= first, ids < last)
-            ids, rows = tf.boolean_mask(ids, keep), tf.boolean_mask(rows, keep)
+            # Where and gather, not tf.boolean_mask: the same rows from 3
+            # ops instead of 10 per tensor, traced once per file restored.
+            kept = tf.reshape(tf.where(
+                tf.logical_and(ids >= first, ids < last)), [-1])
+            ids, rows = tf.gather(ids, kept), tf.gather(rows, kept)
         tf.raw_ops.ResourceScatterUpdate(
             resource=variable.handle, indices=ids - first,
             updates=tf.cast(rows, variable.dtype))

@@ -127,11 +127,9 @@ class _StepReads:
         # the ps' tensors, moving them to the worker to get them.
         with _tf_adapter.stop_recording():
             with tf.device(table.device):
-                flat = tf.concat([tf.reshape(t, [-1]) for t in [gathered] + values],
-                                 axis=0)
-            sizes = tf.stack([tf.size(rows) * row_shape.num_elements()]
-                             + [v.shape.num_elements() for v in group])
-            pieces = tf.split(flat, sizes, num=len(group) + 1)
+                flat = _joined([gathered] + values)
+            pieces = _split(flat, [tf.size(rows) * row_shape.num_elements()]
+                            + [v.shape.num_elements() for v in group])
             own_rows = tf.reshape(pieces[0], [-1] + row_shape.as_list())
             own_values = [tf.reshape(piece, v.shape)
                           for piece, v in zip(pieces[1:], group)]
@@ -144,10 +142,9 @@ class _StepReads:
 
 def _read_group(group):
     with tf.device(group[0].device):
-        flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in group],
-                         axis=0)
+        flat = _joined([v.read_value() for v in group])
     # Split where the step runs: one tensor crosses.
-    pieces = tf.split(flat, [v.shape.num_elements() for v in group])
+    pieces = _split(flat, [v.shape.num_elements() for v in group])
     return [tf.reshape(piece, v.shape) for piece, v in zip(pieces, group)]
 
 
@@ -257,10 +254,9 @@ def flush_adds():
             variable, value = members[0]
             variable.assign_add(value)
             continue
-        flat = tf.concat([tf.reshape(value, [-1]) for _, value in members],
-                         axis=0)
+        flat = _joined([value for _, value in members])
         with tf.device(device):
-            pieces = tf.split(flat, [v.shape.num_elements() for v, _ in members])
+            pieces = _split(flat, [v.shape.num_elements() for v, _ in members])
             for (variable, _), piece in zip(members, pieces):
                 variable.assign_add(tf.reshape(piece, variable.shape))
 
@@ -296,17 +292,27 @@ def gradients_to_ps(grads, variables):
     for (device, _), members in groups.items():
         if len(members) < 2:
             continue
-        flat = tf.concat([tf.reshape(_values(grads[i]), [-1]) for i in members],
-                         axis=0)
+        flat = _joined([_values(grads[i]) for i in members])
         with tf.device(device):
-            sizes = [_size_on_ps(grads[i], variables[i]) for i in members]
-            if all(isinstance(size, int) for size in sizes):
-                pieces = tf.split(flat, sizes)
-            else:
-                pieces = tf.split(flat, tf.stack(sizes), num=len(sizes))
+            pieces = _split(flat, [_size_on_ps(grads[i], variables[i])
+                                   for i in members])
             for i, piece in zip(members, pieces):
                 moved[i] = _as_before(piece, grads[i], variables[i])
     return moved
+
+
+def _joined(tensors):
+    """`tensors` flattened and concatenated: the one tensor that crosses.
+    Made on the device around the call."""
+    return tf.concat([tf.reshape(t, [-1]) for t in tensors], axis=0)
+
+
+def _split(flat, sizes):
+    """`flat` cut into pieces of `sizes` elements (ints, or scalar tensors
+    known only when the step runs), on the device around the call."""
+    if all(isinstance(size, int) for size in sizes):
+        return tf.split(flat, sizes)
+    return tf.split(flat, tf.stack(sizes), num=len(sizes))
 
 
 def _values(grad):

@@ -64,8 +64,10 @@ class _StepFunctions:
 
     def _multi_step(self, count):
         model_ref, step_name = self._model, self._step_name
-        unrolled = (count <= self._unroll
-                    and not grouped_reads.steps_in_a_loop(model_ref()))
+        in_a_loop = grouped_reads.steps_in_a_loop(model_ref())
+        unrolled = count <= self._unroll and not in_a_loop
+        # Keras' own steps: this many written out per iteration of the loop.
+        per_iteration = 1 if in_a_loop else max(1, min(self._unroll, count))
 
         def multi_step(iterator):
             model = model_ref()
@@ -82,7 +84,7 @@ class _StepFunctions:
             if count > 1 and grouped_reads.logs_are_metric_results(
                     model, step_name):
                 return _steps_then_results(model, step_name, step, iterator,
-                                           count, unrolled)
+                                           count, per_iteration)
             logs = step(next(iterator))
             if count > 1 and unrolled:
                 # Written out: automatic control dependencies keep every
@@ -100,26 +102,36 @@ class _StepFunctions:
         return multi_step
 
 
-def _steps_then_results(model, step_name, step, iterator, count, unrolled):
+def _steps_then_results(model, step_name, step, iterator, count,
+                        per_iteration):
     """`count` steps, then the metrics' results: Keras' step logs are those
     results, and only the last step's are returned, so the steps skip
-    reading them (a read of each metric's variables on the ps per step)."""
-    def quiet_step():
-        with grouped_reads.metric_results_skipped():
-            step(next(iterator))
+    reading them (a read of each metric's variables on the ps per step).
 
-    if unrolled:
+    The steps run in a tf.while_loop, `per_iteration` of them written out in
+    each iteration (the remainder after the loop); all of them written out
+    when `per_iteration` is `count`. Each iteration of a loop whose body
+    reads and updates ps variables sends the loop's condition and control
+    signals to each ps: written out, those are paid once per iteration."""
+    def steps(n):
         # Automatic control dependencies keep every step's reads and updates
         # in the order written. The steps' metric additions are held until
-        # the last one: one transfer per ps for the whole function.
+        # the last one: one transfer per ps for the `n` steps.
         with grouped_reads.metric_adds_held(model, step_name):
-            for _ in range(count):
-                quiet_step()
+            for _ in range(n):
+                with grouped_reads.metric_results_skipped():
+                    step(next(iterator))
+
+    loops, rest = divmod(count, per_iteration)
+    if loops == 1 and not rest:
+        steps(count)
     else:
         def body(i):
-            quiet_step()
+            steps(per_iteration)
             return i + 1
-        tf.while_loop(lambda i: i < count, body, (tf.constant(0),))
+        tf.while_loop(lambda i: i < loops, body, (tf.constant(0),))
+        if rest:
+            steps(rest)
     # Read after the steps' updates (ordered by automatic control
     # dependencies on the metrics' variables).
     return model.get_metrics_result()

@@ -136,7 +136,8 @@ def test_grouped_steps_train_as_one_tensor_per_weight(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("unroll", ["0", "4"], ids=["loop", "written_out"])
+@pytest.mark.parametrize("unroll", ["0", "4", "3"],
+                         ids=["loop", "written_out", "3_per_iteration"])
 def test_steps_read_the_metrics_once_and_log_what_every_step_would(
         monkeypatch, unroll):
     # A plain (local) model: the step functions' logic alone. Four steps of

@@ -305,6 +305,9 @@ def _check_epoch(epoch, exactly_once, steps_in_flight=3):
         steps_in_flight * BATCH * logs["shards_lost"], logs
 
 
+# -m slow: exactly once per epoch is also checked, in the suite, by
+# test_fit_recovers_a_lost_ps_and_trains_every_id_once (3 workers, 2 epochs).
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_fit_three_workers_two_epochs_every_id_exactly_once(tmp_path):
     # No fault here: a call that runs long is the machine being loaded (the
@@ -325,6 +328,10 @@ def test_fit_three_workers_two_epochs_every_id_exactly_once(tmp_path):
     assert all(n > 0 for n in result["closures"]), result
 
 
+# -m slow: a worker SIGKILLed and restarted mid-epoch is in the suite as
+# test_fit_worker_sigkilled_inside_a_step_counts_the_step_trained_twice, and
+# the retry resuming after the applied steps as the SIGSTOP test's.
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_fit_worker_sigkilled_and_restarted_mid_epoch(tmp_path):
     result = _run("kill", tmp_path, 180)
@@ -400,6 +407,10 @@ def test_fit_recovers_a_lost_ps_and_trains_every_id_once(tmp_path):
     assert result["states"] == ["healthy"] * 3, result
 
 
+# -m slow: a worker joining through the rendezvous and leaving, with every
+# record counted, is in the suite as
+# tests/elastic/test_elastic.py::test_elastic_tutorial_with_dynamic_shards.
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_fit_worker_joins_through_rendezvous_and_leaves(tmp_path):
     result = _run("elastic", tmp_path, 260)

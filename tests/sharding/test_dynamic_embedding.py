@@ -205,7 +205,10 @@ def _one_off_admission_share(strategy, coordinator, steps=150, late=50):
     return share
 
 
-@pytest.mark.parametrize("evict", ["capacity", "age"])
+# By age through fit: -m slow (its exact counts by age are in the suite as
+# test_eviction_by_age_and_capacity_exact).
+@pytest.mark.parametrize("evict", [
+    "capacity", pytest.param("age", marks=pytest.mark.slow)])
 def test_admission_and_eviction_counts_with_fit(evict, strategy):
     # Through Model.fit, batches on both workers in any order: each record
     # holds one id twice (admitted at once with min_count=2) and two ids

@@ -26,6 +26,13 @@ FREE = policies.FREE
 ADMITTED, EVICTED_BY_AGE, EVICTED_BY_CAPACITY, LIVE = range(4)
 
 
+def _masked(values, mask):
+    """`tf.boolean_mask(values, mask)` for a 1-D `mask`, in 3 ops instead of
+    boolean_mask's 10 (shapes, products, reshapes): the step functions of a
+    model with the table trace each of them, and run them at every step."""
+    return tf.gather(values, tf.reshape(tf.where(mask), [-1]))
+
+
 def _flat(x):
     return tf.reshape(x, [-1])
 
@@ -136,7 +143,7 @@ class SlotShard:
         (in order) and which keys have one. Only `rows` leaves the ps."""
         with tf.device(self.device):
             has_row = slots >= 0
-            rows = tf.gather(self.rows, tf.boolean_mask(slots, has_row))
+            rows = tf.gather(self.rows, _masked(slots, has_row))
             return rows, has_row
 
     def train_slots(self, keys, counts, init_rows):
@@ -196,18 +203,18 @@ class SlotShard:
         if config.max_age is not None:
             # Rows that expired since the last sweep go now.
             stale = self._stale(slots, step)
-            self._free(tf.boolean_mask(slots, stale), EVICTED_BY_AGE)
+            self._free(_masked(slots, stale), EVICTED_BY_AGE)
             slots = tf.where(stale, tf.constant(-1, tf.int64), slots)
         found = slots >= 0
-        seen = tf.boolean_mask(slots, found)
+        seen = _masked(slots, found)
         self.last_seen.scatter_update(tf.IndexedSlices(
             tf.fill(tf.shape(seen), step), seen))
         self.hits.scatter_add(tf.IndexedSlices(
-            tf.cast(tf.boolean_mask(counts, found), tf.int64), seen))
+            tf.cast(_masked(counts, found), tf.int64), seen))
 
         missing = tf.logical_not(found)
-        candidates = tf.boolean_mask(keys, missing)
-        candidate_counts = tf.boolean_mask(counts, missing)
+        candidates = _masked(keys, missing)
+        candidate_counts = _masked(counts, missing)
         if self.filter is not None:
             with tf.control_dependencies([tf.cond(
                     step % policies.FILTER_CHECK_EVERY == 0,
@@ -215,8 +222,8 @@ class SlotShard:
                     lambda: tf.constant(False))]):
                 admit = policies.count_and_admit(
                     self.filter, candidates, candidate_counts, config)
-            candidates = tf.boolean_mask(candidates, admit)
-            candidate_counts = tf.boolean_mask(candidate_counts, admit)
+            candidates = _masked(candidates, admit)
+            candidate_counts = _masked(candidate_counts, admit)
         wanted = tf.size(candidates, out_type=tf.int64)
 
         short = tf.maximum(wanted - self.free.size(), 0)
@@ -263,7 +270,7 @@ class SlotShard:
         # The new keys' slots, without a second lookup of every key.
         position = tf.cast(tf.where(missing)[:, 0], tf.int64)
         if self.filter is not None:
-            position = tf.boolean_mask(position, admit)
+            position = _masked(position, admit)
         slots = tf.tensor_scatter_nd_update(
             slots, position[:admitted_count, tf.newaxis], new_slots)
         # An incremental backup writes these rows and slot rows next.
