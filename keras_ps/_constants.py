@@ -56,13 +56,12 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
 # loops. Written out, the first call of each function on a worker takes
-# longer (a larger graph to trace and instantiate). Off by default: a
-# process' first fit of a new model traces and instantiates the larger graph
-# (5.0 s against 2.2 s for the benchmarks' model with K = 10; test runs that
-# build many small models took 1.45x as long), and most users call fit in
-# short jobs.
+# longer (a larger graph to trace and instantiate). 5 by default: at 1M rows
+# it ran 1.19x the loop's steady rate (1.04-1.47x) and its first fit of a
+# new model took 6.3-9.0 s against the loop's 4.3-5.2 s (TF's own path:
+# 8.2-9.7 s); 10 written out ran no faster and its first fit took 10-12 s.
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 0
+DEFAULT_UNROLL_STEPS = 5
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most
