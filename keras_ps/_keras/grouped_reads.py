@@ -176,7 +176,8 @@ def step_variables(model, step_name):
     """The tf.Variables whose reads `model.<step_name>` groups: its trainable
     weights on a ps of at most GROUPED_TRANSFER_MAX_ELEMENTS elements, but
     not the tables of row-lookup layers, nor weights their layer saves
-    itself (a dynamic table's). Empty for a `train_step` other than Keras'
+    itself (a dynamic table's); in a train_step, also the optimizer's
+    learning rate when it is such a variable. Empty for a `train_step` other than Keras'
     own (a subclass' or one set on the model): its tape might start after a
     first read, and a read outside the tape would get no gradient."""
     if not _grouped_transfers.enabled():
@@ -196,4 +197,19 @@ def step_variables(model, step_name):
                 or not _grouped_transfers.groupable(inner)):
             continue
         chosen.append(inner)
+    rate = _learning_rate_variable(model) if step_name == "train_step" else None
+    if chosen and rate is not None and _grouped_transfers.groupable(rate):
+        # Read with its ps' weights, it rides to the other ps with their
+        # gradients (keras_ps._keras.optimizers._per_apply).
+        chosen.append(rate)
     return chosen
+
+
+def _learning_rate_variable(model):
+    """The tf.Variable holding the learning rate of `model`'s optimizer (the
+    inner one of a loss-scale optimizer), or None (a schedule, none)."""
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    rate = getattr(optimizer, "_learning_rate", None)
+    return getattr(rate, "_value", None) if isinstance(
+        rate, VARIABLE_CLASS) else None

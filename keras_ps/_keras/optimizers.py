@@ -148,25 +148,59 @@ def _read_once(learning_rate):
 
 def _per_apply(keras_backend_update_step):
     # Once per `apply` (every optimizer): the learning rate is read once (see
-    # _read_once), Adam's scalars are made once (see _adam_scalars), and
-    # each ps' dense gradients cross as one tensor (see
-    # keras_ps.tables._grouped_transfers), every update then running on the
-    # ps from its piece. Missing public API: Keras 3 applies a gradient per
-    # variable and gives a strategy no say in how gradients travel.
+    # _read_once) or comes with the gradients (see _learning_rate_rider),
+    # Adam's scalars are made once (see _adam_scalars), and each ps' dense
+    # gradients cross as one tensor (see keras_ps.tables._grouped_transfers),
+    # every update then running on the ps from its piece. Missing public API:
+    # Keras 3 applies a gradient per variable and gives a strategy no say in
+    # how gradients travel.
     @functools.wraps(keras_backend_update_step)
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        landed = {}
         if _grouped_transfers.enabled() and not in_stateless_scope():
-            grads = _grouped_transfers.gradients_to_ps(
-                grads, [_tf_variable(v) for v in trainable_variables])
+            grads, landed = _grouped_transfers.gradients_to_ps(
+                grads, [_tf_variable(v) for v in trainable_variables],
+                _learning_rate_rider(learning_rate))
         caches = _apply_state.__dict__.setdefault("caches", {})
         caches[id(self)] = {}
         try:
-            return keras_backend_update_step(self, grads, trainable_variables,
-                                             _read_once(learning_rate))
+            if not landed:
+                return keras_backend_update_step(
+                    self, grads, trainable_variables, _read_once(learning_rate))
+            # Each ps' variables with the learning rate that came with their
+            # gradients; the others (its own ps') with the one read there.
+            by_device = {}
+            for grad, variable in zip(grads, trainable_variables):
+                by_device.setdefault(_tf_variable(variable).device, []).append(
+                    (grad, variable))
+            home = None
+            # Where `iterations` lives first: Adam's scalars are made where
+            # the first update runs (see _adam_scalars).
+            first = _tf_variable(self.iterations).device
+            for device in sorted(by_device, key=lambda d: d != first):
+                rate = landed.get(device)
+                if rate is None:
+                    home = _read_once(learning_rate) if home is None else home
+                    rate = home
+                pairs = by_device[device]
+                keras_backend_update_step(self, [g for g, _ in pairs],
+                                          [v for _, v in pairs], rate)
         finally:
             caches.pop(id(self), None)
 
     return _backend_update_step
+
+
+def _learning_rate_rider(learning_rate):
+    """(value, device) of a learning rate held in a ps variable that the
+    step has read with its ps' grouped transfer, for the gradients to carry
+    to every other ps (keras_ps.tables._grouped_transfers.gradients_to_ps);
+    None otherwise (a schedule, a rate the step did not bring)."""
+    if not isinstance(learning_rate, (VARIABLE_CLASS, tf.Variable)):
+        return None
+    inner = _tf_variable(learning_rate)
+    value = _grouped_transfers.read_already(inner)
+    return None if value is None else (value, inner.device)
 
 
 def _fused_adam_update_step(keras_update_step):

@@ -32,7 +32,9 @@ What this module does, inside a traced step (`scope`):
   worker and split on the ps, where the optimizer's update of each variable
   runs (the strategy updates a variable under its device). A shard's row
   count is taken on the ps from the rows' indices, which its lookup sent
-  there already.
+  there already. The optimizer's learning rate, read with its own ps' group
+  at the step's start, rides in every other ps' tensor (`rider`): without
+  it each of those ps would fetch it from its ps, one message a step each.
 
 One difference from one tensor per variable: a grouped variable that the
 loss does not use gets a zero gradient, not none (the split's gradient fills
@@ -106,6 +108,16 @@ class _StepReads:
             pieces = self._pieces[key] = _read_group(self._groups[where[0]])
         return pieces[where[1]]
 
+    def read_already(self, variable):
+        """`variable`'s value from its group's transfer if this graph has
+        made it (whether or not reads are still shared), else None."""
+        where = self._where.get(id(variable))
+        if where is None or tf.executing_eagerly():
+            return None
+        pieces = self._pieces.get(
+            (tf.compat.v1.get_default_graph(), where[0]))
+        return None if pieces is None else pieces[where[1]]
+
     def gather_with_group(self, table, rows):
         """Rows `rows` of tf.Variable `table`, moved from its ps in one
         tensor with the group of the same ps and dtype, which is read now
@@ -165,6 +177,14 @@ def read(variable):
     None: the caller then reads it as usual."""
     reads = getattr(_local, "reads", None)
     return None if reads is None else reads.get(variable)
+
+
+def read_already(variable):
+    """tf.Variable `variable`'s value as the current step's grouped
+    transfer brought it, or None when the step has not moved it (see
+    `_StepReads.read_already`)."""
+    reads = getattr(_local, "reads", None)
+    return None if reads is None else reads.read_already(variable)
 
 
 def read_value(variable):
@@ -269,7 +289,7 @@ def _row_gradient(grad, variable):
             and variable.shape[1:].is_fully_defined())
 
 
-def gradients_to_ps(grads, variables):
+def gradients_to_ps(grads, variables, rider=None):
     """`grads` with the gradients of each ps' variables moved there as one
     tensor per (ps, dtype) and split on the ps: the dense gradients of its
     groupable variables, and the rows of its sparse gradients (an embedding
@@ -278,9 +298,19 @@ def gradients_to_ps(grads, variables):
     Args:
         grads: one gradient (or None) per variable.
         variables: the tf.Variables, in the order of `grads`.
+        rider: None, or (scalar tensor on the worker, the device it came
+            from): a value the step holds already (the learning rate, read
+            with its ps' group) that each other ps needs. It joins the one
+            tensor of that ps' gradients of its dtype, which crosses anyway,
+            instead of crossing from its own ps as a message of its own.
+
+    Returns:
+        (the gradients, {ps device: the rider's value there}); the second is
+        empty without a rider, and lacks a ps whose gradients it could not
+        join.
     """
     if tf.executing_eagerly():
-        return list(grads)
+        return list(grads), {}
     groups = {}
     for i, (grad, variable) in enumerate(zip(grads, variables)):
         if (isinstance(grad, tf.Tensor) and groupable(variable)
@@ -288,17 +318,22 @@ def gradients_to_ps(grads, variables):
             groups.setdefault((variable.device, grad.dtype), []).append(i)
         elif _row_gradient(grad, variable):
             groups.setdefault((variable.device, grad.values.dtype), []).append(i)
-    moved = list(grads)
-    for (device, _), members in groups.items():
-        if len(members) < 2:
+    moved, landed = list(grads), {}
+    for (device, dtype), members in groups.items():
+        rides = (rider is not None and rider[0].dtype == dtype
+                 and device != rider[1] and device not in landed)
+        if len(members) + rides < 2:
             continue
-        flat = _joined([_values(grads[i]) for i in members])
+        flat = _joined([_values(grads[i]) for i in members]
+                       + ([rider[0]] if rides else []))
         with tf.device(device):
             pieces = _split(flat, [_size_on_ps(grads[i], variables[i])
-                                   for i in members])
+                                   for i in members] + ([1] if rides else []))
             for i, piece in zip(members, pieces):
                 moved[i] = _as_before(piece, grads[i], variables[i])
-    return moved
+            if rides:
+                landed[device] = tf.reshape(pieces[-1], [])
+    return moved, landed
 
 
 def _joined(tensors):

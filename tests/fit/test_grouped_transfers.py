@@ -61,6 +61,7 @@ class _Spy:
     def __init__(self, monkeypatch):
         self.read_groups, self.moved, self.held = [], [], []
         self.rows_with_group = []
+        self.rates_landed = []  # (the rate's ps, ps it rode to, its copy's)
         read_group, to_ps = (_grouped_transfers._read_group,
                              _grouped_transfers.gradients_to_ps)
         with_group = _grouped_transfers._StepReads.gather_with_group
@@ -85,12 +86,14 @@ class _Spy:
                 self.held.append(variable.device)
             return held
 
-        def spy_to_ps(grads, variables):
-            moved = to_ps(grads, variables)
+        def spy_to_ps(grads, variables, rider=None):
+            moved, landed = to_ps(grads, variables, rider)
             self.moved.extend(
                 (v.device, m.device) for g, v, m in zip(grads, variables, moved)
                 if m is not g)
-            return moved
+            self.rates_landed.extend((rider[1], device, value.device)
+                                     for device, value in landed.items())
+            return moved, landed
 
         monkeypatch.setattr(_grouped_transfers, "_read_group", spy_read_group)
         monkeypatch.setattr(_grouped_transfers._StepReads, "gather_with_group",
@@ -125,6 +128,13 @@ def test_grouped_steps_train_as_one_tensor_per_weight(
         assert len(set(spy.rows_with_group)) == 2, spy.rows_with_group
     for variable_device, grad_device in spy.moved:
         assert grad_device == variable_device, (grad_device, variable_device)
+    if sharded:
+        # The learning rate, read with its ps' weights, rode to the other ps
+        # with that ps' gradients: no message of its own from its ps.
+        assert spy.rates_landed, "the learning rate rode nowhere"
+        for home, device, value_device in spy.rates_landed:
+            assert device != home and value_device == device, (
+                home, device, value_device)
 
     # The same training, step for step: weights, losses, evaluation.
     for want, got in zip(plain[0], grouped[0]):
