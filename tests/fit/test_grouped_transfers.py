@@ -259,3 +259,42 @@ def test_a_constant_added_to_a_ps_variable_is_made_on_that_ps(strategy):
     add()
     add()
     assert int(counter.numpy()) == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_learning_rate_set_between_epochs_reaches_every_ps(
+        sharded_strategy, monkeypatch):
+    # The rate rides from its ps to the other with the gradients: the value
+    # it carries must be the one set by the callback, on both ps. SGD at a
+    # rate of 0 leaves every weight (every shard, on either ps) unchanged.
+    monkeypatch.setenv("KERAS_PS_GROUP_TRANSFERS", "1")
+    ids, y = _data()
+
+    def creator(context):
+        return tf.data.Dataset.from_tensor_slices((ids, y)).batch(32).repeat()
+
+    with sharded_strategy.scope():
+        model = keras.Sequential([
+            keras.Input((3,), dtype="int64"), keras.layers.Embedding(60, 4),
+            keras.layers.Flatten(), keras.layers.Dense(8, activation="relu"),
+            keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(keras.optimizers.SGD(0.5), "binary_crossentropy",
+                      steps_per_execution=2)
+    initial = model.get_weights()
+    at_epoch_end = []
+    model.fit(
+        keras_ps.DatasetCreator(creator), epochs=3, steps_per_epoch=4,
+        verbose=0, callbacks=[
+            keras.callbacks.LearningRateScheduler(
+                lambda epoch: 0.5 if epoch == 0 else 0.0),
+            keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs:
+                                           at_epoch_end.append(
+                                               model.get_weights()))])
+    assert int(model.optimizer.iterations.numpy()) == 12
+    assert float(model.optimizer.learning_rate.numpy()) == 0.0
+    first, _, third = at_epoch_end
+    # The first epoch trained every weight; the later ones moved none.
+    for start, trained in zip(initial, first):
+        assert not np.array_equal(trained, start)
+    for before, after in zip(first, third):
+        np.testing.assert_array_equal(after, before)
