@@ -128,8 +128,9 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     """Adam on the gradient's rows only; see keras_ps.optimizers.LazyAdam.
 
     For each row `r` named by the gradient, at step `t` (1-based), with `k =
-    t - last_step[r]` (steps since the row was last updated; `t` for a row
-    never updated, whose moments are 0), `alpha = lr * sqrt(1 - beta_2^t) /
+    max(t - last_step[r], 1)` (steps since the row was last updated; `t` for
+    a row never updated, whose moments are 0; 1 for a second update at the
+    same step, from another worker), `alpha = lr * sqrt(1 - beta_2^t) /
     (1 - beta_1^t)` and `rho = beta_1 / sqrt(beta_2)`:
 
         drift = alpha * m[r] / (sqrt(v[r]) + epsilon)
@@ -164,7 +165,12 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     eps = tf.cast(epsilon, dtype)
     last = tf.raw_ops.ResourceGather(resource=last_step.handle, indices=indices,
                                      dtype=tf.int64)
-    k = tf.cast(step - last, dtype)
+    # Two workers applying at the same step (both read `iterations` before
+    # either added 1) update a row they share one after the other: dense
+    # Adam decays its moments at each of the two applies, so the second
+    # counts as one step too (k = 1, no drift), not as none (k = 0 would
+    # skip the decay and move the row back by one step of its old momentum).
+    k = tf.cast(tf.maximum(step - last, 1), dtype)
     k = tf.reshape(k, [-1] + [1] * (variable.shape.rank - 1))
     m_rows = tf.raw_ops.ResourceGather(resource=m.handle, indices=indices, dtype=dtype)
     v_rows = tf.raw_ops.ResourceGather(resource=v.handle, indices=indices, dtype=dtype)

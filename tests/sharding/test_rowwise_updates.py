@@ -198,6 +198,37 @@ LAZY_STEPS = [([1, 4, 4, 5], 1.0, 0.5), ([5, 6], -2.0, 0.25), ([], 3.0, -1.0),
               ([1, 9, 9, 9], 0.5, 1.0), ([4], 1.5, 0.5)]
 
 
+def test_lazy_adam_second_update_at_the_same_step_is_one_adam_step():
+    # Two workers that read `iterations` before either added 1 apply at the
+    # same step t. Dense Adam decays the moments at each apply; LazyAdam's
+    # second update of a shared row must too, and must not move the row back
+    # (k = t - last = 0 would give a drift of minus one step).
+    from keras_ps.tables import _rowwise
+    lr, b1, b2, eps, t = 0.05, 0.9, 0.999, 1e-7, 3
+    rng = np.random.default_rng(1)
+    table0 = rng.normal(size=(4, 2))
+    m0, v0 = rng.uniform(0.1, 1, (4, 2)), rng.uniform(0.1, 1, (4, 2))
+    table, m, v = (tf.Variable(x, dtype=tf.float64) for x in (table0, m0, v0))
+    last = tf.Variable([0, t, 0, 0], dtype=tf.int64)  # row 1: updated at t
+    g = np.array([[0.5, -1.0]])
+    _rowwise.lazy_adam(table, m, v, last, tf.IndexedSlices(
+        tf.constant(g), tf.constant([1], tf.int64), tf.constant([4, 2])),
+        tf.constant(t, tf.int64), lr, b1, b2, eps)
+
+    alpha = lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t)
+    want_m = b1 * m0[1] + (1 - b1) * g[0]
+    want_v = b2 * v0[1] + (1 - b2) * g[0] ** 2
+    want_row = table0[1] - alpha * want_m / (np.sqrt(want_v) + eps)
+    # (The betas reach the update as float32, as Keras passes them: 1e-7
+    # relative. Counting the second update as no step would be off by 10%.)
+    np.testing.assert_allclose(m.numpy()[1], want_m, rtol=1e-6)
+    np.testing.assert_allclose(v.numpy()[1], want_v, rtol=1e-6)
+    np.testing.assert_allclose(table.numpy()[1], want_row, rtol=1e-6)
+    np.testing.assert_array_equal(last.numpy(), [0, t, 0, 0])
+    # The other rows are untouched.
+    np.testing.assert_array_equal(table.numpy()[[0, 2, 3]], table0[[0, 2, 3]])
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
 @pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
 def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shards,
