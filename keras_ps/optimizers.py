@@ -9,7 +9,7 @@ its dense update moves every row at every step, even with a zero gradient.
 
 import keras
 
-from keras_ps._keras import optimizers as _hooks
+from keras_ps._keras import lazy_adam as _hooks
 from keras_ps._keras import row_tracking as _row_tracking
 
 

@@ -15,6 +15,7 @@ and finds Keras' own function behind it (`original`).
 - `sharding`: sharded layer weights (creation, lookup, saving).
 - `optimizers`: how optimizers update variables that live on a ps (and how
   each ps' dense gradients travel: one tensor per ps).
+- `lazy_adam`: LazyAdam's per-row step slots and row-wise update.
 - `grouped_reads`: a step reads each ps' small weights in one transfer.
 - `initializers`: which initializers a large variable can be drawn with in
   row blocks on its ps.

@@ -8,7 +8,8 @@ ps, and stateless scopes keep Keras' own update. tests/api/test_keras_internals.
 pins every internal used here.
 
 Sections: one fused kernel for Adam; row-wise updates for sparse gradients
-(SGD, Adagrad, Ftrl automatically; LazyAdam by choice).
+(SGD, Adagrad, Ftrl automatically). LazyAdam's row-wise update, which uses
+this module's Adam scalars, is in keras_ps._keras.lazy_adam.
 """
 
 import functools
@@ -101,7 +102,7 @@ def _next_step(optimizer):
                    lambda: tf.convert_to_tensor(optimizer.iterations) + 1)
 
 
-def _adam_scalars(optimizer, dtype, learning_rate, device):
+def adam_scalars(optimizer, dtype, learning_rate, device):
     """(t, beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step for an
     update on `device`: t (`iterations + 1`) as int64, the others as `dtype`.
 
@@ -149,7 +150,7 @@ def _read_once(learning_rate):
 def _per_apply(keras_backend_update_step):
     # Once per `apply` (every optimizer): the learning rate is read once (see
     # _read_once) or comes with the gradients (see _learning_rate_rider),
-    # Adam's scalars are made once (see _adam_scalars), and each ps' dense
+    # Adam's scalars are made once (see adam_scalars), and each ps' dense
     # gradients cross as one tensor (see keras_ps.tables._grouped_transfers),
     # every update then running on the ps from its piece. Missing public API:
     # Keras 3 applies a gradient per variable and gives a strategy no say in
@@ -175,7 +176,7 @@ def _per_apply(keras_backend_update_step):
                     (grad, variable))
             home = None
             # Where `iterations` lives first: Adam's scalars are made where
-            # the first update runs (see _adam_scalars).
+            # the first update runs (see adam_scalars).
             first = _tf_variable(self.iterations).device
             for device in sorted(by_device, key=lambda d: d != first):
                 rate = landed.get(device)
@@ -220,7 +221,7 @@ def _fused_adam_update_step(keras_update_step):
         # v += (g^2 - v)(1 - b2); var -= m * alpha / (sqrt(v) + epsilon).
         with tf.device(inner.device):
             _, beta1_power, beta2_power, lr, beta_1, beta_2, epsilon = \
-                _adam_scalars(self, dtype, learning_rate, inner.device)
+                adam_scalars(self, dtype, learning_rate, inner.device)
             tf.raw_ops.ResourceApplyAdam(
                 var=inner.handle,
                 m=_tf_variable(self._momentums[index]).handle,
@@ -417,61 +418,3 @@ _ROWWISE_WRAPPERS = (_rowwise_sgd, _rowwise_adagrad, _rowwise_ftrl)
 def _install_rowwise():
     for cls, wrap in zip(ROWWISE_CLASSES, _ROWWISE_WRAPPERS):
         hooks.wrap(cls, "update_step", wrap)
-
-
-# -- LazyAdam (keras_ps.optimizers) ------------------------------------------------
-# What keras_ps.optimizers.LazyAdam needs from Keras' Adam: its moment slots
-# (`_momentums`, `_velocities`), the variable index, `iterations`, and slot
-# creation colocated with the variable (`_distribution_strategy`).
-def add_row_step_slots(optimizer, var_list):
-    """One int64 slot of shape `[rows]` per variable (none for scalars): the
-    step at which each row was last updated (0: never). Made on the
-    variable's ps; a sharded weight's are grouped like its other slots."""
-    slots = []
-    for variable in var_list:
-        inner = _tf_variable(variable)
-        if not inner.shape.rank:
-            slots.append(None)
-            continue
-        with optimizer._distribution_strategy.extended.colocate_vars_with(inner):
-            row_step = optimizer.add_variable(
-                shape=(inner.shape[0],), initializer="zeros", dtype="int64",
-                name=f"{variable.name}_row_step")
-        _sharded_weights.group_slot(row_step, variable, "row_step")
-        slots.append(row_step)
-    return slots
-
-
-def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
-    """LazyAdam's update of one variable; see keras_ps.optimizers.LazyAdam."""
-    index = optimizer._get_variable_index(variable)
-    row_step = row_steps[index]
-    inner = _tf_variable(variable)
-    if not isinstance(gradient, tf.IndexedSlices) or row_step is None:
-        ADAM_CLASS.update_step(optimizer, gradient, variable, learning_rate)
-        if row_step is not None:
-            # Every row was updated at this step.
-            with tf.device(inner.device):
-                step = _adam_scalars(optimizer, inner.dtype, learning_rate,
-                                     inner.device)[0]
-                _tf_variable(row_step).assign(
-                    tf.fill(tf.shape(_tf_variable(row_step)), step))
-        _dirty_rows.mark_all(inner)
-        return
-    if uses_weight_decay(optimizer, inner):
-        raise ValueError(
-            f"LazyAdam cannot apply weight_decay to {inner.name!r} row by row: "
-            "Keras decays every row of the weight at every step. Received: "
-            f"weight_decay={optimizer.weight_decay}. Exclude the table before "
-            "the optimizer is built, e.g. optimizer.exclude_from_weight_decay("
-            "var_names=['embeddings']), or use keras.optimizers.AdamW (dense).")
-    # The step and the learning rate arrive with Adam's other scalars: one
-    # message to this ps for the whole apply.
-    with tf.device(inner.device):
-        step, _, _, learning_rate, _, _, _ = _adam_scalars(
-            optimizer, inner.dtype, learning_rate, inner.device)
-    _rowwise.lazy_adam(
-        inner, slot(optimizer, "_momentums", variable),
-        slot(optimizer, "_velocities", variable), _tf_variable(row_step),
-        gradient, step, learning_rate, optimizer.beta_1, optimizer.beta_2,
-        optimizer.epsilon)

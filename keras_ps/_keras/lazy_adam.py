@@ -1,0 +1,78 @@
+"""LazyAdam's row steps and update (`keras.src...` through
+keras_ps._keras.optimizers): what keras_ps.optimizers.LazyAdam adds to
+Keras' Adam.
+
+Missing public API: Keras 3's Adam has no sparse update, and an optimizer
+subclass cannot make a slot colocated with its variable on a ps without the
+optimizer's distribution strategy (`_distribution_strategy`), nor find a
+variable's slots without its index (`_get_variable_index`).
+"""
+
+import tensorflow as tf
+
+from keras_ps.tables import _dirty_rows
+from keras_ps.tables import _rowwise
+from keras_ps.tables import _sharded_weights
+from keras_ps._keras import optimizers as _optimizers
+
+
+# What LazyAdam needs from Keras' Adam: its moment slots (`_momentums`,
+# `_velocities`), the variable index, `iterations`, and slot creation
+# colocated with the variable (`_distribution_strategy`).
+tf_variable = _optimizers.tf_variable
+
+
+def add_row_step_slots(optimizer, var_list):
+    """One int64 slot of shape `[rows]` per variable (none for scalars): the
+    step at which each row was last updated (0: never). Made on the
+    variable's ps; a sharded weight's are grouped like its other slots."""
+    slots = []
+    for variable in var_list:
+        inner = tf_variable(variable)
+        if not inner.shape.rank:
+            slots.append(None)
+            continue
+        with optimizer._distribution_strategy.extended.colocate_vars_with(inner):
+            row_step = optimizer.add_variable(
+                shape=(inner.shape[0],), initializer="zeros", dtype="int64",
+                name=f"{variable.name}_row_step")
+        _sharded_weights.group_slot(row_step, variable, "row_step")
+        slots.append(row_step)
+    return slots
+
+
+def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
+    """LazyAdam's update of one variable; see keras_ps.optimizers.LazyAdam."""
+    index = optimizer._get_variable_index(variable)
+    row_step = row_steps[index]
+    inner = tf_variable(variable)
+    if not isinstance(gradient, tf.IndexedSlices) or row_step is None:
+        _optimizers.ADAM_CLASS.update_step(optimizer, gradient, variable,
+                                           learning_rate)
+        if row_step is not None:
+            # Every row was updated at this step.
+            with tf.device(inner.device):
+                step = _optimizers.adam_scalars(
+                    optimizer, inner.dtype, learning_rate, inner.device)[0]
+                tf_variable(row_step).assign(
+                    tf.fill(tf.shape(tf_variable(row_step)), step))
+        _dirty_rows.mark_all(inner)
+        return
+    if _optimizers.uses_weight_decay(optimizer, inner):
+        raise ValueError(
+            f"LazyAdam cannot apply weight_decay to {inner.name!r} row by row: "
+            "Keras decays every row of the weight at every step. Received: "
+            f"weight_decay={optimizer.weight_decay}. Exclude the table before "
+            "the optimizer is built, e.g. optimizer.exclude_from_weight_decay("
+            "var_names=['embeddings']), or use keras.optimizers.AdamW (dense).")
+    # The step and the learning rate arrive with Adam's other scalars: one
+    # message to this ps for the whole apply.
+    with tf.device(inner.device):
+        step, _, _, learning_rate, _, _, _ = _optimizers.adam_scalars(
+            optimizer, inner.dtype, learning_rate, inner.device)
+    _rowwise.lazy_adam(
+        inner, _optimizers.slot(optimizer, "_momentums", variable),
+        _optimizers.slot(optimizer, "_velocities", variable),
+        tf_variable(row_step),
+        gradient, step, learning_rate, optimizer.beta_1, optimizer.beta_2,
+        optimizer.epsilon)
