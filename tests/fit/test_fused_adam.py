@@ -135,7 +135,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
         optimizer.build([table, kernel])
     a_waiting, b_made_scalars = threading.Event(), threading.Event()
     a_done = threading.Event()
-    make_scalars = keras_optimizers._adam_scalars
+    make_scalars = keras_optimizers.adam_scalars
 
     def paced(opt, dtype, learning_rate, device):
         name = threading.current_thread().name
@@ -148,7 +148,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
             assert a_done.wait(30)
         return scalars
 
-    monkeypatch.setattr(keras_optimizers, "_adam_scalars", paced)
+    monkeypatch.setattr(keras_optimizers, "adam_scalars", paced)
     errors = []
 
     def trace():
