@@ -56,12 +56,13 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
 # loops. Written out, the first call of each function on a worker takes
-# longer (a larger graph to trace and instantiate). 5 by default: at 1M rows
-# it ran 1.19x the loop's steady rate (1.04-1.47x) and its first fit of a
-# new model took 6.3-9.0 s against the loop's 4.3-5.2 s (TF's own path:
-# 8.2-9.7 s); 10 written out ran no faster and its first fit took 10-12 s.
+# longer (a larger graph to trace and instantiate). Off by default: with 5
+# an iteration the benchmarks' model trained 2.00x TF's own path at 10M rows
+# (1.88x for the loop), but LazyAdam's held-out accuracy at equal steps fell
+# 0.6 point (0.813 against 0.820, 5 runs each at 1M rows, two workers) to
+# 0.9-1.4 point under dense Adam's, a cause not found yet.
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 5
+DEFAULT_UNROLL_STEPS = 0
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most
