@@ -177,9 +177,10 @@ def step_variables(model, step_name):
     weights on a ps of at most GROUPED_TRANSFER_MAX_ELEMENTS elements, but
     not the tables of row-lookup layers, nor weights their layer saves
     itself (a dynamic table's); in a train_step, also the optimizer's
-    learning rate when it is such a variable. Empty for a `train_step` other than Keras'
-    own (a subclass' or one set on the model): its tape might start after a
-    first read, and a read outside the tape would get no gradient."""
+    learning rate when it is such a variable. Empty for a `train_step`
+    other than Keras' own (a subclass' or one set on the model): its tape
+    might start after a first read, and a read outside the tape would get
+    no gradient."""
     if not _grouped_transfers.enabled():
         return []
     if step_name == "train_step" and not _is_keras_own_step(model, step_name):
