@@ -1,6 +1,7 @@
 """Shared fixtures. A process can connect to one cluster only (TF's eager
-context), so most tests share one real multi-process LocalCluster; tests that
-kill tasks run their own coordinator process (tests/_fault_job.py)."""
+context), so the tests of one pytest process share one real multi-process
+LocalCluster (the suite runs two such processes: -n 2 in setup.cfg); tests
+that kill tasks run their own coordinator process (tests/_fault_job.py)."""
 
 import os
 

@@ -498,14 +498,17 @@ def test_launch_rejects_bad_flags(capsys, argv, expected):
 FLOOD_JOINS = 3000
 FLOOD_MAX_RSS_GROWTH = 50 * 2**20
 FLOOD_MAX_RSS_GROWTH_FROM_COLD = 100 * 2**20
-FLOOD_MAX_KEEPALIVE_LATENCY = 2.0
+# The server drops a node whose keep-alives stop for its keep-alive timeout
+# (5 s here): answered within it, the legitimate node keeps its place.
+FLOOD_KEEPALIVE_TIMEOUT = 5
 
 
 @pytest.mark.timeout(90)
 def test_join_flood_keeps_keepalives_and_memory_bounded(launched):
     server = launched(portpicker.pick_unused_port(),
                       env={"KERAS_PS_RDZV_GATHER_TIMEOUT": "0",
-                           "KERAS_PS_RDZV_KEEPALIVE_TIMEOUT": "5"})
+                           "KERAS_PS_RDZV_KEEPALIVE_TIMEOUT":
+                               str(FLOOD_KEEPALIVE_TIMEOUT)})
     legit = RendezvousClient(server.endpoint, timeout=5.0)
     assert legit.get_cluster_spec(A, 1, 1, timeout=10).workers == (A,)
     process = psutil.Process(server.proc.pid)
@@ -582,10 +585,11 @@ def test_join_flood_keeps_keepalives_and_memory_bounded(launched):
     assert outcomes["WAITING"] + outcomes["DEADLINE_EXCEEDED"] <= 1024 - 200
     assert outcomes["RESOURCE_EXHAUSTED"] >= 1000
     assert any("refusing node" in d for d in refusal_details)
-    # The legitimate node's keep-alives kept answering, quickly.
+    # The legitimate node's keep-alives kept answering, each within its
+    # keep-alive timeout, and it kept its place.
     assert not errors, errors[:3]
     assert all(count == 0 for count, _ in latencies)
-    assert max(t for _, t in latencies) < FLOOD_MAX_KEEPALIVE_LATENCY
+    assert max(t for _, t in latencies) < FLOOD_KEEPALIVE_TIMEOUT
     assert rss_growth < FLOOD_MAX_RSS_GROWTH
     assert rss_cold_growth < FLOOD_MAX_RSS_GROWTH_FROM_COLD
     assert legit.get_cluster_spec(A, 1, 1, timeout=5).workers == (A,)
