@@ -27,8 +27,9 @@ class LazyAdam(keras.optimizers.Adam):
 
     Semantics, for a row `r` with gradient `g` at step `t` (1-based), last
     updated at step `s` (`s = 0`: never), `k = t - s` (1 when another
-    worker's apply at the same step updated the row first: dense Adam
-    decays the moments at each apply too):
+    worker's apply at the same or a later step updated the row first: dense
+    Adam decays the moments at each apply too; `s` then stays the later
+    step):
 
     - moments: `m = beta_1^k * m + (1 - beta_1) * g` and
       `v = beta_2^k * v + (1 - beta_2) * g^2`: exactly dense Adam's moments

@@ -138,7 +138,7 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
         m[r] = beta_1^k * m[r] + (1 - beta_1) * g[r]
         v[r] = beta_2^k * v[r] + (1 - beta_2) * g[r]^2
         variable[r] -= drift + alpha * m[r] / (sqrt(v[r]) + epsilon)
-        last_step[r] = t
+        last_step[r] = max(last_step[r], t)
 
     The moments are exactly dense Adam's (its zero-gradient steps only decay
     them). `drift` is what dense Adam's k - 1 skipped steps would have moved
@@ -146,8 +146,8 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
     current `alpha` and epsilon kept once (exact when the learning rate and
     bias correction no longer change and epsilon is small against sqrt(v)):
     the skipped-steps correction proposed on TensorFlow's tracker
-    ("SparseAdam"), applied when the row is next touched. Three gathers, three scatter-updates, one
-    scatter-sub.
+    ("SparseAdam"), applied when the row is next touched. Three gathers, two
+    scatter-updates, one scatter-max, one scatter-sub.
 
     Args:
         variable, m, v: `tf.Variable`s of one shape; `last_step`: an int64
@@ -186,7 +186,11 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
                                          updates=m_rows),
         tf.raw_ops.ResourceScatterUpdate(resource=v.handle, indices=indices,
                                          updates=v_rows),
-        tf.raw_ops.ResourceScatterUpdate(
+        # The larger of the two: an apply whose `t` was read before another
+        # worker's later step reached this row must not set it back, or the
+        # row's next update would count a step it never skipped (drift and
+        # decay for it).
+        tf.raw_ops.ResourceScatterMax(
             resource=last_step.handle, indices=indices,
             updates=tf.fill(tf.shape(indices), step)),
         tf.raw_ops.ResourceScatterSub(

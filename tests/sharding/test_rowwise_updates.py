@@ -229,6 +229,42 @@ def test_lazy_adam_second_update_at_the_same_step_is_one_adam_step():
     np.testing.assert_array_equal(table.numpy()[[0, 2, 3]], table0[[0, 2, 3]])
 
 
+def test_lazy_adam_update_at_an_earlier_step_keeps_the_rows_later_step():
+    # Worker A read t = 5 from `iterations` and worker B, after A's
+    # increment, t = 6; B's update reached the row first. A's update then
+    # counts as one step (k = 1) and must leave the row's step at 6: set
+    # back to 5, the row's update at step 7 would count a skipped step (a
+    # drift of one more momentum step, one more decay) that never happened.
+    from keras_ps.tables import _rowwise
+    lr, b1, b2, eps = 0.05, 0.9, 0.999, 1e-7
+    rng = np.random.default_rng(2)
+    table0 = rng.normal(size=(3, 2))
+    m0, v0 = rng.uniform(0.1, 1, (3, 2)), rng.uniform(0.1, 1, (3, 2))
+    table, m, v = (tf.Variable(x, dtype=tf.float64) for x in (table0, m0, v0))
+    last = tf.Variable([0, 6, 0], dtype=tf.int64)  # row 1: B's update at 6
+    g = np.array([[0.5, -1.0]])
+
+    def update(t):
+        _rowwise.lazy_adam(table, m, v, last, tf.IndexedSlices(
+            tf.constant(g), tf.constant([1], tf.int64), tf.constant([3, 2])),
+            tf.constant(t, tf.int64), lr, b1, b2, eps)
+
+    update(5)  # A's, late
+    np.testing.assert_array_equal(last.numpy(), [0, 6, 0])
+    m1, v1, row1 = m.numpy()[1], v.numpy()[1], table.numpy()[1]
+    np.testing.assert_allclose(m1, b1 * m0[1] + (1 - b1) * g[0], rtol=1e-6)
+    update(7)  # the row's next update: one step after 6, no drift
+    alpha = lr * np.sqrt(1 - b2 ** 7) / (1 - b1 ** 7)
+    want_m = b1 * m1 + (1 - b1) * g[0]
+    want_v = b2 * v1 + (1 - b2) * g[0] ** 2
+    np.testing.assert_allclose(m.numpy()[1], want_m, rtol=1e-6)
+    np.testing.assert_allclose(v.numpy()[1], want_v, rtol=1e-6)
+    np.testing.assert_allclose(
+        table.numpy()[1], row1 - alpha * want_m / (np.sqrt(want_v) + eps),
+        rtol=1e-6)
+    np.testing.assert_array_equal(last.numpy(), [0, 7, 0])
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
 @pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
 def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shards,
