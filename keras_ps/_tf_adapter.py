@@ -9,6 +9,7 @@ import functools
 import importlib.util
 import sys
 import types
+import weakref
 
 # Imported on first use (see _internals), so that `server_modules` can run in
 # a process that has not imported TensorFlow yet.
@@ -229,12 +230,26 @@ def rebind_variable(variable, donor):
     variable._cached_value = None
 
 
+# tf.functions that capture no variable (they take them as arguments): their
+# traces stay valid whatever retrace_all_functions is called for.
+_captures_nothing = weakref.WeakSet()
+
+
+def keep_traces(function):
+    """Marks `function` (a `tf.function` that takes every variable it uses
+    as an argument) as one `retrace_all_functions` leaves alone; returns
+    it."""
+    _captures_nothing.add(function)
+    return function
+
+
 def retrace_all_functions():
-    """Drops the traced graphs of every `tf.function` of this process, so
-    each traces again at its next call.
+    """Drops the traced graphs of every `tf.function` of this process (but
+    those given to `keep_traces`), so each traces again at its next call.
 
     A traced graph holds the resource handles it captured; after
-    `rebind_variable` those are stale. No public API clears a function's
+    `rebind_variable` those are stale, and a step traced before a table was
+    tracked does not mark its rows. No public API clears a function's
     traces: `tf.function` keeps them in `_function_cache`.
     """
     import gc
@@ -243,7 +258,8 @@ def retrace_all_functions():
     for obj in gc.get_objects():
         # type(), not isinstance(): isinstance asks the object for its
         # __class__, which some objects refuse (numpy's NpzFile fields).
-        if issubclass(type(obj), polymorphic_function.Function):
+        if (issubclass(type(obj), polymorphic_function.Function)
+                and obj not in _captures_nothing):
             obj._function_cache.clear()
             cleared += 1
     return cleared

@@ -12,6 +12,30 @@ import portpicker  # noqa: E402
 import pytest  # noqa: E402
 
 
+# The files that take longest (their own clusters and coordinator jobs, a
+# few minutes each), started first: the two test processes (-n 2 --dist
+# loadfile) then end close together instead of one running a long file
+# alone at the end. The Docker tests come after these, once the image
+# .ci/run builds in the background is likely ready.
+LONGEST_FIRST = [
+    "fit/test_incremental_backups.py", "sharding/test_dynamic_embedding.py",
+    "fit/test_shards.py", "system/test_tutorials.py", "fit/test_ps_recovery.py",
+    "coordinator/test_worker_faults.py", "fit/test_fit_faults.py",
+    "sharding/test_dynamic_incremental.py", "system/test_docker.py",
+]
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        for i, name in enumerate(LONGEST_FIRST):
+            if path.endswith(name):
+                return i
+        return len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
+
+
 @pytest.fixture(scope="session")
 def cluster():
     import keras_ps

@@ -7,9 +7,11 @@ entry only.
 """
 
 import os
+import threading
 
 import tensorflow as tf
 
+from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _row_files
 from keras_ps.backups._io import per_device
@@ -41,7 +43,8 @@ class Applier:
     """Applies entries of a backup to a catalog's variables.
 
     Row files are read by the device that holds their rows now, one call per
-    file to a function traced once per device and set of variables it fills.
+    file to a function traced once per device and shapes of the variables it
+    fills (see _apply_function).
     Bundles (small variables, whole) are read here and assigned.
 
     Args:
@@ -50,7 +53,6 @@ class Applier:
 
     def __init__(self, catalog):
         self._catalog = catalog
-        self._functions = {}
 
     def apply(self, directory, entries, devices=None):
         """Writes `entries` (a full backup then deltas, as the manifest of
@@ -127,33 +129,15 @@ class Applier:
                     path, entry, reason) from error
 
     def _function(self, device, parts, contained):
-        """The function applying a row file to `parts` (on `device`);
+        """The function applying a row file to `parts` (on `device`), with
+        the parts' variables and first rows as its arguments;
         `contained[i]`: every row of the file falls in `parts[i]`."""
-        key = (device, tuple(id(p) for p in parts), contained)
-        if key not in self._functions:
-            def apply(path, length, fingerprint, sizes, components):
-                with tf.device(device):
-                    content, actual, actual_fingerprint = \
-                        _row_files.read_file(path)
-                    check = tf.debugging.Assert(tf.logical_and(
-                        tf.equal(actual, length),
-                        tf.equal(actual_fingerprint, fingerprint)),
-                        [_MISMATCH, path])
-                    with tf.control_dependencies([check]):
-                        content = tf.identity(content)
-                    ids = tf.ensure_shape(_row_files.part(
-                        content, sizes, 0, tf.int64), [None])
-                    for i, part in enumerate(parts):
-                        rows = tf.ensure_shape(
-                            _row_files.part(content, sizes, components[i],
-                                            part.variable.dtype),
-                            [None] + part.variable.shape[1:].as_list())
-                        _row_files.assign_rows(part.variable, part.offset,
-                                               ids, rows,
-                                               contained=contained[i])
-
-            self._functions[key] = tf.function(apply, autograph=False)
-        return self._functions[key]
+        function = _apply_function(
+            device, tuple((p.variable.dtype, tuple(p.variable.shape))
+                          for p in parts), contained)
+        variables = [p.variable for p in parts]
+        offsets = tf.constant([p.offset for p in parts], tf.int64)
+        return lambda *args: function(*args, variables, offsets)
 
     def _apply_bundles(self, entry, bundles, devices=None):
         """Reads bundle files here and assigns each variable whole (those
@@ -193,6 +177,51 @@ class Applier:
                         _row_chunks.assign_rows(
                             part.variable, first - part.offset,
                             value[first - lowest:last - lowest])
+
+
+# (device, the variables' dtypes and shapes, contained) -> tf.function,
+# shared by every Applier of the process: the variables are arguments, so a
+# restore into a new model, or by a new backup object, of the same shapes
+# reuses the trace. Tracing was most of a small restore's time.
+_apply_functions = {}
+_apply_functions_lock = threading.Lock()
+
+
+def _apply_function(device, specs, contained):
+    """A function `(path, length, fingerprint, sizes, components, variables,
+    offsets)` that checks the row file `path` and scatters its rows into
+    `variables` (of `specs`, on `device`; `offsets`: the global id of each
+    one's first row)."""
+    key = (device, specs, contained)
+    with _apply_functions_lock:
+        function = _apply_functions.get(key)
+        if function is not None:
+            return function
+
+        def apply(path, length, fingerprint, sizes, components, variables,
+                  offsets):
+            with tf.device(device):
+                content, actual, actual_fingerprint = \
+                    _row_files.read_file(path)
+                check = tf.debugging.Assert(tf.logical_and(
+                    tf.equal(actual, length),
+                    tf.equal(actual_fingerprint, fingerprint)),
+                    [_MISMATCH, path])
+                with tf.control_dependencies([check]):
+                    content = tf.identity(content)
+                ids = tf.ensure_shape(_row_files.part(
+                    content, sizes, 0, tf.int64), [None])
+                for i, variable in enumerate(variables):
+                    rows = tf.ensure_shape(
+                        _row_files.part(content, sizes, components[i],
+                                        variable.dtype),
+                        [None] + variable.shape[1:].as_list())
+                    _row_files.assign_rows(variable, offsets[i], ids, rows,
+                                           contained=contained[i])
+
+        function = _apply_functions[key] = _tf_adapter.keep_traces(
+            tf.function(apply, autograph=False))
+        return function
 
 
 # The message of a failed length or fingerprint check of a file.

@@ -9,6 +9,7 @@ keras_ps.backups._apply.
 """
 
 import concurrent.futures
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -35,18 +36,21 @@ class Writer:
         return [g for g in self._catalog.groups if g.device == device]
 
     def _function(self, device, full):
-        key = (device, full)
-        if key not in self._functions:
-            groups = self._groups(device)
-
-            def write(prefix, since):
-                return _write_groups(prefix, groups, [
-                    None if g.kind == "bundle"
-                    else _rows_to_write(g, full, since) for g in groups],
-                    [g.variables for g in groups])
-
-            self._functions[key] = tf.function(write, autograph=False)
-        return self._functions[key]
+        """`write(prefix, since)` of `device`'s groups: a function shared
+        by every Writer whose groups on `device` have the same kinds and
+        variable shapes (see _write_function), given this one's variables,
+        dirty vectors, names and first rows."""
+        groups = self._groups(device)
+        function = _write_function(device, full, tuple(
+            (g.kind, tuple((v.dtype, tuple(v.shape)) for v in g.variables))
+            for g in groups))
+        variables = [g.variables for g in groups]
+        dirty = [_dirty_rows.tracker_of(g.variables[0]).dirty
+                 if g.table and not full else None for g in groups]
+        names = tf.constant([g.name for g in groups], tf.string)
+        offsets = tf.constant([g.parts[0].offset for g in groups], tf.int64)
+        return lambda prefix, since: function(prefix, since, variables, dirty,
+                                              names, offsets)
 
     def _snapshot_functions(self, device):
         """(snapshot, write, free) of `device`: `snapshot(since)` copies
@@ -76,7 +80,10 @@ class Writer:
                                 resource=v.handle, dtype=v.dtype)
                                 for v in group.variables]
                         else:
-                            ids = _rows_to_write(group, False, since)
+                            ids = _rows_to_write(
+                                _dirty_rows.tracker_of(group.variables[0]).dirty
+                                if group.table else None,
+                                group.parts[0].rows, since)
                             values = [ids] + _row_files.gather_rows(
                                 ids, group.variables)
                         for buffer, value in zip(kept, values):
@@ -247,22 +254,75 @@ class Writer:
         return files, table_rows
 
 
-def _write_groups(prefix, groups, ids, sources):
+def _write_groups(prefix, groups, ids, sources, names=None, offsets=None):
     """Writes each group (its rows `ids[i]` of `sources[i]`, or, for a
-    bundle, `sources[i]` whole), each on its device; the records of each."""
+    bundle, `sources[i]` whole), each on its device; the records of each.
+    `names`, `offsets`: the groups' names and first rows as tensors (a
+    shared function's arguments); None: the groups' own."""
     block_bytes = _row_chunks.chunk_bytes()
     records = []
-    for group, group_ids, group_sources in zip(groups, ids, sources):
-        path = tf.strings.join([prefix, group.name])
+    for i, (group, group_ids, group_sources) in enumerate(
+            zip(groups, ids, sources)):
+        name = group.name if names is None else names[i]
+        offset = group.parts[0].offset if offsets is None else offsets[i]
+        path = tf.strings.join([prefix, name])
         with tf.device(group.device):
             if group.kind == "bundle":
                 records.append(_row_files.write_whole(
                     tf.strings.join([path, ".0"]), group_sources))
                 continue
             records.append(_row_files.write_rows(
-                path, group_ids, group.parts[0].offset, group_sources,
-                _row_files.rows_per_block(group.variables, block_bytes)))
+                path, group_ids, offset, group_sources,
+                _row_files.rows_per_block(group_sources, block_bytes)))
     return records
+
+
+# (device, full, each group's kind and variables' dtypes and shapes) ->
+# tf.function, shared by every Writer of the process: the variables are
+# arguments, so a new backup object, or one of a new model, with the same
+# shapes reuses the trace. Tracing was most of a small backup's time.
+_write_functions = {}
+_write_functions_lock = threading.Lock()
+
+
+class _Layout:
+    """What `_write_groups` needs of a group inside a shared function: its
+    kind and device (the names and first rows come as arguments)."""
+
+    def __init__(self, kind, device):
+        self.kind, self.device = kind, device
+
+
+def _write_function(device, full, specs):
+    """A function `(prefix, since, variables, dirty, names, offsets)` that
+    writes groups of `specs` on `device`: the rows of each table marked
+    after generation `since` in its `dirty` vector (every row when `full`),
+    the rows of the others, or a bundle whole."""
+    key = (device, full, specs)
+    with _write_functions_lock:
+        function = _write_functions.get(key)
+        if function is not None:
+            return function
+        layouts = [_Layout(kind, device) for kind, _ in specs]
+
+        def write(prefix, since, variables, dirty, names, offsets):
+            ids = []
+            for layout, group_variables, marks in zip(layouts, variables,
+                                                      dirty):
+                if layout.kind == "bundle":
+                    ids.append(None)
+                    continue
+                with tf.device(device):
+                    first = group_variables[0]
+                    ids.append(_rows_to_write(
+                        marks, int(first.shape[0]) if first.shape.rank else 1,
+                        since))
+            return _write_groups(prefix, layouts, ids, variables, names,
+                                 offsets)
+
+        function = _write_functions[key] = _tf_adapter.keep_traces(
+            tf.function(write, autograph=False))
+        return function
 
 
 class WriteStopped(Exception):
@@ -298,14 +358,15 @@ def _buffer(dtype, shape):
         shape=shape, trainable=False, name="keras_ps_snapshot")
 
 
-def _rows_to_write(group, full, since):
-    """The local row ids of `group` a backup writes (inside its device)."""
-    if group.table and not full:
-        dirty = _dirty_rows.tracker_of(group.variables[0]).dirty
+def _rows_to_write(dirty, rows, since):
+    """The local row ids a backup writes of a group of `rows` rows (inside
+    its device): those whose mark in `dirty` (a table's dirty vector) is
+    above generation `since`; every row when `dirty` is None."""
+    if dirty is not None:
         marks = tf.raw_ops.ReadVariableOp(resource=dirty.handle,
                                           dtype=tf.int32)
         return tf.reshape(tf.where(marks > since), [-1])
-    return tf.range(group.parts[0].rows, dtype=tf.int64)
+    return tf.range(rows, dtype=tf.int64)
 
 
 def per_device(function, devices):
