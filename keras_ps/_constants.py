@@ -56,11 +56,11 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
 # loops. Written out, the first call of each function on a worker takes
-# longer (a larger graph to trace and instantiate). Off by default: with 5
-# an iteration the benchmarks' model trained 2.00x TF's own path at 10M rows
-# (1.88x for the loop), but LazyAdam's held-out accuracy at equal steps fell
-# 0.6 point (0.813 against 0.820, 5 runs each at 1M rows, two workers) to
-# 0.9-1.4 point under dense Adam's, a cause not found yet.
+# longer (a larger graph to trace and instantiate). Off by default (it
+# changes the graph every step runs): with 5 an iteration the benchmarks'
+# model trained 2.00x TF's own path at 10M rows (1.88x for the loop), and
+# LazyAdam's held-out accuracy at equal steps is the loop's (0.816 at the
+# median of 5 runs each at 1M rows, two workers; dense Adam 0.820).
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
 DEFAULT_UNROLL_STEPS = 0
 

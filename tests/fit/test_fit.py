@@ -357,7 +357,7 @@ def test_changed_input_or_compile_traces_again(fit_strategy):
     assert int(old_optimizer.iterations.numpy()) == 16
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad", "adam"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "lazy_adam"])
 def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
                                                optimizer):
     # Every batch is the whole data, so the result does not depend on which
@@ -379,8 +379,10 @@ def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
             model = keras.Sequential([
                 keras.Input((3,), dtype="int64"), keras.layers.Embedding(50, 4),
                 keras.layers.Flatten(), keras.layers.Dense(1, activation="sigmoid")])
-            model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
-                          steps_per_execution=4)
+            model.compile(
+                keras_ps.optimizers.LazyAdam() if optimizer == "lazy_adam"
+                else optimizer, "binary_crossentropy", metrics=["accuracy"],
+                steps_per_execution=4)
         traced = _count_traces(model)
         model.fit(keras_ps.DatasetCreator(creator), epochs=3, steps_per_epoch=4,
                   verbose=0)
