@@ -5,7 +5,8 @@ Keras' Adam.
 Missing public API: Keras 3's Adam has no sparse update, and an optimizer
 subclass cannot make a slot colocated with its variable on a ps without the
 optimizer's distribution strategy (`_distribution_strategy`), nor find a
-variable's slots without its index (`_get_variable_index`).
+variable's moment slots (`_momentums`, `_velocities`) without its index
+(`_get_variable_index`).
 """
 
 import tensorflow as tf
@@ -16,9 +17,6 @@ from keras_ps.tables import _sharded_weights
 from keras_ps._keras import optimizers as _optimizers
 
 
-# What LazyAdam needs from Keras' Adam: its moment slots (`_momentums`,
-# `_velocities`), the variable index, `iterations`, and slot creation
-# colocated with the variable (`_distribution_strategy`).
 tf_variable = _optimizers.tf_variable
 
 

@@ -45,8 +45,7 @@ class Writer:
             (g.kind, tuple((v.dtype, tuple(v.shape)) for v in g.variables))
             for g in groups))
         variables = [g.variables for g in groups]
-        dirty = [_dirty_rows.tracker_of(g.variables[0]).dirty
-                 if g.table and not full else None for g in groups]
+        dirty = [None if full else _dirty_vector(g) for g in groups]
         names = tf.constant([g.name for g in groups], tf.string)
         offsets = tf.constant([g.parts[0].offset for g in groups], tf.int64)
         return lambda prefix, since: function(prefix, since, variables, dirty,
@@ -80,10 +79,8 @@ class Writer:
                                 resource=v.handle, dtype=v.dtype)
                                 for v in group.variables]
                         else:
-                            ids = _rows_to_write(
-                                _dirty_rows.tracker_of(group.variables[0]).dirty
-                                if group.table else None,
-                                group.parts[0].rows, since)
+                            ids = _rows_to_write(_dirty_vector(group),
+                                                 group.parts[0].rows, since)
                             values = [ids] + _row_files.gather_rows(
                                 ids, group.variables)
                         for buffer, value in zip(kept, values):
@@ -356,6 +353,13 @@ def _buffer(dtype, shape):
     return _tf_adapter.plain_variable(
         initial_value=tf.zeros([d or 0 for d in shape.as_list()], dtype),
         shape=shape, trainable=False, name="keras_ps_snapshot")
+
+
+def _dirty_vector(group):
+    """A table group's dirty vector (its rows' marks); None for a group
+    that is not a table (written whole by every backup)."""
+    return (_dirty_rows.tracker_of(group.variables[0]).dirty if group.table
+            else None)
 
 
 def _rows_to_write(dirty, rows, since):
