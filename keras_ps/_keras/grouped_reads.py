@@ -41,6 +41,9 @@ OPTIMIZER_CLASS = base_optimizer.BaseOptimizer
 TRAINER_CLASS = tf_trainer.TensorFlowTrainer
 # Layers that read their weight a few rows at a time: never read whole.
 ROW_LOOKUP_LAYERS = (keras.layers.Embedding,)
+# Optimizers whose updates read the step count (keras_ps.optimizers.LazyAdam
+# is one).
+ADAM_CLASSES = (keras.optimizers.Adam,)
 
 
 def _grouped_tensor(keras_tf_tensor):
@@ -204,6 +207,27 @@ def step_variables(model, step_name):
         # gradients (keras_ps._keras.optimizers._per_apply).
         chosen.append(rate)
     return chosen
+
+
+def step_passengers(model, step_name, grouped):
+    """The int64 tf.Variables a step reads with its grouped weights (see
+    keras_ps.tables._grouped_transfers.scope): in a train_step that groups
+    reads (`grouped`, from `step_variables`), the `iterations` of an Adam
+    optimizer (Keras' Adam, LazyAdam), whose every update needs the step
+    count; read with its ps' weights at the step's start, it rides to the
+    other ps with their gradients (keras_ps._keras.optimizers.adam_scalars)
+    instead of being sent there from its ps, one message a step. Else
+    empty."""
+    if step_name != "train_step" or not grouped:
+        return []
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    if not isinstance(optimizer, ADAM_CLASSES):
+        return []
+    inner = getattr(optimizer.iterations, "_value", None)
+    if inner is None or "/job:ps/" not in (inner.device or ""):
+        return []
+    return [inner]
 
 
 def _learning_rate_variable(model):

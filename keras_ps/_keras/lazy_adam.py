@@ -48,12 +48,14 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
         _optimizers.ADAM_CLASS.update_step(optimizer, gradient, variable,
                                            learning_rate)
         if row_step is not None:
-            # Every row was updated at this step.
+            # Every row was updated at this step; as in the sparse update, a
+            # row's step never goes back (an apply whose `t` is older than
+            # another worker's, already applied, leaves that one).
             with tf.device(inner.device):
                 step = _optimizers.adam_scalars(
                     optimizer, inner.dtype, learning_rate, inner.device)[0]
-                tf_variable(row_step).assign(
-                    tf.fill(tf.shape(tf_variable(row_step)), step))
+                steps = tf_variable(row_step)
+                steps.assign(tf.maximum(steps.read_value(), step))
         _dirty_rows.mark_all(inner)
         return
     if _optimizers.uses_weight_decay(optimizer, inner):

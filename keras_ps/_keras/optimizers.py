@@ -106,11 +106,20 @@ def adam_scalars(optimizer, dtype, learning_rate, device):
     """(t, beta1^t, beta2^t, lr, beta1, beta2, epsilon) of this step for an
     update on `device`: t (`iterations + 1`) as int64, the others as `dtype`.
 
-    Made once per `apply` as one tensor, where the first update runs, and
-    split again on each other device: one message per ps, not seven scalars
-    (each a message between processes) per variable. The tensor is float64,
-    which holds t exactly up to 2^53 and a value of `dtype` exactly; the
-    powers are taken in `dtype`, as Keras' Adam does."""
+    On a ps to which `iterations`, read at the step's start, rode with the
+    gradients (see `_riders`), they are made there from that read: no
+    message. Otherwise made once per `apply` as one tensor, where the first
+    update runs, and split again on each other device: one message per ps,
+    not seven scalars (each a message between processes) per variable. The
+    tensor is float64, which holds t exactly up to 2^53 and a value of
+    `dtype` exactly; the powers are taken in `dtype`, as Keras' Adam does.
+
+    The read at the step's start is the count the update would read on its
+    own unless another worker's step added to it meanwhile: t is then one
+    or two lower on that ps, as if the update had been applied before that
+    step's; the bias corrections barely differ after the first steps, and
+    LazyAdam's row steps never go back (keras_ps.tables._rowwise.lazy_adam).
+    """
     def pack():
         step = _next_step(optimizer)
         t = tf.cast(step, dtype)
@@ -129,7 +138,21 @@ def adam_scalars(optimizer, dtype, learning_rate, device):
             return ((tf.cast(parts[0], tf.int64),)
                     + tuple(tf.cast(part, dtype) for part in parts[1:]))
 
-    return _cached(optimizer, ("adam", dtype, device), unpack)
+    def from_step_read(read):
+        # `iterations` as the step read it at its start came with the
+        # gradients: the scalars are made here, no message from its ps.
+        with tf.device(device):
+            step = read + 1
+            t = tf.cast(step, dtype)
+            beta_1 = tf.cast(optimizer.beta_1, dtype)
+            beta_2 = tf.cast(optimizer.beta_2, dtype)
+            return (step, tf.pow(beta_1, t), tf.pow(beta_2, t),
+                    tf.cast(learning_rate, dtype), beta_1, beta_2,
+                    tf.cast(optimizer.epsilon, dtype))
+
+    read = _landed(optimizer, device, _STEP_READ)
+    return _cached(optimizer, ("adam", dtype, device),
+                   unpack if read is None else lambda: from_step_read(read))
 
 
 # Per thread: the coordinator's worker threads trace steps concurrently, and
@@ -149,7 +172,7 @@ def _read_once(learning_rate):
 
 def _per_apply(keras_backend_update_step):
     # Once per `apply` (every optimizer): the learning rate is read once (see
-    # _read_once) or comes with the gradients (see _learning_rate_rider),
+    # _read_once) or comes with the gradients (see _riders),
     # Adam's scalars are made once (see adam_scalars), and each ps' dense
     # gradients cross as one tensor (see keras_ps.tables._grouped_transfers),
     # every update then running on the ps from its piece. Missing public API:
@@ -161,9 +184,9 @@ def _per_apply(keras_backend_update_step):
         if _grouped_transfers.enabled() and not in_stateless_scope():
             grads, landed = _grouped_transfers.gradients_to_ps(
                 grads, [_tf_variable(v) for v in trainable_variables],
-                _learning_rate_rider(learning_rate))
+                _riders(self, learning_rate))
         caches = _apply_state.__dict__.setdefault("caches", {})
-        caches[id(self)] = {}
+        caches[id(self)] = {_LANDED: landed}
         try:
             if not landed:
                 return keras_backend_update_step(
@@ -179,7 +202,7 @@ def _per_apply(keras_backend_update_step):
             # the first update runs (see adam_scalars).
             first = _tf_variable(self.iterations).device
             for device in sorted(by_device, key=lambda d: d != first):
-                rate = landed.get(device)
+                rate = landed.get(device, {}).get(_RATE)
                 if rate is None:
                     home = _read_once(learning_rate) if home is None else home
                     rate = home
@@ -192,16 +215,34 @@ def _per_apply(keras_backend_update_step):
     return _backend_update_step
 
 
-def _learning_rate_rider(learning_rate):
-    """(value, device) of a learning rate held in a ps variable that the
-    step has read with its ps' grouped transfer, for the gradients to carry
-    to every other ps (keras_ps.tables._grouped_transfers.gradients_to_ps);
-    None otherwise (a schedule, a rate the step did not bring)."""
-    if not isinstance(learning_rate, (VARIABLE_CLASS, tf.Variable)):
-        return None
-    inner = _tf_variable(learning_rate)
-    value = _grouped_transfers.read_already(inner)
-    return None if value is None else (value, inner.device)
+# Names of the values that ride with a step's gradients, and the key of the
+# apply's cache where they landed ({ps device: {name: value there}}).
+_RATE, _STEP_READ, _LANDED = "learning_rate", "iterations", "landed"
+
+
+def _riders(optimizer, learning_rate):
+    """The values this step has read with a ps' grouped transfer that ride
+    with the gradients to every other ps
+    (keras_ps.tables._grouped_transfers.gradients_to_ps), as {name: (value,
+    device)}: the learning rate held in a ps variable (not a schedule's);
+    `iterations` at the step's start, when the step read it (see
+    keras_ps._keras.grouped_reads.step_passengers)."""
+    riders = {}
+    for name, variable in ((_RATE, learning_rate),
+                           (_STEP_READ, optimizer.iterations)):
+        if not isinstance(variable, (VARIABLE_CLASS, tf.Variable)):
+            continue
+        inner = _tf_variable(variable)
+        value = _grouped_transfers.read_already(inner)
+        if value is not None:
+            riders[name] = (value, inner.device)
+    return riders
+
+
+def _landed(optimizer, device, name):
+    """Rider `name`'s value on `device` in the current apply, or None."""
+    cache = getattr(_apply_state, "caches", {}).get(id(optimizer)) or {}
+    return cache.get(_LANDED, {}).get(device, {}).get(name)
 
 
 def _fused_adam_update_step(keras_update_step):

@@ -33,8 +33,10 @@ What this module does, inside a traced step (`scope`):
   runs (the strategy updates a variable under its device). A shard's row
   count is taken on the ps from the rows' indices, which its lookup sent
   there already. The optimizer's learning rate, read with its own ps' group
-  at the step's start, rides in every other ps' tensor (`rider`): without
+  at the step's start, rides in every other ps' tensor (`riders`): without
   it each of those ps would fetch it from its ps, one message a step each.
+  So does the optimizer's step count (`iterations`), for Adam's updates:
+  a passenger of its ps' read (int64, carried as the bytes of floats).
 
 One difference from one tensor per variable: a grouped variable that the
 loss does not use gets a zero gradient, not none (the split's gradient fills
@@ -76,7 +78,7 @@ def groupable(variable):
 class _StepReads:
     """The grouped reads of one traced step (see the module docstring)."""
 
-    def __init__(self, variables):
+    def __init__(self, variables, passengers=()):
         groups = {}
         for variable in variables:
             groups.setdefault((variable.device, variable.dtype), []).append(variable)
@@ -88,7 +90,17 @@ class _StepReads:
             self._by_ps[(group[0].device, group[0].dtype)] = g
             for i, variable in enumerate(group):
                 self._where[id(variable)] = (g, i)
-        self._pieces = {}  # (graph, group index) -> one tensor per variable
+        # Int64 scalars read with the first group of their ps, as its bytes.
+        self._passengers = [[] for _ in self._groups]
+        for passenger in passengers:
+            g = next((g for g, group in enumerate(self._groups)
+                      if group[0].device == passenger.device), None)
+            if g is not None and _carries_int64(self._groups[g][0].dtype):
+                self._where[id(passenger)] = (
+                    g, len(self._groups[g]) + len(self._passengers[g]))
+                self._passengers[g].append(passenger)
+        # (graph, group index) -> one tensor per variable, then per passenger
+        self._pieces = {}
         self.open = True
 
     def get(self, variable):
@@ -105,7 +117,8 @@ class _StepReads:
         key = (tf.compat.v1.get_default_graph(), where[0])
         pieces = self._pieces.get(key)
         if pieces is None:
-            pieces = self._pieces[key] = _read_group(self._groups[where[0]])
+            pieces = self._pieces[key] = _read_group(
+                self._groups[where[0]], self._passengers[where[0]])
         return pieces[where[1]]
 
     def read_already(self, variable):
@@ -130,7 +143,7 @@ class _StepReads:
         key = (tf.compat.v1.get_default_graph(), g)
         if g is None or key in self._pieces or not row_shape.is_fully_defined():
             return None
-        group = self._groups[g]
+        group, passengers = self._groups[g], self._passengers[g]
         with tf.device(table.device):
             gathered = tf.gather(table, rows)
             values = [v.read_value() for v in group]
@@ -139,33 +152,73 @@ class _StepReads:
         # the ps' tensors, moving them to the worker to get them.
         with _tf_adapter.stop_recording():
             with tf.device(table.device):
-                flat = _joined([gathered] + values)
+                flat = _joined([gathered] + values + [
+                    as_bits(p.read_value(), table.dtype) for p in passengers])
             pieces = _split(flat, [tf.size(rows) * row_shape.num_elements()]
-                            + [v.shape.num_elements() for v in group])
+                            + [v.shape.num_elements() for v in group]
+                            + [_bits_size(table.dtype)] * len(passengers))
             own_rows = tf.reshape(pieces[0], [-1] + row_shape.as_list())
             own_values = [tf.reshape(piece, v.shape)
                           for piece, v in zip(pieces[1:], group)]
+            carried = [from_bits(piece) for piece in pieces[1 + len(group):]]
         _tf_adapter.record_operation(
             "KerasPsRowsWithGroup", [own_rows] + own_values,
             [gathered] + values, lambda *grads: list(grads))
-        self._pieces[key] = own_values
+        self._pieces[key] = own_values + carried
         return own_rows
 
 
-def _read_group(group):
+def _read_group(group, passengers=()):
+    dtype = group[0].dtype
     with tf.device(group[0].device):
-        flat = _joined([v.read_value() for v in group])
+        values = [v.read_value() for v in group]
+        with _tf_adapter.stop_recording():
+            bits = [as_bits(p.read_value(), dtype) for p in passengers]
+        flat = _joined(values + bits)
     # Split where the step runs: one tensor crosses.
-    pieces = _split(flat, [v.shape.num_elements() for v in group])
-    return [tf.reshape(piece, v.shape) for piece, v in zip(pieces, group)]
+    pieces = _split(flat, [v.shape.num_elements() for v in group]
+                    + [_bits_size(dtype)] * len(passengers))
+    own = [tf.reshape(piece, v.shape) for piece, v in zip(pieces, group)]
+    with _tf_adapter.stop_recording():
+        return own + [from_bits(piece) for piece in pieces[len(group):]]
+
+
+# -- An int64 scalar (the optimizer's step) carried in a tensor of floats ------
+# A step count read with a ps' weights, or sent with a ps' gradients, crosses
+# in the one tensor that crosses anyway, as its 8 bytes reinterpreted
+# (`tf.bitcast`; the concat, split and transfer copy bytes, no arithmetic
+# touches them), so any count is carried exactly.
+
+def _carries_int64(dtype):
+    return dtype.is_floating and 8 % dtype.size == 0
+
+
+def _bits_size(dtype):
+    return 8 // dtype.size
+
+
+def as_bits(value, dtype):
+    """Int64 scalar `value` as a vector of `dtype` holding its bytes."""
+    return tf.reshape(tf.bitcast(tf.cast(value, tf.int64), dtype), [-1])
+
+
+def from_bits(piece):
+    """The int64 scalar whose bytes vector `piece` holds (see `as_bits`)."""
+    if piece.dtype.size == 8:
+        return tf.reshape(tf.bitcast(piece, tf.int64), [])
+    return tf.reshape(tf.bitcast(tf.reshape(piece, [-1, _bits_size(piece.dtype)]),
+                                 tf.int64), [])
 
 
 @contextlib.contextmanager
-def scope(variables):
+def scope(variables, passengers=()):
     """Groups the reads of `variables` (tf.Variables) in the step traced
-    inside; an empty list groups nothing."""
+    inside; an empty list groups nothing. `passengers`: int64 scalar
+    tf.Variables read with the first group of their ps (as its bytes, see
+    `as_bits`), for `read_already` to give (a passenger without a group on
+    its ps is not read)."""
     previous = getattr(_local, "reads", None)
-    _local.reads = _StepReads(variables) if variables else None
+    _local.reads = _StepReads(variables, passengers) if variables else None
     try:
         yield
     finally:
@@ -289,7 +342,7 @@ def _row_gradient(grad, variable):
             and variable.shape[1:].is_fully_defined())
 
 
-def gradients_to_ps(grads, variables, rider=None):
+def gradients_to_ps(grads, variables, riders=None):
     """`grads` with the gradients of each ps' variables moved there as one
     tensor per (ps, dtype) and split on the ps: the dense gradients of its
     groupable variables, and the rows of its sparse gradients (an embedding
@@ -298,16 +351,18 @@ def gradients_to_ps(grads, variables, rider=None):
     Args:
         grads: one gradient (or None) per variable.
         variables: the tf.Variables, in the order of `grads`.
-        rider: None, or (scalar tensor on the worker, the device it came
-            from): a value the step holds already (the learning rate, read
-            with its ps' group) that each other ps needs. It joins the one
-            tensor of that ps' gradients of its dtype, which crosses anyway,
-            instead of crossing from its own ps as a message of its own.
+        riders: None, or {name: (scalar tensor on the worker, the device it
+            came from)}: values the step holds already (the learning rate
+            and the step count, read with their ps' group) that each other
+            ps needs. Each joins the one tensor of that ps' gradients of its
+            dtype (an int64 one: of a float dtype, as its bytes), which
+            crosses anyway, instead of crossing from its own ps as a message
+            of its own.
 
     Returns:
-        (the gradients, {ps device: the rider's value there}); the second is
-        empty without a rider, and lacks a ps whose gradients it could not
-        join.
+        (the gradients, {ps device: {name: the rider's value there}}); the
+        second lacks a rider on a ps whose gradients it could not join, and
+        on its own ps.
     """
     if tf.executing_eagerly():
         return list(grads), {}
@@ -320,20 +375,37 @@ def gradients_to_ps(grads, variables, rider=None):
             groups.setdefault((variable.device, grad.values.dtype), []).append(i)
     moved, landed = list(grads), {}
     for (device, dtype), members in groups.items():
-        rides = (rider is not None and rider[0].dtype == dtype
-                 and device != rider[1] and device not in landed)
-        if len(members) + rides < 2:
+        here = landed.setdefault(device, {})
+        rides = [(name, value) for name, (value, origin) in (riders or {}).items()
+                 if origin != device and name not in here and _rides_in(value, dtype)]
+        if len(members) + len(rides) < 2:
             continue
         flat = _joined([_values(grads[i]) for i in members]
-                       + ([rider[0]] if rides else []))
+                       + [_riding(value, dtype) for _, value in rides])
         with tf.device(device):
             pieces = _split(flat, [_size_on_ps(grads[i], variables[i])
-                                   for i in members] + ([1] if rides else []))
+                                   for i in members]
+                            + [_riding_size(value, dtype) for _, value in rides])
             for i, piece in zip(members, pieces):
                 moved[i] = _as_before(piece, grads[i], variables[i])
-            if rides:
-                landed[device] = tf.reshape(pieces[-1], [])
-    return moved, landed
+            for (name, value), piece in zip(rides, pieces[len(members):]):
+                here[name] = (from_bits(piece) if value.dtype == tf.int64
+                              else tf.reshape(piece, []))
+    return moved, {device: here for device, here in landed.items() if here}
+
+
+def _rides_in(value, dtype):
+    return value.dtype == dtype or (value.dtype == tf.int64
+                                    and _carries_int64(dtype))
+
+
+def _riding(value, dtype):
+    return (as_bits(value, dtype) if value.dtype == tf.int64
+            else tf.reshape(value, [1]))
+
+
+def _riding_size(value, dtype):
+    return _bits_size(dtype) if value.dtype == tf.int64 else 1
 
 
 def _joined(tensors):

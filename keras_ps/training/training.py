@@ -72,12 +72,13 @@ class _StepFunctions:
         def multi_step(iterator):
             model = model_ref()
             grouped = grouped_reads.step_variables(model, step_name)
+            passengers = grouped_reads.step_passengers(model, step_name, grouped)
             model_step = getattr(model, step_name)
 
             def step(batch):
                 # Each step reads its ps' small weights in one transfer per
                 # ps, and sends its metric additions in one.
-                with _grouped_transfers.scope(grouped), \
+                with _grouped_transfers.scope(grouped, passengers), \
                         grouped_reads.metric_adds_held(model, step_name):
                     return model_step(batch)
 

@@ -45,7 +45,8 @@ def _fit(strategy, optimizer, monkeypatch, group):
             keras.layers.Dense(4, activation="relu"),
             keras.layers.Dense(1, activation="sigmoid",
                                kernel_constraint=keras.constraints.MaxNorm(0.5))])
-        model.compile(keras.optimizers.get(optimizer), "binary_crossentropy",
+        model.compile(keras_ps.optimizers.LazyAdam() if optimizer == "lazy_adam"
+                      else keras.optimizers.get(optimizer), "binary_crossentropy",
                       metrics=["accuracy"], steps_per_execution=4)
     history = model.fit(keras_ps.DatasetCreator(creator), epochs=3,
                         steps_per_epoch=4, verbose=0)
@@ -61,15 +62,16 @@ class _Spy:
     def __init__(self, monkeypatch):
         self.read_groups, self.moved, self.held = [], [], []
         self.rows_with_group = []
-        self.rates_landed = []  # (the rate's ps, ps it rode to, its copy's)
+        # rider name -> [(its ps, ps it rode to, the device of its copy)]
+        self.landed = {}
         read_group, to_ps = (_grouped_transfers._read_group,
                              _grouped_transfers.gradients_to_ps)
         with_group = _grouped_transfers._StepReads.gather_with_group
         defer_add = _grouped_transfers.defer_add
 
-        def spy_read_group(group):
+        def spy_read_group(group, passengers=()):
             self.read_groups.append([v.device for v in group])
-            return read_group(group)
+            return read_group(group, passengers)
 
         def spy_with_group(reads, table, rows):
             gathered = with_group(reads, table, rows)
@@ -86,13 +88,15 @@ class _Spy:
                 self.held.append(variable.device)
             return held
 
-        def spy_to_ps(grads, variables, rider=None):
-            moved, landed = to_ps(grads, variables, rider)
+        def spy_to_ps(grads, variables, riders=None):
+            moved, landed = to_ps(grads, variables, riders)
             self.moved.extend(
                 (v.device, m.device) for g, v, m in zip(grads, variables, moved)
                 if m is not g)
-            self.rates_landed.extend((rider[1], device, value.device)
-                                     for device, value in landed.items())
+            for device, values in landed.items():
+                for name, value in values.items():
+                    self.landed.setdefault(name, []).append(
+                        (riders[name][1], device, value.device))
             return moved, landed
 
         monkeypatch.setattr(_grouped_transfers, "_read_group", spy_read_group)
@@ -103,7 +107,7 @@ class _Spy:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "sgd", "lazy_adam"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
 def test_grouped_steps_train_as_one_tensor_per_weight(
         cluster, strategy, sharded_strategy, monkeypatch, optimizer, sharded):
@@ -130,11 +134,15 @@ def test_grouped_steps_train_as_one_tensor_per_weight(
         assert grad_device == variable_device, (grad_device, variable_device)
     if sharded:
         # The learning rate, read with its ps' weights, rode to the other ps
-        # with that ps' gradients: no message of its own from its ps.
-        assert spy.rates_landed, "the learning rate rode nowhere"
-        for home, device, value_device in spy.rates_landed:
-            assert device != home and value_device == device, (
-                home, device, value_device)
+        # with that ps' gradients: no message of its own from its ps. So did
+        # Adam's step count, which the other optimizers do not read.
+        riding = ["learning_rate"] + (
+            ["iterations"] if optimizer in ("adam", "lazy_adam") else [])
+        assert sorted(spy.landed) == sorted(riding), spy.landed
+        for name in riding:
+            for home, device, value_device in spy.landed[name]:
+                assert device != home and value_device == device, (
+                    name, home, device, value_device)
 
     # The same training, step for step: weights, losses, evaluation.
     for want, got in zip(plain[0], grouped[0]):
@@ -298,3 +306,24 @@ def test_a_learning_rate_set_between_epochs_reaches_every_ps(
         assert not np.array_equal(trained, start)
     for before, after in zip(first, third):
         np.testing.assert_array_equal(after, before)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_a_step_count_crosses_in_a_float_tensor_exactly(dtype):
+    # The step count rides in a ps' float tensor as its bytes: joined with
+    # floats, split again and turned back, every int64 comes back the same,
+    # including counts no float of that dtype holds exactly.
+    counts = [0, 1, 7, 2**24 + 1, 2**53 + 1, 2**62 + 3, -1]
+    floats = tf.constant([0.5, -2.0, float("nan")], dtype)
+
+    @tf.function
+    def round_trip(count):
+        bits = _grouped_transfers.as_bits(count, tf.as_dtype(dtype))
+        flat = _grouped_transfers._joined([floats, bits, floats])
+        pieces = _grouped_transfers._split(
+            flat, [3, _grouped_transfers._bits_size(tf.as_dtype(dtype)), 3])
+        return _grouped_transfers.from_bits(pieces[1])
+
+    for count in counts:
+        got = round_trip(tf.constant(count, tf.int64))
+        assert got.dtype == tf.int64 and int(got.numpy()) == count, (count, got)

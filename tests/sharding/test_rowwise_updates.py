@@ -265,6 +265,19 @@ def test_lazy_adam_update_at_an_earlier_step_keeps_the_rows_later_step():
     np.testing.assert_array_equal(last.numpy(), [0, 7, 0])
 
 
+def test_lazy_adam_dense_update_at_an_earlier_step_keeps_the_rows_later_steps():
+    # A weight's dense gradient updates every row at step t: each row's step
+    # becomes t, unless another worker's later step already reached it (a
+    # row of this weight updated sparsely at step 9 stays at 9).
+    optimizer = keras_ps.optimizers.LazyAdam(0.1)
+    weight = keras.Variable(np.ones((3, 2), "float32"))
+    optimizer.build([weight])
+    steps = optimizer._row_steps[optimizer._get_variable_index(weight)]
+    steps.assign([0, 9, 0])
+    optimizer.apply([tf.ones((3, 2))], [weight])  # step 1
+    np.testing.assert_array_equal(steps.numpy(), [1, 9, 1])
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
 @pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
 def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shards,
