@@ -46,7 +46,8 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_ungrouped",
            "keras_ps_adagrad_ungrouped_unrolled", "keras_ps_adagrad_unrolled2",
            "keras_ps_adagrad_unrolled3", "keras_ps_adagrad_unrolled5",
-           "keras_ps_adagrad_unrolled1", "keras_ps_lazyadam_unrolled1")
+           "keras_ps_adagrad_unrolled1", "keras_ps_lazyadam_unrolled1",
+           "keras_ps_lazyadam_unrolled5")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
