@@ -51,7 +51,8 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
-# ("_unrolled1": one step an iteration, as keras_ps' default);
+# ("_unrolled1": one step an iteration, the loop; a system without the
+# suffix runs keras_ps' default, 5 an iteration);
 # "<system>_ungrouped" moves one tensor per variable between processes
 # instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
 UNROLLED = "_unrolled"

@@ -55,14 +55,14 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # count there is no loop. Keras' own train_step / test_step write out K an
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
-# loops. Written out, the first call of each function on a worker takes
-# longer (a larger graph to trace and instantiate). Off by default (it
-# changes the graph every step runs): with 5 an iteration the benchmarks'
-# model trained 2.00x TF's own path at 10M rows (1.88x for the loop), and
-# LazyAdam's held-out accuracy at equal steps is the loop's (0.816 at the
-# median of 5 runs each at 1M rows, two workers; dense Adam 0.820).
+# loops; a model with a DynamicEmbedding always loops. Written out, the first
+# call of each function on a worker takes longer (a larger graph to trace
+# and instantiate). 5 by default: the benchmarks' model trained 1.22x the
+# loop's steady rate at 10M rows, 1.17x at 1M with uniform ids and 0.97x at
+# 1M with Zipf ids (medians of 3 pairs), and LazyAdam's held-out accuracy at equal steps is the loop's (0.816 at
+# the median of 5 runs each at 1M rows, two workers; dense Adam 0.820).
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 0
+DEFAULT_UNROLL_STEPS = 5
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most
