@@ -204,7 +204,7 @@ def step_variables(model, step_name):
     rate = _learning_rate_variable(model) if step_name == "train_step" else None
     if chosen and rate is not None and _grouped_transfers.groupable(rate):
         # Read with its ps' weights, it rides to the other ps with their
-        # gradients (keras_ps._keras.optimizers._per_apply).
+        # gradients (keras_ps._keras.per_apply.once_per_apply).
         chosen.append(rate)
     return chosen
 
@@ -215,7 +215,7 @@ def step_passengers(model, step_name, grouped):
     reads (`grouped`, from `step_variables`), the `iterations` of an Adam
     optimizer (Keras' Adam, LazyAdam), whose every update needs the step
     count; read with its ps' weights at the step's start, it rides to the
-    other ps with their gradients (keras_ps._keras.optimizers.adam_scalars)
+    other ps with their gradients (keras_ps._keras.per_apply.adam_scalars)
     instead of being sent there from its ps, one message a step. Else
     empty."""
     if step_name != "train_step" or not grouped:

@@ -1,6 +1,6 @@
 """LazyAdam's row steps and update (`keras.src...` through
-keras_ps._keras.optimizers): what keras_ps.optimizers.LazyAdam adds to
-Keras' Adam.
+keras_ps._keras.optimizers and keras_ps._keras.per_apply): what
+keras_ps.optimizers.LazyAdam adds to Keras' Adam.
 
 Missing public API: Keras 3's Adam has no sparse update, and an optimizer
 subclass cannot make a slot colocated with its variable on a ps without the
@@ -15,6 +15,7 @@ from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _rowwise
 from keras_ps.tables import _sharded_weights
 from keras_ps._keras import optimizers as _optimizers
+from keras_ps._keras import per_apply
 
 
 tf_variable = _optimizers.tf_variable
@@ -52,7 +53,7 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
             # row's step never goes back (an apply whose `t` is older than
             # another worker's, already applied, leaves that one).
             with tf.device(inner.device):
-                step = _optimizers.adam_scalars(
+                step = per_apply.adam_scalars(
                     optimizer, inner.dtype, learning_rate, inner.device)[0]
                 steps = tf_variable(row_step)
                 steps.assign(tf.maximum(steps.read_value(), step))
@@ -68,7 +69,7 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
     # The step and the learning rate arrive with Adam's other scalars: one
     # message to this ps for the whole apply.
     with tf.device(inner.device):
-        step, _, _, learning_rate, _, _, _ = _optimizers.adam_scalars(
+        step, _, _, learning_rate, _, _, _ = per_apply.adam_scalars(
             optimizer, inner.dtype, learning_rate, inner.device)
     _rowwise.lazy_adam(
         inner, _optimizers.slot(optimizer, "_momentums", variable),

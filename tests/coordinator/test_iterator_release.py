@@ -28,8 +28,27 @@ def _open_on_workers(cluster, path):
     return sum(open_on([cluster.pid("worker", i) for i in range(2)], path))
 
 
+def _earlier_drops_released(cluster, coordinator, tmp_path):
+    """Returns once every iterator dropped before the call has been released
+    on the workers. Earlier tests of this process may have left iterators to
+    the garbage collector: released after a test's own, one of them would
+    push the test's out of the holder early. Two markers are dropped after
+    them, in order; the first closes its files once the second's release
+    reached every worker, and releases run in the order dropped."""
+    gc.collect()
+    markers = [write_records(str(tmp_path / f"marker{i}.tfrecord"))
+               for i in range(2)]
+    for marker in markers:
+        iterator = reading_iterator(coordinator, marker)
+        del iterator
+        gc.collect()
+    wait_until(lambda: _open_on_workers(cluster, markers[0]) == 0, 60,
+               "the iterators dropped before the test to be released")
+
+
 def test_a_released_iterator_is_held_until_the_next_release(
         cluster, coordinator, tmp_path):
+    _earlier_drops_released(cluster, coordinator, tmp_path)
     first = write_records(str(tmp_path / "first.tfrecord"))
     second = write_records(str(tmp_path / "second.tfrecord"))
 
@@ -55,6 +74,7 @@ def test_a_released_iterator_is_held_until_the_next_release(
 def test_a_dropped_iterator_is_released_too(cluster, coordinator, tmp_path):
     # A custom loop that makes a new iterator each epoch and drops the last
     # one: the coordinator releases it on a thread of its own.
+    _earlier_drops_released(cluster, coordinator, tmp_path)
     first = write_records(str(tmp_path / "first.tfrecord"))
     second = write_records(str(tmp_path / "second.tfrecord"))
 

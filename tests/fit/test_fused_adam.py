@@ -126,7 +126,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
     # Thread "a" stops inside its apply; thread "b" runs an apply of its own
     # and stops right after making its scalars; "a" then goes on: reusing b's
     # scalars (another graph's tensors) would fail with "out of scope".
-    from keras_ps._keras import optimizers as keras_optimizers
+    from keras_ps._keras import per_apply
 
     with strategy.scope():
         table = keras.Variable(np.ones((ROWS, DIM), "float32"))
@@ -135,7 +135,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
         optimizer.build([table, kernel])
     a_waiting, b_made_scalars = threading.Event(), threading.Event()
     a_done = threading.Event()
-    make_scalars = keras_optimizers.adam_scalars
+    make_scalars = per_apply.adam_scalars
 
     def paced(opt, dtype, learning_rate, device):
         name = threading.current_thread().name
@@ -148,7 +148,7 @@ def test_concurrent_traces_share_no_tensors(strategy, monkeypatch):
             assert a_done.wait(30)
         return scalars
 
-    monkeypatch.setattr(keras_optimizers, "adam_scalars", paced)
+    monkeypatch.setattr(per_apply, "adam_scalars", paced)
     errors = []
 
     def trace():
