@@ -79,10 +79,11 @@ def _task(args):
     return cluster, job, index
 
 
-def _serve_until_signal(server, job, index, address, parent=None):
-    """Serves until SIGTERM/SIGINT, or until `parent` (a pid) is no longer
-    this process' parent: a parent that dies, even by SIGKILL, leaves this
-    process to init, and nothing else would stop it."""
+def _stop_on_signals():
+    """An event that SIGTERM and SIGINT set. Installed before the server
+    starts: its port is open as soon as it starts, and a signal sent then
+    (a test, or an orchestrator stopping a task that just came up) must
+    stop it cleanly, not with Python's default exit."""
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -90,6 +91,14 @@ def _serve_until_signal(server, job, index, address, parent=None):
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
+def _serve_until_signal(server, job, index, address, stop, parent=None):
+    """Serves until `stop` is set (SIGTERM/SIGINT, see _stop_on_signals), or
+    until `parent` (a pid) is no longer this process' parent: a parent that
+    dies, even by SIGKILL, leaves this process to init, and nothing else
+    would stop it."""
     print(f"keras_ps.server: {job}:{index} serving at {address}", flush=True)
     why = "on signal"  # the message tests and operators look for
     while not stop.wait(1.0):
@@ -133,6 +142,7 @@ def main(argv=None):
     config = config_pb2.ConfigProto()
     config.inter_op_parallelism_threads = (
         args.inter_op_threads or max(4, os.cpu_count() or 1))
+    stop = _stop_on_signals()
     try:
         server = server_lib.Server(
             server_lib.ClusterSpec(cluster_lib.training_cluster(cluster)),
@@ -142,7 +152,7 @@ def main(argv=None):
     except Exception as e:  # TF raises UnknownError for bind failures.
         return _fail(f"could not start {job}:{index} at {address}: "
                      f"{str(e).splitlines()[0]}")
-    _serve_until_signal(server, job, index, address, parent)
+    _serve_until_signal(server, job, index, address, stop, parent)
 
 
 if __name__ == "__main__":
