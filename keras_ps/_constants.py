@@ -57,12 +57,14 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # metrics' results writes out all of them when they are at most K, else
 # loops; a model with a DynamicEmbedding always loops. Written out, the first
 # call of each function on a worker takes longer (a larger graph to trace
-# and instantiate). 5 by default: the benchmarks' model trained 1.22x the
-# loop's steady rate at 10M rows, 1.17x at 1M with uniform ids and 0.97x at
-# 1M with Zipf ids (medians of 3 pairs), and LazyAdam's held-out accuracy at equal steps is the loop's (0.816 at
-# the median of 5 runs each at 1M rows, two workers; dense Adam 0.820).
+# and instantiate). Off by default: with 5 an iteration the benchmarks' model
+# trained 1.22x the loop's steady rate at 10M rows (2.10x TF's own path, the
+# loop 1.77x), 1.17x at 1M with uniform ids and 0.97x at 1M with Zipf ids
+# (medians of 3 pairs), and LazyAdam's held-out accuracy at equal steps is
+# the loop's; but every new model's first `fit` traces 5 copies of its step,
+# which made the test suite 13% longer (1,186 s against 1,045 s).
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 5
+DEFAULT_UNROLL_STEPS = 0
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most
