@@ -577,12 +577,16 @@ def test_join_flood_keeps_keepalives_and_memory_bounded(launched):
           f"{max(t for _, t in latencies) * 1000:.0f} ms over "
           f"{len(latencies)} calls")
 
-    # Waiting nodes beyond max_nodes are capped at max_pending_nodes; the
-    # rest is refused at once. (gRPC's own overload protection may cancel a
-    # few calls it cannot even queue: CANCELLED.)
+    # Waiting nodes beyond max_nodes are capped at max_pending_nodes (1024);
+    # the rest is refused at once. (gRPC's own overload protection may cancel
+    # a few calls it cannot even queue: CANCELLED.) A flood node never keeps
+    # alive, so it is dropped after the keep-alive timeout and its place goes
+    # to a later join: a flood that lasts longer than the timeout (a loaded
+    # machine: 5.7 s once) registers up to one more cap's worth per timeout.
     assert set(outcomes) <= {"WAITING", "DEADLINE_EXCEEDED",
                              "RESOURCE_EXHAUSTED", "CANCELLED"}
-    assert outcomes["WAITING"] + outcomes["DEADLINE_EXCEEDED"] <= 1024 - 200
+    windows = 1 + int(flood_seconds // FLOOD_KEEPALIVE_TIMEOUT)
+    assert outcomes["WAITING"] + outcomes["DEADLINE_EXCEEDED"] <= 1024 * windows
     assert outcomes["RESOURCE_EXHAUSTED"] >= 1000
     assert any("refusing node" in d for d in refusal_details)
     # The legitimate node's keep-alives kept answering, each within its
