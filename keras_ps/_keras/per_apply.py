@@ -67,15 +67,9 @@ def adam_scalars(optimizer, dtype, learning_rate, device):
     LazyAdam's row steps never go back (keras_ps.tables._rowwise.lazy_adam).
     """
     def pack():
-        step = _next_step(optimizer)
-        t = tf.cast(step, dtype)
-        beta_1 = tf.cast(optimizer.beta_1, dtype)
-        beta_2 = tf.cast(optimizer.beta_2, dtype)
-        values = [tf.pow(beta_1, t), tf.pow(beta_2, t),
-                  tf.cast(learning_rate, dtype), beta_1, beta_2,
-                  tf.cast(optimizer.epsilon, dtype)]
-        return tf.stack([tf.cast(step, tf.float64)]
-                        + [tf.cast(value, tf.float64) for value in values])
+        scalars = _scalars(optimizer, dtype, learning_rate,
+                           _next_step(optimizer))
+        return tf.stack([tf.cast(value, tf.float64) for value in scalars])
 
     def unpack():
         packed = _cached(optimizer, ("adam", dtype), pack)
@@ -88,17 +82,22 @@ def adam_scalars(optimizer, dtype, learning_rate, device):
         # `iterations` as the step read it at its start came with the
         # gradients: the scalars are made here, no message from its ps.
         with tf.device(device):
-            step = read + 1
-            t = tf.cast(step, dtype)
-            beta_1 = tf.cast(optimizer.beta_1, dtype)
-            beta_2 = tf.cast(optimizer.beta_2, dtype)
-            return (step, tf.pow(beta_1, t), tf.pow(beta_2, t),
-                    tf.cast(learning_rate, dtype), beta_1, beta_2,
-                    tf.cast(optimizer.epsilon, dtype))
+            return _scalars(optimizer, dtype, learning_rate, read + 1)
 
     read = _landed(optimizer, device, _STEP_READ)
     return _cached(optimizer, ("adam", dtype, device),
                    unpack if read is None else lambda: from_step_read(read))
+
+
+def _scalars(optimizer, dtype, learning_rate, step):
+    """Adam's (t, beta1^t, beta2^t, lr, beta1, beta2, epsilon) at int64
+    `step`, made on the device around the call; t stays int64."""
+    t = tf.cast(step, dtype)
+    beta_1 = tf.cast(optimizer.beta_1, dtype)
+    beta_2 = tf.cast(optimizer.beta_2, dtype)
+    return (step, tf.pow(beta_1, t), tf.pow(beta_2, t),
+            tf.cast(learning_rate, dtype), beta_1, beta_2,
+            tf.cast(optimizer.epsilon, dtype))
 
 
 # Per thread: the coordinator's worker threads trace steps concurrently, and
