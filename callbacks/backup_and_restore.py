@@ -381,12 +381,12 @@ class BackupAndRestore(ResumableCallback):
             entry = self._incremental.save(metadata=state)
             state = dict(state, weights=None, incremental=entry.id,
                          kind=entry.kind)
+            _chain.write_atomically(self._state_path, json.dumps(state))
         else:
             name = f"backup-{self._serial}.weights.h5"
-            self.model.save_weights(os.path.join(self.backup_dir, name),
-                                    overwrite=True)
             state = dict(state, weights=name)
-        _chain.write_atomically(self._state_path, json.dumps(state))
+            self._write_weights(state, os.path.join(self.backup_dir, name),
+                                previous)
         if (previous is not None and previous.get("weights")
                 and previous["weights"] != name):
             try:
@@ -396,6 +396,24 @@ class BackupAndRestore(ResumableCallback):
         self._steps_since_save = 0
         logger.info("[chief] backup %d written: epoch %d, step %d",
                     self._serial, epoch, step)
+
+    def _write_weights(self, state, path, previous):
+        """Writes the Keras weights file `path`, then publishes `state`; a
+        failed write raises BackupWriteError, the new file removed."""
+        try:
+            self.model.save_weights(path, overwrite=True)
+            _chain.write_atomically(self._state_path, json.dumps(state))
+        except OSError as error:
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+            still = ("there is no earlier backup to restore" if previous is None
+                     else f"backup {previous.get('serial')} (epoch "
+                     f"{previous.get('epoch')}, step {previous.get('step')}) "
+                     "restores as it did")
+            raise _chain.write_failed(error, path, self.backup_dir,
+                                      str(self._serial), still) from error
 
     def _read_state(self):
         try:

@@ -45,9 +45,18 @@ class CheckpointMismatchError(KerasPSError, ValueError):
     """A checkpoint's weights do not fit the evaluator's model."""
 
 
+class BackupWriteError(KerasPSError, OSError):
+    """A backup could not be written (its volume is full, or not writable).
+
+    Nothing of it was published and its files were removed: the newest
+    backup before it still restores. The message names the directory, the
+    reason and the fix.
+    """
+
+
 # Shown (and pickled) under the public module that re-exports them.
 for _error in (KerasPSError, ClusterConfigError, PartitionerError,
                ScheduleUsageError, RepeatedFailureError, SidecarTimeoutError,
-               CheckpointMismatchError):
+               CheckpointMismatchError, BackupWriteError):
     _error.__module__ = "keras_ps.errors"
 del _error

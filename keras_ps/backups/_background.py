@@ -15,12 +15,16 @@
 
 import logging
 import os
+import shutil
 import threading
 import time
+
+import tensorflow as tf
 
 from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups._chain import BackupEntry
+from keras_ps.errors import BackupWriteError
 from keras_ps.tables import _dirty_rows
 
 logger = logging.getLogger("keras_ps.backups.incremental_backup")
@@ -46,8 +50,18 @@ class PendingDelta:
 
         def finish():
             try:
-                with _tf_adapter.own_executor():
-                    files, table_rows = snapshot.write(path + os.sep)
+                try:
+                    with _tf_adapter.own_executor():
+                        files, table_rows = snapshot.write(path + os.sep)
+                except (tf.errors.OpError, OSError) as error:
+                    failed = _backup_chain.write_failed(
+                        error, path, os.path.dirname(path),
+                        f"delta {entry_id}", "the backups published before "
+                        "it restore as they did")
+                    if failed is None:
+                        raise
+                    shutil.rmtree(path, ignore_errors=True)
+                    raise failed from error
                 if not _dirty_rows.GENERATIONS.agree():
                     # Its copies may have been read from the zeros a lost
                     # ps was given back: a delta to drop, not to restore.
@@ -232,9 +246,17 @@ class BackgroundWrites:
             pending, self._pending = self._pending, None
             return None if pending is None else pending.wait()
 
-    def _finish_pending(self):
+    def _finish_pending(self, saving=False):
+        """Ends the delta being written in the background. Its failure is
+        logged, but a failed write raises when `saving`: every later
+        backup would fail the same way, and training must not go on
+        without them unnoticed."""
         try:
             self.wait()
+        except BackupWriteError as error:
+            if saving:
+                raise
+            logger.warning("[chief] %s", error)
         except Exception as error:  # noqa: BLE001  (not fatal: logged)
             logger.warning("[chief] a delta written in the background was "
                            "not published (%s: %s); the next backup holds "

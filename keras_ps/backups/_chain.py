@@ -27,6 +27,7 @@ import shutil
 import time
 
 from keras_ps.errors import BackupCorruptError
+from keras_ps.errors import BackupWriteError
 
 logger = logging.getLogger(__name__)
 
@@ -183,17 +184,61 @@ def delta_bytes(chain, length):
     return sum(entry["bytes"] for entry in chain[1:length])
 
 
+def still_restores(manifest):
+    """What a restore of `manifest`'s directory loads, in words."""
+    if not manifest or not manifest["chains"]:
+        return "there is no earlier backup to restore"
+    entry = manifest["chains"][-1][-1]
+    return (f"restore() loads {entry['kind']} backup {entry['id']}, the "
+            "newest before it, as it did")
+
+
+def write_failed(error, target, directory, what, still):
+    """The BackupWriteError for `error`, raised while the files of backup
+    `what` were written at `target` (its folder or file) in `directory`; None
+    when `error` is not a failed write there (a TF error that does not name
+    `target`: a lost ps, say). `still`: what restores instead."""
+    import tensorflow as tf  # only when a write failed
+
+    if isinstance(error, OSError):
+        reason = (os.strerror(error.errno) if error.errno
+                  else str(error).splitlines()[0])
+    elif isinstance(error, tf.errors.OpError) and target in error.message:
+        # TF's WriteFile names the file: "<path>; No space left on device".
+        line = next(line for line in error.message.splitlines()
+                    if target in line)
+        reason = line.split(target, 1)[1].split("; ", 1)[-1].strip()
+    else:
+        return None
+    try:
+        free = f"{shutil.disk_usage(directory).free / 2**20:,.1f} MiB free there"
+    except OSError:
+        free = "its free space unknown"
+    return BackupWriteError(
+        f"Backup {what} could not be written to {directory!r}: {reason} "
+        f"({free}). Nothing of it was published and its files were "
+        f"removed; {still}. Fix: free space on that volume, or give the "
+        "backup a directory on a larger, writable one (`backup_dir` of "
+        "BackupAndRestore, `directory` of IncrementalBackup).")
+
 
 def write_atomically(path, data):
     """Writes `data` (str or bytes) to `path` via a temporary file and rename."""
     tmp = os.path.join(os.path.dirname(path),
                        f".{os.path.basename(path)}.tmp-{os.getpid()}")
     mode = "wb" if isinstance(data, bytes) else "w"
-    with open(tmp, mode) as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode) as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.remove(tmp)  # a full volume keeps no half-written file
+        except FileNotFoundError:
+            pass
+        raise
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,7 +225,7 @@ class IncrementalBackup(_background.BackgroundWrites):
         written in the background: see `background_compaction`). Returns
         its BackupEntry."""
         with self._lock:
-            self._finish_pending()
+            self._finish_pending(saving=True)
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None:
@@ -256,7 +256,7 @@ class IncrementalBackup(_background.BackgroundWrites):
     def save_full(self, metadata=None):
         """Writes every variable whole; starts a new chain."""
         with self._lock:
-            self._finish_pending()
+            self._finish_pending(saving=True)
             self._stop_compaction("save_full() was called")
             manifest = _backup_chain.read(self.directory)
             return self._save("full", metadata, manifest, None)
@@ -270,7 +270,7 @@ class IncrementalBackup(_background.BackgroundWrites):
                 build on (or a ps lost its variables since): `save_full()`.
         """
         with self._lock:
-            self._finish_pending()
+            self._finish_pending(saving=True)
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None:
@@ -336,8 +336,17 @@ class IncrementalBackup(_background.BackgroundWrites):
                 self._writer.snapshot(since), path, entry_id, kind, folder,
                 metadata, manifest, add, 1 if seal else base[1], generation,
                 started)
-        files, table_rows = self._writer.write(path + os.sep, since,
-                                               full=kind == "full")
+        try:
+            files, table_rows = self._writer.write(path + os.sep, since,
+                                                   full=kind == "full")
+        except (tf.errors.OpError, OSError) as error:
+            failed = _backup_chain.write_failed(
+                error, path, self.directory, f"{kind} {entry_id}",
+                _backup_chain.still_restores(manifest))
+            if failed is None:
+                raise
+            shutil.rmtree(path, ignore_errors=True)  # frees what it took
+            raise failed from error
         entry = _backup_chain.new_entry(entry_id, kind, folder, files,
                                         table_rows, metadata)
         if kind == "full":
