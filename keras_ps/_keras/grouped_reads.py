@@ -130,24 +130,31 @@ def logs_are_metric_results(model, step_name):
 # and returns `get_metrics_result()` (so nothing else reads a result in the
 # step), the additions are held and sent once per ps
 # (keras_ps.tables._grouped_transfers.adds_deferred); reading the results
-# makes the held ones first.
+# makes the held ones first. A loop of such steps carries their sums on the
+# worker and sends them once, after it (`carried_metric_variables`).
 ADDING_UPDATES = (reduction_metrics.Sum.update_state,
                   reduction_metrics.Mean.update_state,
                   reduction_metrics.MeanMetricWrapper.update_state)
 METRIC_CONTAINER_CLASSES = (compile_utils.CompileMetrics,)
 
 
-def _adding_metric_variables(model):
-    """ids of the tf.Variables of `model`'s metrics whose update only adds."""
-    found = set()
-    pending = list(model.metrics)
+def _flat_metrics(model):
+    """`model`'s metrics, the containers' members in their place."""
+    found, pending = [], list(reversed(model.metrics))
     while pending:
         metric = pending.pop()
         if isinstance(metric, METRIC_CONTAINER_CLASSES):
-            pending.extend(metric.metrics)
-        elif getattr(type(metric), "update_state", None) in ADDING_UPDATES:
-            found.update(id(getattr(v, "_value", v)) for v in metric.variables)
+            pending.extend(reversed(metric.metrics))
+        else:
+            found.append(metric)
     return found
+
+
+def _adding_metric_variables(model):
+    """ids of the tf.Variables of `model`'s metrics whose update only adds."""
+    return {id(getattr(v, "_value", v)) for metric in _flat_metrics(model)
+            if getattr(type(metric), "update_state", None) in ADDING_UPDATES
+            for v in metric.variables}
 
 
 def metric_adds_held(model, step_name):
@@ -160,6 +167,26 @@ def metric_adds_held(model, step_name):
         return contextlib.nullcontext()
     return _grouped_transfers.adds_deferred(
         lambda variable: id(variable) in _adding_metric_variables(model))
+
+
+def carried_metric_variables(model, step_name):
+    """The metric variables whose additions `metric_adds_held` holds (on a
+    ps, shapes known), in a fixed order: a loop of steps carries their
+    sums from one iteration to the next, and adds them once after it
+    (keras_ps.training.training). Empty when nothing is held."""
+    if not (_grouped_transfers.enabled()
+            and logs_are_metric_results(model, step_name)):
+        return []
+    adding = _adding_metric_variables(model)
+    found = []
+    for metric in _flat_metrics(model):
+        for variable in metric.variables:
+            inner = getattr(variable, "_value", variable)
+            if (id(inner) in adding and "/job:ps/" in (inner.device or "")
+                    and inner.shape.is_fully_defined()
+                    and all(inner is not v for v in found)):
+                found.append(inner)
+    return found
 
 
 def install():

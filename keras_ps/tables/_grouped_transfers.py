@@ -297,6 +297,27 @@ def adds_deferred(chosen):
         _local.adds = previous
 
 
+def carried_adds(variables, sums):
+    """`sums` (one per tf.Variable of `variables`, their shapes and dtypes)
+    plus the additions to those variables held in this graph's
+    `adds_deferred` block so far, which are taken out of it (not made): a
+    loop body carries them to its end, where they are added once. The
+    other held additions stay held."""
+    held = getattr(_local, "adds", None)
+    if held is None or held.graph is not tf.compat.v1.get_default_graph():
+        return list(sums)
+    index = {id(v): i for i, v in enumerate(variables)}
+    sums, kept = list(sums), []
+    for variable, value in held.adds:
+        i = index.get(id(variable))
+        if i is None:
+            kept.append((variable, value))
+        else:
+            sums[i] = sums[i] + value
+    held.adds = kept
+    return sums
+
+
 def defer_add(variable, value):
     """Holds `variable.assign_add(value)` if an `adds_deferred` block chose
     `variable`; returns whether it did."""

@@ -113,26 +113,38 @@ def _steps_then_results(model, step_name, step, iterator, count,
     each iteration (the remainder after the loop); all of them written out
     when `per_iteration` is `count`. Each iteration of a loop whose body
     reads and updates ps variables sends the loop's condition and control
-    signals to each ps: written out, those are paid once per iteration."""
-    def steps(n):
+    signals to each ps: written out, those are paid once per iteration.
+    The steps' metric additions are held and sent once for the `count`
+    steps: the loop carries their sums on the worker."""
+    def run(n):
         # Automatic control dependencies keep every step's reads and updates
-        # in the order written. The steps' metric additions are held until
-        # the last one: one transfer per ps for the `n` steps.
-        with grouped_reads.metric_adds_held(model, step_name):
-            for _ in range(n):
-                with grouped_reads.metric_results_skipped():
-                    step(next(iterator))
+        # in the order written.
+        for _ in range(n):
+            with grouped_reads.metric_results_skipped():
+                step(next(iterator))
 
     loops, rest = divmod(count, per_iteration)
     if loops == 1 and not rest:
-        steps(count)
+        with grouped_reads.metric_adds_held(model, step_name):
+            run(count)
     else:
-        def body(i):
-            steps(per_iteration)
-            return i + 1
-        tf.while_loop(lambda i: i < loops, body, (tf.constant(0),))
-        if rest:
-            steps(rest)
+        carried = grouped_reads.carried_metric_variables(model, step_name)
+
+        def body(i, *sums):
+            with grouped_reads.metric_adds_held(model, step_name):
+                run(per_iteration)
+                sums = _grouped_transfers.carried_adds(carried, sums)
+            return (i + 1, *sums)
+
+        _, *sums = tf.while_loop(
+            lambda i, *_: i < loops, body,
+            (tf.constant(0), *[tf.zeros(v.shape, v.dtype) for v in carried]))
+        with grouped_reads.metric_adds_held(model, step_name):
+            for variable, total in zip(carried, sums):
+                if not _grouped_transfers.defer_add(variable, total):
+                    variable.assign_add(total)
+            if rest:
+                run(rest)
     # Read after the steps' updates (ordered by automatic control
     # dependencies on the metrics' variables).
     return model.get_metrics_result()

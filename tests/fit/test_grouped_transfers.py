@@ -194,6 +194,31 @@ def test_steps_read_the_metrics_once_and_log_what_every_step_would(
     assert packed.get_metrics_result().keys() == {"loss", "accuracy"}
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("unroll", ["0", "2"], ids=["loop", "2_per_iteration"])
+def test_the_loop_carries_metric_additions_to_one_transfer_per_execution(
+        strategy, monkeypatch, unroll):
+    # The steps' metric additions are summed on the worker across the loop's
+    # iterations and cross once, after it: no held addition is made inside a
+    # loop body (there, each iteration would send one tensor per ps).
+    monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+    made = []  # (graph, held additions made there)
+    flush = _grouped_transfers.flush_adds
+
+    def spy_flush():
+        held = getattr(_grouped_transfers._local, "adds", None)
+        if held is not None and held.adds:
+            made.append((tf.compat.v1.get_default_graph().name,
+                         len(held.adds)))
+        flush()
+
+    monkeypatch.setattr(_grouped_transfers, "flush_adds", spy_flush)
+    _fit(strategy, "adagrad", monkeypatch, "1")
+    assert made, "no metric addition was held"
+    in_loops = [name for name, _ in made if "while_body" in name]
+    assert not in_loops, made
+
+
 def _reads_of(graph, handle_placeholder):
     """How many ReadVariableOps of the traced graph read the captured
     variable `handle_placeholder`."""
