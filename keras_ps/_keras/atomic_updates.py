@@ -17,7 +17,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as tf_core
 
 from keras_ps import _keras as hooks
-from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _held_adds
 
 VARIABLE_CLASS = tf_core.Variable
 ATOMIC_METHODS = ("assign_add", "assign_sub")
@@ -43,7 +43,7 @@ def _atomic_update(name):
                 # variable's ps: no message from the worker at each step.
                 with tf.device(inner.device):
                     value = tf.cast(self._convert_to_tensor(value), inner.dtype)
-            if name == "assign_add" and _grouped_transfers.defer_add(inner, value):
+            if name == "assign_add" and _held_adds.defer_add(inner, value):
                 # Made with others of its ps at the step's end.
                 return value
             return getattr(inner, name)(value)

@@ -33,6 +33,7 @@ from keras.src.trainers import compile_utils
 from keras.src.trainers import trainer as trainer_lib
 
 from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _held_adds
 from keras_ps.tables import _sharded_weights
 from keras_ps import _keras as hooks
 
@@ -87,7 +88,7 @@ def _results_unless_skipped(keras_get_metrics_result):
         if getattr(_skip, "on", False):
             return {}
         # The step's held additions first (see metric_adds_held).
-        _grouped_transfers.flush_adds()
+        _held_adds.flush_adds()
         return keras_get_metrics_result(self)
 
     return get_metrics_result
@@ -129,7 +130,7 @@ def logs_are_metric_results(model, step_name):
 # their variables only in `result()`. For those, while Keras' own step runs
 # and returns `get_metrics_result()` (so nothing else reads a result in the
 # step), the additions are held and sent once per ps
-# (keras_ps.tables._grouped_transfers.adds_deferred); reading the results
+# (keras_ps.tables._held_adds); reading the results
 # makes the held ones first. A loop of such steps carries their sums on the
 # worker and sends them once, after it (`carried_metric_variables`).
 ADDING_UPDATES = (reduction_metrics.Sum.update_state,
@@ -165,7 +166,7 @@ def metric_adds_held(model, step_name):
     if not (_grouped_transfers.enabled()
             and logs_are_metric_results(model, step_name)):
         return contextlib.nullcontext()
-    return _grouped_transfers.adds_deferred(
+    return _held_adds.adds_deferred(
         lambda variable: id(variable) in _adding_metric_variables(model))
 
 
@@ -177,12 +178,13 @@ def carried_metric_variables(model, step_name):
     if not (_grouped_transfers.enabled()
             and logs_are_metric_results(model, step_name)):
         return []
-    adding = _adding_metric_variables(model)
     found = []
     for metric in _flat_metrics(model):
+        if getattr(type(metric), "update_state", None) not in ADDING_UPDATES:
+            continue
         for variable in metric.variables:
             inner = getattr(variable, "_value", variable)
-            if (id(inner) in adding and "/job:ps/" in (inner.device or "")
+            if ("/job:ps/" in (inner.device or "")
                     and inner.shape.is_fully_defined()
                     and all(inner is not v for v in found)):
                 found.append(inner)

@@ -26,6 +26,8 @@ import re
 import shutil
 import time
 
+import tensorflow as tf
+
 from keras_ps.errors import BackupCorruptError
 from keras_ps.errors import BackupWriteError
 
@@ -198,8 +200,6 @@ def write_failed(error, target, directory, what, still):
     `what` were written at `target` (its folder or file) in `directory`; None
     when `error` is not a failed write there (a TF error that does not name
     `target`: a lost ps, say). `still`: what restores instead."""
-    import tensorflow as tf  # only when a write failed
-
     if isinstance(error, OSError):
         reason = (os.strerror(error.errno) if error.errno
                   else str(error).splitlines()[0])

@@ -23,10 +23,8 @@ What this module does, inside a traced step (`scope`):
   group's first read in the step (the usual order: the embedding comes
   first). The worker splits the rows off by their count, which it knows from
   the ids it sent.
-- additions (`adds_deferred`): a step's `assign_add`s to chosen variables (the
-  metrics' totals and counts) are held until `flush_adds()` (the step's end,
-  or the metrics' results being read) and then sent as one tensor per
-  (ps, dtype), added on the ps one variable at a time.
+- additions: a step's metric additions are held and sent as one tensor per
+  ps, in keras_ps.tables._held_adds.
 - gradients (`gradients_to_ps`): the dense gradients of one ps' variables,
   and the gradient rows of its embedding shards, are concatenated on the
   worker and split on the ps, where the optimizer's update of each variable
@@ -265,94 +263,6 @@ def close_reads():
     reads = getattr(_local, "reads", None)
     if reads is not None:
         reads.open = False
-
-
-class _DeferredAdds:
-    """The held `assign_add`s of one step (see `adds_deferred`)."""
-
-    def __init__(self, chosen):
-        self.chosen = chosen
-        self.graph = tf.compat.v1.get_default_graph()
-        self.adds = []  # (tf.Variable, value)
-
-
-@contextlib.contextmanager
-def adds_deferred(chosen):
-    """Holds the `assign_add`s of tf.Variables for which `chosen(variable)`
-    is true, made in the traced step inside, until `flush_adds()`; the held
-    ones are made when the block ends. Additions inside nested graphs (a cond
-    branch, a loop body of their own) are not held: they could not be made
-    after them. Inside a block of the same graph, the outer block holds
-    them."""
-    previous = getattr(_local, "adds", None)
-    if previous is not None and \
-            previous.graph is tf.compat.v1.get_default_graph():
-        yield
-        return
-    _local.adds = None if tf.executing_eagerly() else _DeferredAdds(chosen)
-    try:
-        yield
-        flush_adds()
-    finally:
-        _local.adds = previous
-
-
-def carried_adds(variables, sums):
-    """`sums` (one per tf.Variable of `variables`, their shapes and dtypes)
-    plus the additions to those variables held in this graph's
-    `adds_deferred` block so far, which are taken out of it (not made): a
-    loop body carries them to its end, where they are added once. The
-    other held additions stay held."""
-    held = getattr(_local, "adds", None)
-    if held is None or held.graph is not tf.compat.v1.get_default_graph():
-        return list(sums)
-    index = {id(v): i for i, v in enumerate(variables)}
-    sums, kept = list(sums), []
-    for variable, value in held.adds:
-        i = index.get(id(variable))
-        if i is None:
-            kept.append((variable, value))
-        else:
-            sums[i] = sums[i] + value
-    held.adds = kept
-    return sums
-
-
-def defer_add(variable, value):
-    """Holds `variable.assign_add(value)` if an `adds_deferred` block chose
-    `variable`; returns whether it did."""
-    held = getattr(_local, "adds", None)
-    if (held is None or variable.dtype != value.dtype
-            or not _on_ps(variable) or not variable.shape.is_fully_defined()
-            or value.shape != variable.shape
-            or tf.compat.v1.get_default_graph() is not held.graph
-            or not held.chosen(variable)):
-        return False
-    held.adds.append((variable, value))
-    return True
-
-
-def flush_adds():
-    """Makes the held additions: one tensor per (ps, dtype) crosses, split
-    and added where the variables live."""
-    held = getattr(_local, "adds", None)
-    if held is None or not held.adds:
-        return
-    adds, held.adds = held.adds, []
-    groups = {}
-    for variable, value in adds:
-        groups.setdefault((variable.device, variable.dtype), []).append(
-            (variable, value))
-    for (device, _), members in groups.items():
-        if len(members) == 1:
-            variable, value = members[0]
-            variable.assign_add(value)
-            continue
-        flat = _joined([value for _, value in members])
-        with tf.device(device):
-            pieces = _split(flat, [v.shape.num_elements() for v, _ in members])
-            for (variable, _), piece in zip(members, pieces):
-                variable.assign_add(tf.reshape(piece, variable.shape))
 
 
 def _row_gradient(grad, variable):

@@ -21,6 +21,7 @@ from keras_ps.training import exact_evaluation
 from keras_ps.training import inputs
 from keras_ps import shards
 from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _held_adds
 from keras_ps._keras import compat
 from keras_ps._keras import grouped_reads
 from keras_ps._keras import fit_routing
@@ -133,7 +134,7 @@ def _steps_then_results(model, step_name, step, iterator, count,
         def body(i, *sums):
             with grouped_reads.metric_adds_held(model, step_name):
                 run(per_iteration)
-                sums = _grouped_transfers.carried_adds(carried, sums)
+                sums = _held_adds.carried_adds(carried, sums)
             return (i + 1, *sums)
 
         _, *sums = tf.while_loop(
@@ -141,7 +142,7 @@ def _steps_then_results(model, step_name, step, iterator, count,
             (tf.constant(0), *[tf.zeros(v.shape, v.dtype) for v in carried]))
         with grouped_reads.metric_adds_held(model, step_name):
             for variable, total in zip(carried, sums):
-                if not _grouped_transfers.defer_add(variable, total):
+                if not _held_adds.defer_add(variable, total):
                     variable.assign_add(total)
             if rest:
                 run(rest)

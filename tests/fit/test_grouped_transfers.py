@@ -10,6 +10,7 @@ import tensorflow as tf
 
 import keras_ps
 from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _held_adds
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,7 @@ class _Spy:
         read_group, to_ps = (_grouped_transfers._read_group,
                              _grouped_transfers.gradients_to_ps)
         with_group = _grouped_transfers._StepReads.gather_with_group
-        defer_add = _grouped_transfers.defer_add
+        defer_add = _held_adds.defer_add
 
         def spy_read_group(group, passengers=()):
             self.read_groups.append([v.device for v in group])
@@ -102,7 +103,7 @@ class _Spy:
         monkeypatch.setattr(_grouped_transfers, "_read_group", spy_read_group)
         monkeypatch.setattr(_grouped_transfers._StepReads, "gather_with_group",
                             spy_with_group)
-        monkeypatch.setattr(_grouped_transfers, "defer_add", spy_defer_add)
+        monkeypatch.setattr(_held_adds, "defer_add", spy_defer_add)
         monkeypatch.setattr(_grouped_transfers, "gradients_to_ps", spy_to_ps)
 
 
@@ -203,16 +204,16 @@ def test_the_loop_carries_metric_additions_to_one_transfer_per_execution(
     # loop body (there, each iteration would send one tensor per ps).
     monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
     made = []  # (graph, held additions made there)
-    flush = _grouped_transfers.flush_adds
+    flush = _held_adds.flush_adds
 
     def spy_flush():
-        held = getattr(_grouped_transfers._local, "adds", None)
+        held = getattr(_held_adds._local, "adds", None)
         if held is not None and held.adds:
             made.append((tf.compat.v1.get_default_graph().name,
                          len(held.adds)))
         flush()
 
-    monkeypatch.setattr(_grouped_transfers, "flush_adds", spy_flush)
+    monkeypatch.setattr(_held_adds, "flush_adds", spy_flush)
     _fit(strategy, "adagrad", monkeypatch, "1")
     assert made, "no metric addition was held"
     in_loops = [name for name, _ in made if "while_body" in name]
