@@ -400,20 +400,14 @@ class BackupAndRestore(ResumableCallback):
     def _write_weights(self, state, path, previous):
         """Writes the Keras weights file `path`, then publishes `state`; a
         failed write raises BackupWriteError, the new file removed."""
-        try:
+        still = ("there is no earlier backup to restore" if previous is None
+                 else f"backup {previous.get('serial')} (epoch "
+                 f"{previous.get('epoch')}, step {previous.get('step')}) "
+                 "restores as it did")
+        with _chain.write_failures(path, self.backup_dir, str(self._serial),
+                                   still):
             self.model.save_weights(path, overwrite=True)
             _chain.write_atomically(self._state_path, json.dumps(state))
-        except OSError as error:
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            still = ("there is no earlier backup to restore" if previous is None
-                     else f"backup {previous.get('serial')} (epoch "
-                     f"{previous.get('epoch')}, step {previous.get('step')}) "
-                     "restores as it did")
-            raise _chain.write_failed(error, path, self.backup_dir,
-                                      str(self._serial), still) from error
 
     def _read_state(self):
         try:

@@ -152,10 +152,21 @@ def _flat_metrics(model):
 
 
 def _adding_metric_variables(model):
-    """ids of the tf.Variables of `model`'s metrics whose update only adds."""
-    return {id(getattr(v, "_value", v)) for metric in _flat_metrics(model)
-            if getattr(type(metric), "update_state", None) in ADDING_UPDATES
-            for v in metric.variables}
+    """The tf.Variables of `model`'s metrics whose update only adds, in the
+    metrics' order, each once."""
+    found = []
+    for metric in _flat_metrics(model):
+        if getattr(type(metric), "update_state", None) in ADDING_UPDATES:
+            for variable in metric.variables:
+                inner = getattr(variable, "_value", variable)
+                if all(inner is not v for v in found):
+                    found.append(inner)
+    return found
+
+
+def _holds_metric_adds(model, step_name):
+    return (_grouped_transfers.enabled()
+            and logs_are_metric_results(model, step_name))
 
 
 def metric_adds_held(model, step_name):
@@ -163,11 +174,11 @@ def metric_adds_held(model, step_name):
     transfer per ps at the end; see the section comment): for Keras' own
     step whose logs are the metrics' results, with grouped transfers on.
     Otherwise a block that changes nothing."""
-    if not (_grouped_transfers.enabled()
-            and logs_are_metric_results(model, step_name)):
+    if not _holds_metric_adds(model, step_name):
         return contextlib.nullcontext()
     return _held_adds.adds_deferred(
-        lambda variable: id(variable) in _adding_metric_variables(model))
+        lambda variable: id(variable) in
+        {id(v) for v in _adding_metric_variables(model)})
 
 
 def carried_metric_variables(model, step_name):
@@ -175,20 +186,10 @@ def carried_metric_variables(model, step_name):
     ps, shapes known), in a fixed order: a loop of steps carries their
     sums from one iteration to the next, and adds them once after it
     (keras_ps.training.training). Empty when nothing is held."""
-    if not (_grouped_transfers.enabled()
-            and logs_are_metric_results(model, step_name)):
+    if not _holds_metric_adds(model, step_name):
         return []
-    found = []
-    for metric in _flat_metrics(model):
-        if getattr(type(metric), "update_state", None) not in ADDING_UPDATES:
-            continue
-        for variable in metric.variables:
-            inner = getattr(variable, "_value", variable)
-            if ("/job:ps/" in (inner.device or "")
-                    and inner.shape.is_fully_defined()
-                    and all(inner is not v for v in found)):
-                found.append(inner)
-    return found
+    return [v for v in _adding_metric_variables(model)
+            if "/job:ps/" in (v.device or "") and v.shape.is_fully_defined()]
 
 
 def install():

@@ -15,11 +15,8 @@
 
 import logging
 import os
-import shutil
 import threading
 import time
-
-import tensorflow as tf
 
 from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
@@ -50,18 +47,11 @@ class PendingDelta:
 
         def finish():
             try:
-                try:
-                    with _tf_adapter.own_executor():
-                        files, table_rows = snapshot.write(path + os.sep)
-                except (tf.errors.OpError, OSError) as error:
-                    failed = _backup_chain.write_failed(
-                        error, path, os.path.dirname(path),
-                        f"delta {entry_id}", "the backups published before "
-                        "it restore as they did")
-                    if failed is None:
-                        raise
-                    shutil.rmtree(path, ignore_errors=True)
-                    raise failed from error
+                with _backup_chain.write_failures(
+                        path, os.path.dirname(path), f"delta {entry_id}",
+                        "the backups published before it restore as they "
+                        "did"), _tf_adapter.own_executor():
+                    files, table_rows = snapshot.write(path + os.sep)
                 if not _dirty_rows.GENERATIONS.agree():
                     # Its copies may have been read from the zeros a lost
                     # ps was given back: a delta to drop, not to restore.

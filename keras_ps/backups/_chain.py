@@ -18,6 +18,7 @@ Folders the manifest does not name (a crashed entry's, a dropped chain's)
 are deleted after each publish. Pure Python.
 """
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -195,11 +196,30 @@ def still_restores(manifest):
             "newest before it, as it did")
 
 
-def write_failed(error, target, directory, what, still):
-    """The BackupWriteError for `error`, raised while the files of backup
-    `what` were written at `target` (its folder or file) in `directory`; None
-    when `error` is not a failed write there (a TF error that does not name
-    `target`: a lost ps, say). `still`: what restores instead."""
+@contextlib.contextmanager
+def write_failures(target, directory, what, still):
+    """Turns a failed write of backup `what` at `target` (its folder or
+    file, in `directory`) inside the block into a BackupWriteError, with
+    `target` removed so it does not keep a full volume full. `still`: what
+    restores instead. Other errors (a TF error that does not name
+    `target`: a lost ps, say) pass unchanged."""
+    try:
+        yield
+    except (tf.errors.OpError, OSError) as error:
+        failed = _write_failed(error, target, directory, what, still)
+        if failed is None:
+            raise
+        if os.path.isdir(target):
+            shutil.rmtree(target, ignore_errors=True)
+        else:
+            try:
+                os.remove(target)
+            except FileNotFoundError:
+                pass
+        raise failed from error
+
+
+def _write_failed(error, target, directory, what, still):
     if isinstance(error, OSError):
         reason = (os.strerror(error.errno) if error.errno
                   else str(error).splitlines()[0])

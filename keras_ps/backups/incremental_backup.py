@@ -336,17 +336,11 @@ class IncrementalBackup(_background.BackgroundWrites):
                 self._writer.snapshot(since), path, entry_id, kind, folder,
                 metadata, manifest, add, 1 if seal else base[1], generation,
                 started)
-        try:
+        with _backup_chain.write_failures(
+                path, self.directory, f"{kind} {entry_id}",
+                _backup_chain.still_restores(manifest)):
             files, table_rows = self._writer.write(path + os.sep, since,
                                                    full=kind == "full")
-        except (tf.errors.OpError, OSError) as error:
-            failed = _backup_chain.write_failed(
-                error, path, self.directory, f"{kind} {entry_id}",
-                _backup_chain.still_restores(manifest))
-            if failed is None:
-                raise
-            shutil.rmtree(path, ignore_errors=True)  # frees what it took
-            raise failed from error
         entry = _backup_chain.new_entry(entry_id, kind, folder, files,
                                         table_rows, metadata)
         if kind == "full":
