@@ -16,6 +16,7 @@ for every call of a process (a user defines the input once).
 
 Calls, in this order, in one process:
   1. fit(100 steps)                     warm-up: the first call traces
+                                        (--first-call-steps: more)
   2. fit(240 steps)                     a whole later call, start-up included
   3. fit(4 epochs x 100 steps)          start-up = epoch 1 - median(epochs 2-4);
                                         steady state = 300 steps / epochs 2-4
@@ -51,14 +52,17 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
-# ("_unrolled1": one step an iteration, the loop; a system without the
-# suffix runs keras_ps' default, 5 an iteration);
+# from the first call ("_unrolled1": one step an iteration, the loop); a
+# system without the suffix runs keras_ps' default (the loop for a function's
+# first KERAS_PS_UNROLL_AFTER executions, then 5 an iteration: pass
+# --first-call-steps 1000 or more to measure the steady state after it);
 # "<system>_ungrouped" moves one tensor per variable between processes
 # instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
 UNROLLED = "_unrolled"
 UNGROUPED = "_ungrouped"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
+FIRST_CALL_ENV_VAR = "BENCH_FIRST_CALL_STEPS"  # --first-call-steps, to the children
 EVAL_STEPS = 100
 
 
@@ -80,6 +84,7 @@ def build(system, rows, metrics=("accuracy",)):
     if unrolled:
         os.environ["KERAS_PS_UNROLL_STEPS"] = per_iteration or str(
             STEPS_PER_EXECUTION)
+        os.environ["KERAS_PS_UNROLL_AFTER"] = "0"
     if base.endswith(UNGROUPED):
         os.environ["KERAS_PS_GROUP_TRANSFERS"] = "0"
     if native:
@@ -142,7 +147,8 @@ def run_one(system, rows):
     cluster, model, creator, keras = build(system, rows)
     timed = lambda epochs, steps: timed_fit(keras, model, creator, epochs, steps)  # noqa: E731
 
-    first_call_s = sum(timed(1, EPOCH_STEPS))
+    first_call_s = sum(timed(1, int(os.environ.get(FIRST_CALL_ENV_VAR,
+                                                   EPOCH_STEPS))))
     whole = [sum(timed(1, WHOLE_CALL_STEPS))]
     epochs = timed(4, EPOCH_STEPS)
     whole.append(sum(timed(1, WHOLE_CALL_STEPS)))
@@ -177,6 +183,7 @@ def run_child(system, rows, timeout=1800):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
     env.pop("KERAS_PS_UNROLL_STEPS", None)
+    env.pop("KERAS_PS_UNROLL_AFTER", None)
     env.pop("KERAS_PS_GROUP_TRANSFERS", None)
     out = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--_child", system,
@@ -253,6 +260,8 @@ def main():
                         help="how a batch's ids are drawn")
     parser.add_argument("--json", help="also write the raw runs here")
     parser.add_argument("--from-json", help="format saved runs instead")
+    parser.add_argument("--first-call-steps", type=int, default=EPOCH_STEPS,
+                        help="steps of the first fit call (warm-up)")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -260,6 +269,7 @@ def main():
         print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
         os._exit(0)
     os.environ[IDS_ENV_VAR] = args.ids  # the children inherit it
+    os.environ[FIRST_CALL_ENV_VAR] = str(args.first_call_steps)
     if args.from_json:
         with open(args.from_json) as f:
             runs = json.load(f)

@@ -98,7 +98,8 @@ def main():
     for system in args.systems.split(","):
         with tempfile.TemporaryDirectory() as dump:
             env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
-            for name in ("KERAS_PS_UNROLL_STEPS", "KERAS_PS_GROUP_TRANSFERS"):
+            for name in ("KERAS_PS_UNROLL_STEPS", "KERAS_PS_UNROLL_AFTER",
+                         "KERAS_PS_GROUP_TRANSFERS"):
                 env.pop(name, None)
             subprocess.run([sys.executable, os.path.abspath(__file__),
                             "--_child", system, dump], env=env, check=True,

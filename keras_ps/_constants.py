@@ -55,15 +55,24 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # count there is no loop. Keras' own train_step / test_step write out K an
 # iteration and the rest after the loop; a custom step whose logs are not the
 # metrics' results writes out all of them when they are at most K, else
-# loops; a model with a DynamicEmbedding always loops. Written out, the first
-# call of each function on a worker takes longer: the coordinator traces K
-# copies of the step (about 0.4 s each for the benchmarks' model) and each
-# worker sets up a larger graph. 5 by default: the benchmarks' model
-# (2 ps, 2 workers, separate processes) trained 1.2-1.3x the loop's steady
-# rate, about 2x TF's own path where the loop gives 1.6-1.9x, and its first
-# `fit` still took less than TF's.
+# loops; a model with a DynamicEmbedding always loops. Written out, a
+# function costs more once: the coordinator traces K copies of the step and
+# each worker sets up a larger graph (about 3 s more for the benchmarks'
+# model, 2 ps and 2 workers in separate processes), and then runs each
+# execution faster (1.05-1.57x the loop's steady rate there, about 2x TF's
+# own path where the loop gives 1.4-1.9x).
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
 DEFAULT_UNROLL_STEPS = 5
+
+# ...and after how many executions of one function in the loop form it is
+# traced again with K steps an iteration (0: from the first). The extra set-up
+# pays for itself after about 100 executions in the benchmarks (3 s against
+# about 30 ms saved per execution of 10 steps), so short jobs (a few hundred
+# steps, most tests) never pay it and a long training run pays it once.
+# Counted per model, step (train or test) and step count, across fit and
+# evaluate calls, until the next compile().
+UNROLL_AFTER_ENV_VAR = "KERAS_PS_UNROLL_AFTER"
+DEFAULT_UNROLL_AFTER = 100
 
 # Whether a training, evaluation or prediction step moves the small dense
 # variables of each ps (an MLP's kernels and biases, each at most

@@ -9,6 +9,7 @@ flight; metrics live on the parameter servers and are read from there at the
 end of each epoch.
 """
 
+import collections
 import logging
 import weakref
 
@@ -42,6 +43,12 @@ class _StepFunctions:
     once per count (an epoch's last execution may be shorter) and input
     structure (tf.function traces a new one by itself).
 
+    A count's function runs its steps one per iteration of a tf.while_loop
+    for its first `KERAS_PS_UNROLL_AFTER` executions, then with
+    `KERAS_PS_UNROLL_STEPS` written out in each iteration (the loop's control
+    messages paid once per K steps): the larger function costs a few seconds
+    once, which a long run earns back and a short one never pays.
+
     Holds the model weakly: the functions are kept across fit/evaluate calls
     (see `_step_functions`) and must not keep a discarded model alive.
     """
@@ -52,23 +59,36 @@ class _StepFunctions:
         self._functions = {}
         self._unroll = _constants.env_int(_constants.UNROLL_STEPS_ENV_VAR,
                                           _constants.DEFAULT_UNROLL_STEPS)
+        self._unroll_after = _constants.env_int(
+            _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER)
+        self._looped = collections.Counter()  # count -> loop form handed out
 
     def get(self, count):
-        fn = self._functions.get(count)
+        written_out = (self._unroll > 1
+                       and self._looped[count] >= self._unroll_after)
+        if not written_out:
+            self._looped[count] += 1
+        fn = self._functions.get((count, written_out))
         if fn is None:
             # Its outputs are the step's logs, the same shapes every call:
             # a worker's queued executions run in one loop.
-            fn = packing.loop_packable(
-                tf.function(self._multi_step(count), autograph=False))
-            self._functions[count] = fn
+            fn = packing.loop_packable(tf.function(
+                self._multi_step(count, self._unroll if written_out else 1),
+                autograph=False))
+            self._functions[(count, written_out)] = fn
+            if written_out:
+                logger.info("[chief] %s: %d steps an iteration from now on "
+                            "(after %d executions of %d steps)",
+                            self._step_name, min(self._unroll, count),
+                            self._looped[count], count)
         return fn
 
-    def _multi_step(self, count):
+    def _multi_step(self, count, unroll):
         model_ref, step_name = self._model, self._step_name
         in_a_loop = grouped_reads.steps_in_a_loop(model_ref())
-        unrolled = count <= self._unroll and not in_a_loop
+        unrolled = count <= unroll and not in_a_loop
         # Keras' own steps: this many written out per iteration of the loop.
-        per_iteration = 1 if in_a_loop else max(1, min(self._unroll, count))
+        per_iteration = 1 if in_a_loop else max(1, min(unroll, count))
 
         def multi_step(iterator):
             model = model_ref()

@@ -361,9 +361,11 @@ def test_changed_input_or_compile_traces_again(fit_strategy):
 def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
                                                optimizer):
     # Every batch is the whole data, so the result does not depend on which
-    # worker runs which execution; written out (KERAS_PS_UNROLL_STEPS=4), in
-    # a tf.while_loop, and 3 written out in a loop of one iteration with the
-    # fourth after it, the same steps give the same weights.
+    # worker runs which execution. The same steps give the same weights: in
+    # a tf.while_loop; written out (KERAS_PS_UNROLL_STEPS=4); 3 written out
+    # in a loop of one iteration with the fourth after it; and the default
+    # way, the loop for a count's first executions (here 2), then written
+    # out (the switch happens inside the fit call).
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 50, size=(128, 3))
     y = (ids.sum(1, keepdims=True) % 2).astype("float32")
@@ -372,8 +374,9 @@ def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
         return tf.data.Dataset.from_tensor_slices((ids, y)).batch(128).repeat()
 
     weights, traces = [], []
-    for unroll in ("0", "4", "3"):
+    for unroll, after in (("0", "0"), ("4", "0"), ("3", "0"), ("4", "2")):
         monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+        monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", after)
         keras.utils.set_random_seed(7)
         with fit_strategy.scope():
             model = keras.Sequential([
@@ -390,8 +393,9 @@ def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
         weights.append(model.get_weights())
         traces.append(traced["train"])
     # The loop traces the step twice (the first step, the loop's body);
-    # written out, once per step.
+    # written out, once per step; switching, both.
     assert traces[1] == 2 * traces[0], traces
+    assert traces[3] == traces[0] + traces[1], traces
     for looped, *unrolled in zip(*weights):
         for each in unrolled:
             np.testing.assert_allclose(each, looped, rtol=1e-6, atol=1e-7)

@@ -165,6 +165,7 @@ def test_steps_read_the_metrics_once_and_log_what_every_step_would(
     from keras_ps.training import training
 
     monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+    monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", "0")  # from the first call
     ids, y = _data()
     x = ids.astype("float32") / 60.0
     batches = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
@@ -203,6 +204,7 @@ def test_the_loop_carries_metric_additions_to_one_transfer_per_execution(
     # iterations and cross once, after it: no held addition is made inside a
     # loop body (there, each iteration would send one tensor per ps).
     monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+    monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", "0")  # from the first call
     made = []  # (graph, held additions made there)
     flush = _held_adds.flush_adds
 

@@ -146,6 +146,7 @@ def test_fit_with_string_keys(strategy, monkeypatch, unroll):
     # but not with this layer: written out, its steps hang on the shards'
     # locks (the "unroll_knob" case hung until the timeout before).
     monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
+    monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", "0")
     model, table = _id_model(strategy, key_dtype="string",
                              default_row="trainable")
     model.compile(keras.optimizers.Adagrad(0.5), "mse", steps_per_execution=2)
