@@ -93,7 +93,7 @@ def run_one(rows):
     from keras_ps.partitioners import FixedShardsPartitioner
     from keras_ps.strategy._per_worker import dispatch_scope, worker_device
     from keras_ps.tables import _rowwise
-    from keras_ps.training.training import _step_functions
+    from keras_ps.training import _step_functions
 
     cluster = keras_ps.LocalCluster(num_workers=2, num_ps=2)
     strategy = keras_ps.ParameterServerStrategy(
@@ -296,7 +296,7 @@ def run_one(rows):
         return repeat(body)
     parts["dense_update"] = fn(dense_update, "dense_update")
 
-    parts["step"] = _step_functions(model, "train_step").get(STEPS_PER_EXECUTION)
+    parts["step"] = _step_functions.for_model(model, "train_step").get(STEPS_PER_EXECUTION)
 
     # -- 3a. floor: the step's bytes, one round trip per ps per step --------------
     floor_vars = []

@@ -9,25 +9,18 @@ flight; metrics live on the parameter servers and are read from there at the
 end of each epoch.
 """
 
-import collections
 import logging
-import weakref
 
 import keras
 import tensorflow as tf
 
-from keras_ps import _constants
 from keras_ps.training import _fit_epochs
+from keras_ps.training import _step_functions
 from keras_ps.training import exact_evaluation
 from keras_ps.training import inputs
 from keras_ps import shards
-from keras_ps.tables import _grouped_transfers
-from keras_ps.tables import _held_adds
-from keras_ps._keras import compat
-from keras_ps._keras import grouped_reads
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
-from keras_ps.coordinator import packing
 from keras_ps.training.inputs import DatasetCreator
 from keras_ps.training._fit_epochs import ResumableCallback
 from keras_ps.training import sharded_fit
@@ -35,161 +28,6 @@ from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training.logs import StepLogs, StepLogsTracker, python_logs
 
 logger = logging.getLogger(__name__)
-
-
-# -- scheduled functions ---------------------------------------------------------
-class _StepFunctions:
-    """`count` steps of `model.<step_name>` per scheduled tf.function, traced
-    once per count (an epoch's last execution may be shorter) and input
-    structure (tf.function traces a new one by itself).
-
-    A count's function runs its steps one per iteration of a tf.while_loop
-    for its first `KERAS_PS_UNROLL_AFTER` executions, then with
-    `KERAS_PS_UNROLL_STEPS` written out in each iteration (the loop's control
-    messages paid once per K steps): the larger function costs a few seconds
-    once, which a long run earns back and a short one never pays.
-
-    Holds the model weakly: the functions are kept across fit/evaluate calls
-    (see `_step_functions`) and must not keep a discarded model alive.
-    """
-
-    def __init__(self, model, step_name):
-        self._model = weakref.ref(model)
-        self._step_name = step_name
-        self._functions = {}
-        self._unroll = _constants.env_int(_constants.UNROLL_STEPS_ENV_VAR,
-                                          _constants.DEFAULT_UNROLL_STEPS)
-        self._unroll_after = _constants.env_int(
-            _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER)
-        self._looped = collections.Counter()  # count -> loop form handed out
-
-    def get(self, count):
-        written_out = (self._unroll > 1
-                       and self._looped[count] >= self._unroll_after)
-        if not written_out:
-            self._looped[count] += 1
-        fn = self._functions.get((count, written_out))
-        if fn is None:
-            # Its outputs are the step's logs, the same shapes every call:
-            # a worker's queued executions run in one loop.
-            fn = packing.loop_packable(tf.function(
-                self._multi_step(count, self._unroll if written_out else 1),
-                autograph=False))
-            self._functions[(count, written_out)] = fn
-            if written_out:
-                logger.info("[chief] %s: %d steps an iteration from now on "
-                            "(after %d executions of %d steps)",
-                            self._step_name, min(self._unroll, count),
-                            self._looped[count], count)
-        return fn
-
-    def _multi_step(self, count, unroll):
-        model_ref, step_name = self._model, self._step_name
-        in_a_loop = grouped_reads.steps_in_a_loop(model_ref())
-        unrolled = count <= unroll and not in_a_loop
-        # Keras' own steps: this many written out per iteration of the loop.
-        per_iteration = 1 if in_a_loop else max(1, min(unroll, count))
-
-        def multi_step(iterator):
-            model = model_ref()
-            grouped = grouped_reads.step_variables(model, step_name)
-            passengers = grouped_reads.step_passengers(model, step_name, grouped)
-            model_step = getattr(model, step_name)
-
-            def step(batch):
-                # Each step reads its ps' small weights in one transfer per
-                # ps, and sends its metric additions in one.
-                with _grouped_transfers.scope(grouped, passengers), \
-                        grouped_reads.metric_adds_held(model, step_name):
-                    return model_step(batch)
-
-            if count > 1 and grouped_reads.logs_are_metric_results(
-                    model, step_name):
-                return _steps_then_results(model, step_name, step, iterator,
-                                           count, per_iteration)
-            logs = step(next(iterator))
-            if count > 1 and unrolled:
-                # Written out: automatic control dependencies keep every
-                # step's reads and updates in the order of the loop.
-                for _ in range(count - 1):
-                    logs = step(next(iterator))
-            elif count > 1:
-                def body(i, _):
-                    return i + 1, step(next(iterator))
-                _, logs = tf.while_loop(
-                    lambda i, _: i < count - 1, body, (tf.constant(0), logs))
-            return logs
-
-        multi_step.__name__ = f"keras_ps_{step_name}_x{count}"
-        return multi_step
-
-
-def _steps_then_results(model, step_name, step, iterator, count,
-                        per_iteration):
-    """`count` steps, then the metrics' results: Keras' step logs are those
-    results, and only the last step's are returned, so the steps skip
-    reading them (a read of each metric's variables on the ps per step).
-
-    The steps run in a tf.while_loop, `per_iteration` of them written out in
-    each iteration (the remainder after the loop); all of them written out
-    when `per_iteration` is `count`. Each iteration of a loop whose body
-    reads and updates ps variables sends the loop's condition and control
-    signals to each ps: written out, those are paid once per iteration.
-    The steps' metric additions are held and sent once for the `count`
-    steps: the loop carries their sums on the worker."""
-    def run(n):
-        # Automatic control dependencies keep every step's reads and updates
-        # in the order written.
-        for _ in range(n):
-            with grouped_reads.metric_results_skipped():
-                step(next(iterator))
-
-    loops, rest = divmod(count, per_iteration)
-    if loops == 1 and not rest:
-        with grouped_reads.metric_adds_held(model, step_name):
-            run(count)
-    else:
-        carried = grouped_reads.carried_metric_variables(model, step_name)
-
-        def body(i, *sums):
-            with grouped_reads.metric_adds_held(model, step_name):
-                run(per_iteration)
-                sums = _held_adds.carried_adds(carried, sums)
-            return (i + 1, *sums)
-
-        _, *sums = tf.while_loop(
-            lambda i, *_: i < loops, body,
-            (tf.constant(0), *[tf.zeros(v.shape, v.dtype) for v in carried]))
-        with grouped_reads.metric_adds_held(model, step_name):
-            for variable, total in zip(carried, sums):
-                if not _held_adds.defer_add(variable, total):
-                    variable.assign_add(total)
-            if rest:
-                run(rest)
-    # Read after the steps' updates (ordered by automatic control
-    # dependencies on the metrics' variables).
-    return model.get_metrics_result()
-
-
-# model -> {step name: (compile count, _StepFunctions)}.
-_by_model = weakref.WeakKeyDictionary()
-
-
-def _step_functions(model, step_name):
-    """The model's step functions, kept across fit/evaluate calls as Keras
-    keeps `model.train_function`: until the next `compile()`.
-
-    A later call then traces nothing, and its packed functions (held by the
-    coordinator as long as these live) are already on the workers: a new
-    function costs a trace on the coordinator and an instantiation on every
-    worker, which dominated the start-up of a later call.
-    """
-    compiled = compat.compile_count(model)
-    kept = _by_model.setdefault(model, {})
-    entry = kept.get(step_name)
-    if entry is None or entry[0] != compiled:
-        entry = kept[step_name] = (compiled, _StepFunctions(model, step_name))
-    return entry[1]
 
 
 def _executions(steps, per_execution):
@@ -283,7 +121,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         inputs.training_input(x, y, sample_weight, batch_size, shuffle))
     fit_routing.symbolic_build(model, strategy, dataset.element_spec)
     iterator = iter(dataset)
-    steps_fn = _step_functions(model, "train_step")
+    steps_fn = _step_functions.for_model(model, "train_step")
     per_execution = max(1, int(model.steps_per_execution or 1))
 
     callback_list = _make_callbacks(model, callbacks, verbose, epochs,
@@ -398,7 +236,7 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     fit_routing.symbolic_build(model, model.distribute_strategy,
                                   dataset.element_spec)
     iterator = iter(dataset)
-    steps_fn = _step_functions(model, "test_step")
+    steps_fn = _step_functions.for_model(model, "test_step")
     per_execution = max(1, int(model.steps_per_execution or 1))
     callback_list = _make_callbacks(model, callbacks, verbose, 1, steps)
     callback_list.on_test_begin()

@@ -357,6 +357,20 @@ def test_changed_input_or_compile_traces_again(fit_strategy):
     assert int(old_optimizer.iterations.numpy()) == 16
 
 
+def test_a_one_step_function_is_not_traced_again_at_the_switch(
+        fit_strategy, monkeypatch):
+    # One step per execution has no loop to write out: past
+    # KERAS_PS_UNROLL_AFTER executions, the same function goes on.
+    monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", "5")
+    monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", "1")
+    x, y = _data()
+    model = _model(fit_strategy, steps_per_execution=1)
+    traced = _count_traces(model)
+    model.fit(_creator(x, y), epochs=1, steps_per_epoch=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert traced["train"] == 1, traced
+
+
 @pytest.mark.parametrize("optimizer", ["adagrad", "adam", "lazy_adam"])
 def test_unrolled_steps_give_the_loops_results(fit_strategy, monkeypatch,
                                                optimizer):

@@ -162,7 +162,7 @@ def test_steps_read_the_metrics_once_and_log_what_every_step_would(
     # A plain (local) model: the step functions' logic alone. Four steps of
     # one scheduled function against four calls of Keras' own train_step.
     from keras_ps._keras import grouped_reads
-    from keras_ps.training import training
+    from keras_ps.training import _step_functions
 
     monkeypatch.setenv("KERAS_PS_UNROLL_STEPS", unroll)
     monkeypatch.setenv("KERAS_PS_UNROLL_AFTER", "0")  # from the first call
@@ -184,7 +184,7 @@ def test_steps_read_the_metrics_once_and_log_what_every_step_would(
 
     packed = model()
     assert grouped_reads.logs_are_metric_results(packed, "train_step")
-    function = training._StepFunctions(packed, "train_step").get(4)
+    function = _step_functions.StepFunctions(packed, "train_step").get(4)
     got = function(iter(batches))
 
     assert set(got) == set(want) == {"loss", "accuracy"}
