@@ -163,6 +163,11 @@ def run_one(system, rows):
         for i in range(2):
             rss[f"{job}{i}"] = _hwm_gb(cluster.pid(job, i))
     iterations = int(model.optimizer.iterations.numpy())
+    forms = []
+    if not system.startswith("tf_native"):
+        # Which train functions ran: (steps, written out) per function.
+        from keras_ps.training import _step_functions
+        forms = sorted(_step_functions.for_model(model, "train_step")._functions)
     cluster.shutdown()
     return {
         "system": system, "rows": rows,
@@ -176,6 +181,7 @@ def run_one(system, rows):
         "evaluate_s": evaluate_s,
         "peak_rss_gb": rss,
         "iterations": iterations,
+        "train_functions": forms,
     }
 
 
