@@ -43,7 +43,7 @@ class StepFunctions:
         self._unroll_after = _constants.env_int(
             _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER)
         self._looped = collections.Counter()  # count -> loop form handed out
-        self._in_a_loop = self._keras_logs = None  # see _writes_out
+        self._found_traits = None  # see _traits
 
     def get(self, count):
         written_out = (self._looped[count] >= self._unroll_after
@@ -65,21 +65,27 @@ class StepFunctions:
                             self._looped[count], count)
         return fn
 
+    def _traits(self):
+        """(whether the model's layers need one step an iteration, whether
+        its step's logs are Keras' metric results), found once."""
+        if self._found_traits is None:
+            model = self._model()
+            self._found_traits = (
+                grouped_reads.steps_in_a_loop(model),
+                grouped_reads.logs_are_metric_results(model, self._step_name))
+        return self._found_traits
+
     def _writes_out(self, count):
         """Whether `count` steps have a form with steps written out (see
         `_multi_step`): not one step, a model whose layers need one step an
         iteration, or a custom step with more steps than the knob."""
-        if self._in_a_loop is None:
-            model = self._model()
-            self._in_a_loop = grouped_reads.steps_in_a_loop(model)
-            self._keras_logs = grouped_reads.logs_are_metric_results(
-                model, self._step_name)
-        return (self._unroll > 1 and count > 1 and not self._in_a_loop
-                and (self._keras_logs or count <= self._unroll))
+        in_a_loop, keras_logs = self._traits()
+        return (self._unroll > 1 and count > 1 and not in_a_loop
+                and (keras_logs or count <= self._unroll))
 
     def _multi_step(self, count, unroll):
         model_ref, step_name = self._model, self._step_name
-        in_a_loop = grouped_reads.steps_in_a_loop(model_ref())
+        in_a_loop, keras_logs = self._traits()
         unrolled = count <= unroll and not in_a_loop
         # Keras' own steps: this many written out per iteration of the loop.
         per_iteration = 1 if in_a_loop else max(1, min(unroll, count))
@@ -97,8 +103,7 @@ class StepFunctions:
                         grouped_reads.metric_adds_held(model, step_name):
                     return model_step(batch)
 
-            if count > 1 and grouped_reads.logs_are_metric_results(
-                    model, step_name):
+            if count > 1 and keras_logs:
                 return _steps_then_results(model, step_name, step, iterator,
                                            count, per_iteration)
             logs = step(next(iterator))
