@@ -33,6 +33,10 @@ def _parser():
     parser.add_argument("--task_index", type=int, default=0)
     parser.add_argument("--inter_op_threads", type=int, default=0,
                         help="inter-op threads (0: max(4, cores))")
+    parser.add_argument("--intra_op_threads", type=int, default=0,
+                        help="threads one op may split its work over (0: "
+                             "TF's default, one per core); LocalCluster "
+                             "shares the cores between its tasks")
     parser.add_argument("--exit_with_parent", action="store_true",
                         help="stop when the process that started this one "
                              "ends, even by SIGKILL (LocalCluster sets it)")
@@ -94,12 +98,14 @@ def _stop_on_signals():
     return stop
 
 
-def _serve_until_signal(server, job, index, address, stop, parent=None):
+def _serve_until_signal(server, job, index, address, threads, stop,
+                        parent=None):
     """Serves until `stop` is set (SIGTERM/SIGINT, see _stop_on_signals), or
     until `parent` (a pid) is no longer this process' parent: a parent that
     dies, even by SIGKILL, leaves this process to init, and nothing else
     would stop it."""
-    print(f"keras_ps.server: {job}:{index} serving at {address}", flush=True)
+    print(f"keras_ps.server: {job}:{index} serving at {address}"
+          f" ({threads})", flush=True)
     why = "on signal"  # the message tests and operators look for
     while not stop.wait(1.0):
         if parent is not None and os.getppid() != parent:
@@ -124,6 +130,11 @@ def main(argv=None):
     # keras_ps' default, "use_caller"; a value the user set is kept.)
     if os.environ.get("GRPC_FAIL_FAST", "use_caller") == "use_caller":
         os.environ["GRPC_FAIL_FAST"] = "true"
+    for flag in ("inter_op_threads", "intra_op_threads"):
+        if getattr(args, flag) < 0:
+            return _fail(
+                f"--{flag} {getattr(args, flag)} is negative. Pass 0 for "
+                "TF's default or a number of threads (1 or more).")
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:
@@ -142,6 +153,7 @@ def main(argv=None):
     config = config_pb2.ConfigProto()
     config.inter_op_parallelism_threads = (
         args.inter_op_threads or max(4, os.cpu_count() or 1))
+    config.intra_op_parallelism_threads = args.intra_op_threads
     stop = _stop_on_signals()
     try:
         server = server_lib.Server(
@@ -152,7 +164,10 @@ def main(argv=None):
     except Exception as e:  # TF raises UnknownError for bind failures.
         return _fail(f"could not start {job}:{index} at {address}: "
                      f"{str(e).splitlines()[0]}")
-    _serve_until_signal(server, job, index, address, stop, parent)
+    threads = (f"{config.inter_op_parallelism_threads} inter-op threads, "
+               + (f"{args.intra_op_threads} intra-op"
+                  if args.intra_op_threads else "intra-op: one per core"))
+    _serve_until_signal(server, job, index, address, threads, stop, parent)
 
 
 if __name__ == "__main__":

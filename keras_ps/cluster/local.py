@@ -80,6 +80,17 @@ class LocalCluster:
         log_dir: where each task's output goes, created if missing (a
             temporary folder if None).
         env: extra environment variables for every task.
+        start_timeout: seconds each task has to answer on its port.
+        intra_op_threads: threads one op of a task may split its work over
+            (`python -m keras_ps.server --intra_op_threads`). None (the
+            default) shares this machine's cores between the tasks:
+            `max(1, cores // tasks)`. Every task of a LocalCluster runs on
+            this one machine, and TF's default (one thread per core in each
+            process) makes each task hand every sizeable op to as many
+            threads as the machine has cores, all competing for the same
+            cores: on 2 cores with 4 tasks, a ps spent a quarter more CPU
+            per step in handing off and switching threads (LazyAdam's
+            row-wise update, `benchmarks/RESULTS.md`). 0 keeps TF's default.
 
     Example:
     ```python
@@ -89,12 +100,23 @@ class LocalCluster:
     """
 
     def __init__(self, num_workers=2, num_ps=1, log_dir=None, env=None,
-                 start_timeout=60.0):
+                 start_timeout=60.0, intra_op_threads=None):
         if num_workers < 1 or num_ps < 1:
             raise ClusterConfigError(
                 "A LocalCluster needs at least one worker and one ps. "
                 f"Received: num_workers={num_workers}, num_ps={num_ps}."
             )
+        if intra_op_threads is None:
+            intra_op_threads = max(
+                1, (os.cpu_count() or 1) // (num_workers + num_ps))
+        elif (not isinstance(intra_op_threads, int)
+              or isinstance(intra_op_threads, bool) or intra_op_threads < 0):
+            raise ClusterConfigError(
+                f"intra_op_threads={intra_op_threads!r} is not a number of "
+                "threads. Pass None to share this machine's cores between "
+                "the tasks, 0 for TF's default (one per core in every task), "
+                "or a count of 1 or more.")
+        self.intra_op_threads = intra_op_threads
         if log_dir is not None and os.path.exists(log_dir) and \
                 not os.path.isdir(log_dir):
             raise ClusterConfigError(
@@ -138,6 +160,7 @@ class LocalCluster:
             [sys.executable, "-m", "keras_ps.server",
              "--cluster_spec", json.dumps(self.spec),
              "--job_name", job, "--task_index", str(index),
+             "--intra_op_threads", str(self.intra_op_threads),
              # Tasks end with this process, even when it is SIGKILLed.
              "--exit_with_parent"],
             env=env, stdout=log, stderr=subprocess.STDOUT,

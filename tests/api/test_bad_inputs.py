@@ -267,6 +267,12 @@ def local_cluster_log_dir_is_a_file(env):
         keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=file.name)
 
 
+@case("local_cluster_negative_intra_op_threads", ClusterConfigError,
+      "intra_op_threads=-1", "share this machine's cores", "0 for TF's default")
+def local_cluster_negative_intra_op_threads(env):
+    keras_ps.LocalCluster(num_workers=1, num_ps=1, intra_op_threads=-1)
+
+
 # The coordinator ---------------------------------------------------------------------
 @case("schedule_python_function", TypeError,
       "fn='plain_step'", "tf.function(fn)")
@@ -861,6 +867,10 @@ SERVER_CASES = [
     pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002]))],
                  ["--job_name is required", "Pass --job_name ps"],
                  id="server_missing_job_name"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "ps", "--intra_op_threads", "-2"],
+                 ["--intra_op_threads -2 is negative", "Pass 0 for TF's default"],
+                 id="server_negative_intra_op_threads"),
 ]
 
 

@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import portpicker
 import pytest
@@ -119,6 +120,37 @@ def test_local_cluster_kill_and_restart(tmp_path):
         local.restart("worker", 0)
         assert local.pid("worker", 0) != old
         assert cluster_lib.wait_for_port(address, 5)
+
+
+def _serving_line(log_dir, job, timeout=30.0):
+    # The task prints it just after its port starts answering.
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(os.path.join(log_dir, f"{job}-0.log")) as f:
+            lines = [line for line in f if "serving at" in line]
+        if lines or time.monotonic() > deadline:
+            assert lines, f"{job}-0.log has no 'serving at' line"
+            return lines[0]
+        time.sleep(0.05)
+
+
+def test_local_cluster_shares_the_cores_between_its_tasks(tmp_path):
+    # Every task of a LocalCluster is on this machine: by default each may
+    # split an op over its share of the cores, not over all of them.
+    shared = max(1, (os.cpu_count() or 1) // 2)
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                  log_dir=str(tmp_path / "shared")) as local:
+        assert local.intra_op_threads == shared
+        for job in ("ps", "worker"):
+            line = _serving_line(local.log_dir, job)
+            assert f"{shared} intra-op" in line, line
+    # 0: TF's default, one thread per core in every task.
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                  log_dir=str(tmp_path / "default"),
+                                  intra_op_threads=0) as local:
+        for job in ("ps", "worker"):
+            line = _serving_line(local.log_dir, job)
+            assert "intra-op: one per core" in line, line
 
 
 _OWNER = """
