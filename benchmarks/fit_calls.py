@@ -63,6 +63,7 @@ UNGROUPED = "_ungrouped"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
 FIRST_CALL_ENV_VAR = "BENCH_FIRST_CALL_STEPS"  # --first-call-steps, to the children
+INTRA_ENV_VAR = "BENCH_INTRA_OP_THREADS"  # --intra-op-threads, to the children
 EVAL_STEPS = 100
 
 
@@ -92,7 +93,12 @@ def build(system, rows, metrics=("accuracy",)):
     import tensorflow as tf
 
     import keras_ps  # LocalCluster starts plain tf.distribute.Server tasks
-    cluster = keras_ps.LocalCluster(num_workers=2, num_ps=2)
+    # Every system runs on the same LocalCluster processes; by default they
+    # share the cores (LocalCluster's intra_op_threads=None).
+    intra = os.environ.get(INTRA_ENV_VAR)
+    cluster = keras_ps.LocalCluster(
+        num_workers=2, num_ps=2,
+        intra_op_threads=None if intra in (None, "") else int(intra))
     if native:
         import tf_keras as keras
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -172,6 +178,7 @@ def run_one(system, rows):
     return {
         "system": system, "rows": rows,
         "ids": os.environ.get(IDS_ENV_VAR, "zipf"),
+        "intra_op_threads": cluster.intra_op_threads,
         "steady_steps_per_s": steady,
         "epoch_s": epochs,
         "startup_s": epochs[0] - statistics.median(epochs[1:]),
@@ -268,6 +275,10 @@ def main():
     parser.add_argument("--from-json", help="format saved runs instead")
     parser.add_argument("--first-call-steps", type=int, default=EPOCH_STEPS,
                         help="steps of the first fit call (warm-up)")
+    parser.add_argument("--intra-op-threads", type=int, default=None,
+                        help="each task's intra-op threads (LocalCluster's "
+                             "intra_op_threads; default: the cores shared "
+                             "between the tasks; 0: TF's default)")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -276,6 +287,8 @@ def main():
         os._exit(0)
     os.environ[IDS_ENV_VAR] = args.ids  # the children inherit it
     os.environ[FIRST_CALL_ENV_VAR] = str(args.first_call_steps)
+    if args.intra_op_threads is not None:
+        os.environ[INTRA_ENV_VAR] = str(args.intra_op_threads)
     if args.from_json:
         with open(args.from_json) as f:
             runs = json.load(f)
