@@ -88,9 +88,9 @@ class LocalCluster:
             this one machine, and TF's default (one thread per core in each
             process) makes each task hand every sizeable op to as many
             threads as the machine has cores, all competing for the same
-            cores: on 2 cores with 4 tasks, a ps spent a quarter more CPU
-            per step in handing off and switching threads (LazyAdam's
-            row-wise update, `benchmarks/RESULTS.md`). 0 keeps TF's default.
+            cores: on 2 cores with 4 tasks, the busier ps of a LazyAdam
+            `fit` used 7.4-9.8 ms of CPU per step, 5.6-6.9 ms with one
+            thread (benchmarks/RESULTS.md). 0 keeps TF's default.
 
     Example:
     ```python
