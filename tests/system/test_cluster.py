@@ -4,13 +4,14 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import portpicker
 import pytest
 
 from keras_ps import cluster as cluster_lib
 from keras_ps.errors import ClusterConfigError
+
+from _polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -122,16 +123,12 @@ def test_local_cluster_kill_and_restart(tmp_path):
         assert cluster_lib.wait_for_port(address, 5)
 
 
-def _serving_line(log_dir, job, timeout=30.0):
+def _serving_line(log_dir, job):
     # The task prints it just after its port starts answering.
-    deadline = time.monotonic() + timeout
-    while True:
+    def line():
         with open(os.path.join(log_dir, f"{job}-0.log")) as f:
-            lines = [line for line in f if "serving at" in line]
-        if lines or time.monotonic() > deadline:
-            assert lines, f"{job}-0.log has no 'serving at' line"
-            return lines[0]
-        time.sleep(0.05)
+            return next((l for l in f if "serving at" in l), None)
+    return wait_until(line, 30, f"{job}-0.log's 'serving at' line")
 
 
 def test_local_cluster_shares_the_cores_between_its_tasks(tmp_path):
