@@ -95,11 +95,6 @@ def _batch_size(batch):
     return tf.shape(tf.nest.flatten(batch)[0], out_type=tf.int64)[0]
 
 
-def _ran(op):
-    with tf.control_dependencies([op]):
-        return tf.constant(True)
-
-
 class _ShardsOnCluster:
     """The progress, lease and begun-step variables of one ShardedInput on
     a ps."""
@@ -226,20 +221,35 @@ class _ShardsOnCluster:
                                          tf.zeros([1], tf.int64)))
 
             def run(optionals, done, tail):
-                # In the shard's last execution some batches may be missing.
+                # In the shard's last execution some batches may be missing:
+                # those present are the first `count` (the iterator ran out
+                # after them).
                 sizes = tf.stack([
                     tf.cond(o.has_value(),
                             lambda o=o: _batch_size(o.get_value()),
                             lambda: tf.constant(0, tf.int64)) if tail
                     else _batch_size(o.get_value()) for o in optionals])
                 progress = tf.stack([start + done + tf.cumsum(sizes), sizes])
-                for i, o in enumerate(optionals):
-                    if tail:
-                        tf.cond(o.has_value(), lambda i=i, o=o: _ran(
-                            step(o.get_value(), i, progress)),
-                            lambda: tf.constant(False))
-                    else:
+                if not tail:
+                    for i, o in enumerate(optionals):
                         step(o.get_value(), i, progress)
+                    return done + tf.reduce_sum(sizes)
+
+                # One loop over them, so the step is traced once here, not
+                # once per batch that may be missing (a heavy step, e.g. a
+                # DynamicEmbedding's, takes seconds to trace).
+                count = tf.add_n([tf.cast(o.has_value(), tf.int32)
+                                  for o in optionals])
+
+                def tail_step(i):
+                    batch = tf.switch_case(
+                        i, [lambda o=o: o.get_value() for o in optionals])
+                    # The next batch's step after this one's updates.
+                    with tf.control_dependencies([step(batch, i, progress)]):
+                        return i + 1
+
+                tf.while_loop(lambda i: i < count, tail_step,
+                              (tf.constant(0),), parallel_iterations=1)
                 return done + tf.reduce_sum(sizes)
 
             def full(done, optionals, keep):

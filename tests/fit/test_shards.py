@@ -508,6 +508,49 @@ def test_custom_loop_schedules_each_shard_and_counts_each_id_once(
 
 
 @pytest.mark.timeout(120)
+def test_a_shard_function_traces_the_step_once_per_unrolled_step_and_once_for_its_tail(
+        strategy, coordinator):
+    # 4 steps an execution: shards of 7, 5, 4, 3, 2 and 1 batches (of 10
+    # records, the last 6), so a shard's last execution holds 3, 1, 0, 3, 2
+    # or 1 of its 4 batches. The step is traced 4 times for the full
+    # executions and once for the last one, whatever it holds (a heavy step
+    # then costs 5 traces, not 8), and every record is trained once.
+    import numpy as np
+    import tensorflow as tf
+
+    import keras_ps
+
+    sizes = [70, 50, 40, 30, 20, 6]
+    n = sum(sizes)
+    with strategy.scope():
+        counts = tf.Variable(tf.zeros([n], tf.int32))
+    ends = np.cumsum(sizes)
+    starts, ends = tf.constant(ends - sizes), tf.constant(ends)
+
+    def read_fn(name):  # "file" i: records starts[i] ... ends[i] - 1
+        i = tf.strings.to_number(name, tf.int32)
+        return tf.data.Dataset.range(tf.gather(starts, i), tf.gather(ends, i))
+
+    data = keras_ps.ShardedInput([str(i) for i in range(len(sizes))],
+                                 batch_size=10, read_fn=read_fn, seed=3)
+    traced = []
+
+    def step(ids):
+        traced.append(ids.shape)
+        counts.scatter_add(tf.IndexedSlices(tf.ones_like(ids, tf.int32), ids))
+
+    train_shard = data.shard_function(coordinator, step,
+                                      steps_per_execution=4)
+    shards = data.epoch(coordinator, 0)
+    for shard in shards:
+        coordinator.schedule(train_shard, args=(shard,))
+    coordinator.join()
+    assert shards.summary()["records_trained"] == n
+    assert counts.numpy().tolist() == [1] * n
+    assert len(traced) == 5, traced
+
+
+@pytest.mark.timeout(120)
 def test_fit_with_an_empty_file_warns_and_trains_the_rest(strategy, tmp_path,
                                                           caplog):
     import logging
