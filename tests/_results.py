@@ -24,10 +24,14 @@ def reports(output):
             if line.startswith(PREFIX)]
 
 
-def last_report(output):
-    """The child's last report; fails with its output when there is none."""
+def last_report(output, code=None):
+    """The child's last report; fails with its output (and its exit code,
+    when given: a negative one is the signal that ended it) when there is
+    none."""
     found = reports(output)
-    assert found, f"no {PREFIX.strip()} line in the output:\n{output[-3000:]}"
+    exited = "" if code is None else f" (the child exited with {code})"
+    assert found, (f"no {PREFIX.strip()} line in the output{exited}:\n"
+                   f"{output[-3000:]}")
     return found[-1]
 
 

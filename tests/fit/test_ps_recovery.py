@@ -13,6 +13,7 @@ import pytest
 
 from _paths import TESTS
 from _results import last_report
+from _results import run_child
 
 JOB = os.path.join(TESTS, "_fit_job.py")
 PER_EXECUTION = 2  # the job's steps_per_execution
@@ -23,10 +24,10 @@ def run(tmp_path, kills, in_restore=None, recover_ps=None):
     args = [sys.executable, JOB, "ps_recover", str(tmp_path / "backup"),
             json.dumps(kills), "-" if in_restore is None else str(in_restore)
             ] + ([recover_ps] if recover_ps else [])
-    out = subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=240,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    return out.returncode, out.stdout, last_report(out.stdout)
+    # A crash of the job prints its threads' stacks (faulthandler).
+    code, output = run_child(args, 240, env=dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1"))
+    return code, output, last_report(output, code)
 
 
 @pytest.fixture(scope="module")
