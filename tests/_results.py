@@ -30,8 +30,9 @@ def last_report(output, code=None):
     none."""
     found = reports(output)
     exited = "" if code is None else f" (the child exited with {code})"
+    # A crash's stacks (faulthandler, every thread) take several thousand.
     assert found, (f"no {PREFIX.strip()} line in the output{exited}:\n"
-                   f"{output[-3000:]}")
+                   f"{output[-12000:]}")
     return found[-1]
 
 
