@@ -20,13 +20,19 @@ PER_EXECUTION = 2  # the job's steps_per_execution
 BACKUP_EVERY = 4  # the job's save_freq
 
 
-def run(tmp_path, kills, in_restore=None, recover_ps=None):
-    args = [sys.executable, JOB, "ps_recover", str(tmp_path / "backup"),
-            json.dumps(kills), "-" if in_restore is None else str(in_restore)
-            ] + ([recover_ps] if recover_ps else [])
-    # A crash of the job prints its threads' stacks (faulthandler).
-    code, output = run_child(args, 240, env=dict(
+def run_job(*args):
+    """(exit code, output) of tests/_fit_job.py with `args`, in its own
+    process group; a crash of the job prints its threads' stacks
+    (faulthandler)."""
+    return run_child([sys.executable, JOB, *args], 240, env=dict(
         os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1"))
+
+
+def run(tmp_path, kills, in_restore=None, recover_ps=None):
+    code, output = run_job(
+        "ps_recover", str(tmp_path / "backup"), json.dumps(kills),
+        "-" if in_restore is None else str(in_restore),
+        *([recover_ps] if recover_ps else []))
     return code, output, last_report(output, code)
 
 
@@ -105,13 +111,10 @@ def test_lost_shards_mode_restores_the_lost_ps_only(incremental, tmp_path):
     # After a backup every float variable is changed, then ps 0 is killed
     # and restarted: ps 0 gets the backup's values back, ps 1 keeps the
     # changed ones (a full restore would have reverted them too).
-    out = subprocess.run(
-        [sys.executable, JOB, "lost_shards_restore", str(tmp_path / "b"),
-         json.dumps(incremental)], stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, timeout=240,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert out.returncode == 0, out.stdout[-3000:]
-    result = last_report(out.stdout)
+    code, output = run_job("lost_shards_restore", str(tmp_path / "b"),
+                           json.dumps(incremental))
+    assert code == 0, output[-3000:]
+    result = last_report(output, code)
     assert result["lost"] == [0]
     assert result["position"] == [1, 0]  # the backup at the epoch's end
     assert min(result["variables"]) > 0, result
