@@ -14,6 +14,7 @@ import threading
 # keras_ps/__init__ sets GRPC_FAIL_FAST before anything starts gRPC; none of
 # these modules imports TensorFlow (a task serves sooner without its Python API).
 from keras_ps.cluster import _network
+from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._base_errors import ClusterConfigError
@@ -150,6 +151,8 @@ def main(argv=None):
     # TF's server alone, without the rest of its Python API: serving starts
     # 2.5 s sooner (a worker joining a running job waits on this).
     server_lib, config_pb2 = _tf_adapter.server_modules()
+    # Before the server starts: a function using them may arrive at once.
+    native = _native.load_in_server()
     config = config_pb2.ConfigProto()
     config.inter_op_parallelism_threads = (
         args.inter_op_threads or max(4, os.cpu_count() or 1))
@@ -166,7 +169,8 @@ def main(argv=None):
                      f"{str(e).splitlines()[0]}")
     threads = (f"{config.inter_op_parallelism_threads} inter-op threads, "
                + (f"{args.intra_op_threads} intra-op"
-                  if args.intra_op_threads else "intra-op: one per core"))
+                  if args.intra_op_threads else "intra-op: one per core")
+               + f"; {native}")
     _serve_until_signal(server, job, index, address, threads, stop, parent)
 
 

@@ -11,6 +11,7 @@ variable's moment slots (`_momentums`, `_velocities`) without its index
 
 import tensorflow as tf
 
+from keras_ps import _native
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _rowwise
 from keras_ps.tables import _sharded_weights
@@ -76,4 +77,5 @@ def lazy_adam_update(optimizer, gradient, variable, learning_rate, row_steps):
         _optimizers.slot(optimizer, "_velocities", variable),
         tf_variable(row_step),
         gradient, step, learning_rate, optimizer.beta_1, optimizer.beta_2,
-        optimizer.epsilon)
+        optimizer.epsilon,
+        kernels=_native.kernels_for(optimizer._distribution_strategy))

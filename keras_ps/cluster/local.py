@@ -15,6 +15,7 @@ import tempfile
 
 import portpicker
 
+from keras_ps import _native
 from keras_ps._base_errors import ClusterConfigError
 from keras_ps.cluster import _network
 from keras_ps.cluster.spec import resolver_from_spec
@@ -130,6 +131,13 @@ class LocalCluster:
         self._start_timeout = start_timeout
         self._procs = {}
         self._logs = {}
+        if _native.enabled():
+            # Built here, once, before the tasks start and load it: a first
+            # build takes longer than a task's start-up.
+            try:
+                _native.build()
+            except _native.NativeBuildError:
+                pass  # each task's log says why; the coordinator warns once
         for job in ("ps", "worker"):
             for i in range(len(self.spec[job])):
                 self._launch(job, i)

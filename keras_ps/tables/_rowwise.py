@@ -124,7 +124,7 @@ def ftrl(variable, accumulator, linear, gradient, learning_rate, l1, l2, beta,
 
 
 def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
-              beta_2, epsilon):
+              beta_2, epsilon, kernels=None):
     """Adam on the gradient's rows only; see keras_ps.optimizers.LazyAdam.
 
     For each row `r` named by the gradient, at step `t` (1-based), with `k =
@@ -155,8 +155,22 @@ def lazy_adam(variable, m, v, last_step, gradient, step, learning_rate, beta_1,
         gradient: `tf.IndexedSlices`.
         step: the 1-based step number `t` (int64 scalar).
         learning_rate, beta_1, beta_2, epsilon: scalars.
+        kernels: keras_ps' C++ kernels (keras_ps._native.kernels_for), or
+            None. With them a float32 weight is updated in one pass over
+            each row, under the locks of all four variables.
     """
     values, indices = deduplicate(gradient)
+    if kernels is not None and variable.dtype == tf.float32:
+        update = kernels.keras_ps_lazy_adam_rows(
+            var=variable.handle, m=m.handle, v=v.handle,
+            last_step=last_step.handle, grad=tf.cast(values, tf.float32),
+            indices=tf.cast(indices, tf.int64), step=tf.cast(step, tf.int64),
+            lr=tf.cast(learning_rate, tf.float32),
+            beta_1=tf.cast(beta_1, tf.float32),
+            beta_2=tf.cast(beta_2, tf.float32),
+            epsilon=tf.cast(epsilon, tf.float32))
+        _dirty_rows.mark_rows(variable, indices, after=[update])
+        return
     dtype = variable.dtype
     g = tf.cast(values, dtype)
     step = tf.cast(step, tf.int64)

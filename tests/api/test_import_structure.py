@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 LAYERS = [
     # 0: foundations without TensorFlow's Python API at import.
     ["keras_ps._base_errors", "keras_ps._constants", "keras_ps._tf_adapter"],
-    ["keras_ps.errors"],
+    ["keras_ps.errors", "keras_ps._native"],
     ["keras_ps.cluster", "keras_ps.tables"],
     ["keras_ps._keras"],
     ["keras_ps.strategy", "keras_ps.backups"],

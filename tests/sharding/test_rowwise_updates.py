@@ -278,10 +278,24 @@ def test_lazy_adam_dense_update_at_an_earlier_step_keeps_the_rows_later_steps():
     np.testing.assert_array_equal(steps.numpy(), [1, 9, 1])
 
 
+def _op_types(concrete_function):
+    """The op types of a traced function and of every function it calls."""
+    graph_def = concrete_function.graph.as_graph_def()
+    types = {node.op for node in graph_def.node}
+    for function in graph_def.library.function:
+        types.update(node.op for node in function.node_def)
+    return types
+
+
+# The kernels of keras_ps/_native (the shared cluster's tasks load them), and
+# the same update made of TF's ops, which runs where they cannot be built.
+@pytest.mark.parametrize("kernels", ["native", "tf_ops"])
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
 @pytest.mark.parametrize("id_dtype", [tf.int32, tf.int64], ids=["int32", "int64"])
-def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shards,
-                                           coordinator):
+def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, kernels, strategy,
+                                           two_shards, coordinator, monkeypatch):
+    if kernels == "tf_ops":
+        monkeypatch.setenv("KERAS_PS_NATIVE", "0")
     rng = np.random.default_rng(0)
     init_table = rng.normal(size=(ROWS, DIM)).astype("float32")
     init_kernel = rng.normal(size=(DIM, 2)).astype("float32")
@@ -306,6 +320,10 @@ def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, strategy, two_shar
     for ids, c, d in LAZY_STEPS:
         coordinator.schedule(step, args=(
             tf.constant(ids, tf.int64), tf.constant(c), tf.constant(d))).fetch()
+    fused = "KerasPsLazyAdamRows" in _op_types(step.get_concrete_function(
+        tf.TensorSpec([4], tf.int64), tf.TensorSpec([], tf.float32),
+        tf.TensorSpec([], tf.float32)))
+    assert fused == (kernels == "native")
     want_table, want_kernel, want_m, want_v, want_last = lazy_adam_reference(
         init_table, init_kernel, LAZY_STEPS)
     got_table = np.asarray(layer.embeddings.numpy())

@@ -1,0 +1,267 @@
+"""keras_ps' C++ kernels (row_updates.cc): built once per machine, loaded by
+every process of a cluster.
+
+TF has no kernel for LazyAdam's row update: made of TF's ops it is three
+gathers, sixteen elementwise ops and four scatters, each a pass over all the
+gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
+pass over each row. It is compiled with the machine's C++ compiler (`$CXX`,
+else `c++`) against the headers that ship in the tensorflow wheel, into a
+cache directory (`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first
+time a process needs it: about 15 s of one core, once per machine and TF
+install. Later processes load the cached file in milliseconds.
+
+Where it cannot be built (no compiler; no TF headers, as in keras_ps' Docker
+image, which leaves them out), or with `KERAS_PS_NATIVE=0`, keras_ps runs the
+same update made of TF's ops: the results agree to float rounding.
+
+A graph holding one of these ops runs only where every process that handles
+it has loaded the library: the coordinator, which traces it; each worker,
+which splits the function between tasks; each ps, which runs the kernel.
+`python -m keras_ps.server` and `LocalCluster` load it, and
+`kernels_for(strategy)` asks every task of the cluster before a graph uses
+it (servers started otherwise, e.g. a plain `tf.distribute.Server`, get the
+update made of TF's ops).
+"""
+
+import ctypes
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import weakref
+
+from keras_ps import _constants
+
+logger = logging.getLogger(__name__)
+
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                      "row_updates.cc")
+# What KerasPsNativeVersion returns (kVersion in row_updates.cc).
+VERSION = 1
+# Optimized, and free to vectorize sqrt (errno is never read); no
+# -march=native, so a cache on a shared home directory serves every machine.
+_FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC", "-w")
+_BUILD_TIMEOUT_S = 900
+
+
+class NativeBuildError(RuntimeError):
+    """keras_ps' C++ kernels cannot be built or loaded on this machine."""
+
+
+def enabled():
+    """False when `KERAS_PS_NATIVE=0` turns the kernels off."""
+    return os.environ.get(_constants.NATIVE_ENV_VAR, "1") != "0"
+
+
+def _tf_dir():
+    # Found without importing TensorFlow: `python -m keras_ps.server` loads
+    # only TF's server (see keras_ps._tf_adapter.server_modules).
+    spec = importlib.util.find_spec("tensorflow")
+    if spec is None or not spec.submodule_search_locations:
+        raise NativeBuildError("tensorflow is not installed")
+    return list(spec.submodule_search_locations)[0]
+
+
+def cache_dir():
+    """Where built libraries are kept."""
+    if os.environ.get(_constants.CACHE_DIR_ENV_VAR):
+        return os.environ[_constants.CACHE_DIR_ENV_VAR]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "keras_ps")
+
+
+def library_path():
+    """The built library's path for this source, compiler flags and TF install
+    (a new TF or a changed source is built again, not loaded stale)."""
+    framework = os.path.join(_tf_dir(), "libtensorflow_framework.so.2")
+    try:
+        stat = os.stat(framework)
+        tf_id = f"{framework}:{stat.st_size}:{int(stat.st_mtime)}"
+    except OSError:
+        tf_id = framework
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read())
+    digest.update(" ".join(_FLAGS).encode())
+    digest.update(tf_id.encode())
+    return os.path.join(cache_dir(), f"row_updates-{digest.hexdigest()[:16]}.so")
+
+
+def _compile(path):
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise NativeBuildError(
+            f"no C++ compiler {compiler!r} on PATH. Install one (Debian: apt "
+            "install g++) or point $CXX at it")
+    include = os.path.join(_tf_dir(), "include")
+    if not os.path.exists(os.path.join(include, "tensorflow", "core",
+                                       "framework", "op_kernel.h")):
+        raise NativeBuildError(
+            f"TensorFlow's C++ headers are missing from {include}. Reinstall "
+            "tensorflow with them (pip install --force-reinstall tensorflow)")
+    import tensorflow as tf  # the flags TF was built with (C++ ABI, Eigen)
+
+    tmp = f"{path}.{os.getpid()}.tmp"
+    command = [compiler, *_FLAGS, *tf.sysconfig.get_compile_flags(), SOURCE,
+               "-o", tmp, *tf.sysconfig.get_link_flags(),
+               f"-Wl,-rpath,{_tf_dir()}"]
+    logger.warning("[native] building keras_ps' C++ kernels once for this "
+                   "machine (about 15 s) into %s", path)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True,
+                                timeout=_BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NativeBuildError(
+            f"{compiler} took over {_BUILD_TIMEOUT_S} s") from None
+    if result.returncode != 0:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        raise NativeBuildError(
+            f"{compiler} failed (exit code {result.returncode}): "
+            + " | ".join(lines[-5:]))
+    os.replace(tmp, path)
+
+
+def build():
+    """The built library's path, building it first if this machine has none.
+
+    Processes that start at once build it once: the others wait on a lock. A
+    build that failed is not tried again for the same source and TF install:
+    its reason is kept beside the library's path (`.failed`); remove that file
+    to try again.
+
+    Raises:
+        NativeBuildError: it cannot be built here; the message says why.
+    """
+    path = library_path()
+    if os.path.exists(path):
+        return path
+    failed = f"{path}.failed"
+    try:
+        os.makedirs(cache_dir(), exist_ok=True)
+        lock = open(f"{path}.lock", "w")
+    except OSError as error:
+        raise NativeBuildError(
+            f"cannot write to the cache directory {cache_dir()!r} "
+            f"({error.strerror}). Set KERAS_PS_CACHE_DIR to a writable "
+            "directory") from None
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.exists(path):
+            return path
+        if os.path.exists(failed):
+            with open(failed) as f:
+                raise NativeBuildError(f"{f.read().strip()} (kept in {failed})")
+        try:
+            _compile(path)
+        except NativeBuildError as error:
+            with open(failed, "w") as f:
+                f.write(str(error))
+            raise
+    return path
+
+
+def load_in_server():
+    """Loads the kernels into a process that only serves (no TF Python API):
+    a task must have them before a function using them reaches it.
+
+    Returns:
+        What happened, for the task's start-up line.
+    """
+    if not enabled():
+        return "native kernels off (KERAS_PS_NATIVE=0)"
+    try:
+        path = build()
+        # Loading registers the ops and kernels with TF's registries (the
+        # library's static initializers), as tf.load_op_library does.
+        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except (NativeBuildError, OSError) as error:
+        return f"native kernels not loaded: {error}"
+    return "native kernels loaded"
+
+
+_library = None
+_library_lock = threading.Lock()
+_library_error = None
+
+
+def library():
+    """The kernels' Python module in this process (`tf.load_op_library`), or
+    None where they cannot be built (logged once, with the reason)."""
+    global _library, _library_error
+    if not enabled():
+        return None
+    with _library_lock:
+        if _library is None and _library_error is None:
+            try:
+                import tensorflow as tf
+
+                _library = tf.load_op_library(build())
+            # A build error, or TF refusing the library (tf.errors.OpError:
+            # it was built against another TF): either way, TF's ops do.
+            except Exception as error:
+                _library_error = error
+                logger.warning(
+                    "[native] keras_ps' C++ kernels are not used: %s. LazyAdam "
+                    "runs its update made of TF's ops (slower per step, same "
+                    "results).", error)
+        return _library
+
+
+_answers = weakref.WeakKeyDictionary()
+
+
+def kernels_for(strategy):
+    """The kernels' module if every process that runs a graph of `strategy`
+    has loaded them, else None.
+
+    For a keras_ps ParameterServerStrategy, each ps and worker is asked once
+    (an op run on it); a task that cannot be reached is not counted against
+    them. Any other strategy runs in this process alone.
+    """
+    lib = library()
+    if lib is None:
+        return None
+    spec = getattr(strategy, "cluster_spec", None)
+    if not isinstance(spec, dict) or "ps" not in spec:
+        return lib
+    if strategy not in _answers:
+        _answers[strategy] = _ask_tasks(lib, spec)
+    return lib if _answers[strategy] else None
+
+
+def _ask_tasks(lib, spec):
+    import tensorflow as tf
+
+    for job in ("ps", "worker"):
+        for index in range(len(spec[job])):
+            device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+            try:
+                # Asked now, also from inside a trace (the first apply of a
+                # train function asks).
+                with tf.init_scope(), tf.device(device):
+                    version = int(lib.keras_ps_native_version())
+            except tf.errors.UnavailableError as error:
+                logger.info("[native] %s:%d did not answer (%s); not counted",
+                            job, index, str(error).splitlines()[0])
+                continue
+            except tf.errors.OpError as error:
+                logger.warning(
+                    "[native] %s:%d has not loaded keras_ps' C++ kernels (%s): "
+                    "LazyAdam runs its update made of TF's ops. Start tasks "
+                    "with `python -m keras_ps.server` to use them.", job, index,
+                    str(error).splitlines()[0])
+                return False
+            if version != VERSION:
+                logger.warning(
+                    "[native] %s:%d has keras_ps' C++ kernels version %d, this "
+                    "process %d: LazyAdam runs its update made of TF's ops. "
+                    "Run one keras_ps version on every task.", job, index,
+                    version, VERSION)
+                return False
+    return True

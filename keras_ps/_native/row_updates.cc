@@ -1,0 +1,172 @@
+// keras_ps' C++ kernels, built once per machine by keras_ps/_native/__init__.py.
+//
+// KerasPsLazyAdamRows: LazyAdam's update of the rows a gradient names, in one
+// pass over each row (see keras_ps.tables._rowwise.lazy_adam for the formula).
+// The same update in TF's ops takes three gathers, sixteen elementwise ops and
+// four scatters, each a pass over all the rows with a buffer of its own.
+//
+// KerasPsNativeVersion: the library's version; a coordinator runs it on every
+// task to learn whether that task has loaded this library.
+
+#define EIGEN_USE_THREADS
+
+#include <algorithm>
+#include <cmath>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+#include "tensorflow/core/util/work_sharder.h"
+
+namespace keras_ps {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::Var;
+using CPUDevice = Eigen::ThreadPoolDevice;
+
+constexpr int kVersion = 1;
+
+REGISTER_OP("KerasPsNativeVersion")
+    .Output("version: int32")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::ScalarShape);
+
+class NativeVersionOp : public OpKernel {
+ public:
+  explicit NativeVersionOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, {}, &out));
+    out->scalar<int32_t>()() = kVersion;
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KerasPsNativeVersion").Device(tensorflow::DEVICE_CPU),
+                        NativeVersionOp);
+
+REGISTER_OP("KerasPsLazyAdamRows")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("last_step: resource")
+    .Input("grad: float")
+    .Input("indices: int64")
+    .Input("step: int64")
+    .Input("lr: float")
+    .Input("beta_1: float")
+    .Input("beta_2: float")
+    .Input("epsilon: float")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::NoOutputs);
+
+// var, m, v: float32 variables of one shape [rows, ...]; last_step: int64
+// [rows]; grad: [n, ...] (the rows of the gradient, each index once);
+// indices: [n]. Each row is updated under the exclusive locks of all four
+// variables, like TF's sparse apply kernels: a row's update is atomic.
+class LazyAdamRowsOp : public OpKernel {
+ public:
+  explicit LazyAdamRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    // The int64 step variable first, before the float ones are locked: its
+    // switch to copy-on-read (which copies it if a read holds its buffer)
+    // takes its own lock.
+    tensorflow::core::RefCountPtr<Var> last_var;
+    OP_REQUIRES_OK(ctx, tensorflow::LookupResource(
+                            ctx, tensorflow::HandleFromInput(ctx, 3), &last_var));
+    OP_REQUIRES_OK(ctx, tensorflow::EnsureSparseVariableAccess<CPUDevice, int64_t>(
+                            ctx, last_var.get()));
+    auto locks = tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1, 2});
+    tensorflow::mutex_lock last_lock(*last_var->mu());
+    Tensor var, m, v;
+    OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                            ctx, 0, true, true, &var));
+    OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                            ctx, 1, true, true, &m));
+    OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                            ctx, 2, true, true, &v));
+    Tensor* last = last_var->tensor();
+    const Tensor& grad = ctx->input(4);
+    const Tensor& indices = ctx->input(5);
+
+    OP_REQUIRES(ctx, var.dims() >= 1 && var.shape() == m.shape() &&
+                         var.shape() == v.shape(),
+                tensorflow::errors::InvalidArgument(
+                    "var, m and v must have one shape of rank 1 or more. Received: ",
+                    var.shape().DebugString(), ", ", m.shape().DebugString(), ", ",
+                    v.shape().DebugString()));
+    const int64_t rows = var.dim_size(0);
+    OP_REQUIRES(ctx, last->dtype() == tensorflow::DT_INT64 && last->dims() == 1 &&
+                         last->dim_size(0) == rows,
+                tensorflow::errors::InvalidArgument(
+                    "last_step must be int64 of shape [", rows, "]. Received: ",
+                    last->shape().DebugString()));
+    const int64_t n = indices.NumElements();
+    const int64_t dim = rows ? var.NumElements() / rows : 0;
+    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
+                tensorflow::errors::InvalidArgument(
+                    "grad must hold ", n, " rows of ", dim, " values. Received: ",
+                    grad.shape().DebugString()));
+    const auto ids = indices.flat<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, ids(i) >= 0 && ids(i) < rows,
+                  tensorflow::errors::InvalidArgument(
+                      "row index ", ids(i), " is not in [0, ", rows, ")"));
+    }
+
+    const int64_t step = ctx->input(6).scalar<int64_t>()();
+    const float lr = ctx->input(7).scalar<float>()();
+    const float b1 = ctx->input(8).scalar<float>()();
+    const float b2 = ctx->input(9).scalar<float>()();
+    const float eps = ctx->input(10).scalar<float>()();
+    const float t = static_cast<float>(step);
+    const float alpha = lr * std::sqrt(1 - std::pow(b2, t)) / (1 - std::pow(b1, t));
+    const float rho = b1 / std::sqrt(b2);
+
+    float* table = var.flat<float>().data();
+    float* first = m.flat<float>().data();
+    float* second = v.flat<float>().data();
+    int64_t* steps = last->flat<int64_t>().data();
+    const float* g_all = grad.flat<float>().data();
+
+    auto update = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = ids(i);
+        // Steps since the row was last updated; 1 for a second update at
+        // the same step (another worker's).
+        const float k = static_cast<float>(std::max<int64_t>(step - steps[r], 1));
+        const float drift_scale =
+            alpha * (rho * (1 - std::pow(rho, k - 1)) / (1 - rho));
+        const float b1k = std::pow(b1, k);
+        const float b2k = std::pow(b2, k);
+        float* w = table + r * dim;
+        float* mr = first + r * dim;
+        float* vr = second + r * dim;
+        const float* g = g_all + i * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float m0 = mr[j];
+          const float v0 = vr[j];
+          const float drift = drift_scale * m0 / (std::sqrt(v0) + eps);
+          const float m1 = b1k * m0 + (1 - b1) * g[j];
+          const float v1 = b2k * v0 + (1 - b2) * (g[j] * g[j]);
+          mr[j] = m1;
+          vr[j] = v1;
+          w[j] -= drift + alpha * m1 / (std::sqrt(v1) + eps);
+        }
+        steps[r] = std::max(steps[r], step);
+      }
+    };
+    auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(threads->num_threads, threads->workers, n,
+                      /*cost_per_unit=*/dim * 40, update);
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KerasPsLazyAdamRows").Device(tensorflow::DEVICE_CPU),
+                        LazyAdamRowsOp);
+
+}  // namespace keras_ps

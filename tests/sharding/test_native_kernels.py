@@ -1,0 +1,78 @@
+"""keras_ps' C++ kernels (keras_ps/_native): LazyAdam's row update in one
+pass, and what happens where they cannot be used.
+
+The kernel's results are checked against a numpy reference, beside the same
+update made of TF's ops, in tests/sharding/test_rowwise_updates.py
+(test_lazy_adam_matches_numpy_reference). Here: the tasks of a cluster load
+them; bad input gets TF's error naming the value; a machine without a
+compiler, and tasks that did not load them, train with TF's ops and say why.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from keras_ps import _native
+from _paths import TESTS
+from _results import last_report, run_child
+
+pytestmark = pytest.mark.timeout(300)
+
+JOB = os.path.join(TESTS, "_native_job.py")
+
+
+def run_job(mode, env):
+    code, output = run_child([sys.executable, JOB, mode], 240,
+                             env=dict(os.environ, **env), cwd=TESTS)
+    assert code == 0, output[-6000:]
+    return output, last_report(output, code)
+
+
+def test_the_clusters_tasks_load_the_kernels(cluster, strategy):
+    for job in ("ps", "worker"):
+        with open(os.path.join(cluster.log_dir, f"{job}-0.log")) as f:
+            assert "native kernels loaded" in f.read()
+    assert _native.kernels_for(strategy) is not None
+
+
+def test_a_row_index_out_of_range_is_named():
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    var, m, v = (tf.Variable(tf.zeros((4, 2))) for _ in range(3))
+    last = tf.Variable(tf.zeros((4,), tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"row index 7 is not in \[0, 4\)"):
+        lib.keras_ps_lazy_adam_rows(
+            var=var.handle, m=m.handle, v=v.handle, last_step=last.handle,
+            grad=tf.ones((2, 2)), indices=tf.constant([1, 7], tf.int64),
+            step=tf.constant(1, tf.int64), lr=0.1, beta_1=0.9, beta_2=0.999,
+            epsilon=1e-7)
+    # Nothing was written: the indices are checked before any row changes.
+    assert not var.numpy().any() and not last.numpy().any()
+
+
+def test_without_a_compiler_lazy_adam_trains_with_tf_ops(tmp_path):
+    env = {"CXX": "/nonexistent/c++", "KERAS_PS_CACHE_DIR": str(tmp_path)}
+    output, result = run_job("no_compiler", env)
+    assert result["library"] is False
+    assert result["rows_changed"] > 0 and np.isfinite(result["loss"])
+    # The user is told why, and what to do.
+    assert ("keras_ps' C++ kernels are not used: no C++ compiler "
+            "'/nonexistent/c++' on PATH. Install one") in output
+    # The failure is kept: later processes do not try the build again.
+    assert result["build_again"].startswith("no C++ compiler")
+    assert "(kept in " in result["build_again"]
+    failed = [name for name in os.listdir(tmp_path) if name.endswith(".failed")]
+    assert len(failed) == 1, os.listdir(tmp_path)
+
+
+def test_tasks_without_the_kernels_get_lazy_adam_made_of_tf_ops():
+    output, result = run_job("tasks_without_kernels", {})
+    assert result["library"] is True  # the coordinator has them...
+    assert result["for_strategy"] is False  # ...its tasks do not
+    assert "native kernels off (KERAS_PS_NATIVE=0)" in result["ps_log"]
+    assert "ps:0 has not loaded keras_ps' C++ kernels" in output
+    assert result["iterations"] == 4 and np.isfinite(result["loss"])
