@@ -48,7 +48,8 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_ungrouped_unrolled", "keras_ps_adagrad_unrolled2",
            "keras_ps_adagrad_unrolled3", "keras_ps_adagrad_unrolled5",
            "keras_ps_adagrad_unrolled1", "keras_ps_lazyadam_unrolled1",
-           "keras_ps_lazyadam_unrolled5")
+           "keras_ps_lazyadam_unrolled5", "keras_ps_lazyadam_tfops",
+           "keras_ps_lazyadam_tfops_unrolled5")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
@@ -57,9 +58,12 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # first KERAS_PS_UNROLL_AFTER executions, then 5 an iteration: pass
 # --first-call-steps 1000 or more to measure the steady state after it);
 # "<system>_ungrouped" moves one tensor per variable between processes
-# instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0).
+# instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0); "<system>_tfops" runs
+# LazyAdam's row update as TF's ops instead of keras_ps' C++ kernel
+# (KERAS_PS_NATIVE=0, in the tasks too).
 UNROLLED = "_unrolled"
 UNGROUPED = "_ungrouped"
+TF_OPS = "_tfops"
 WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
 FIRST_CALL_ENV_VAR = "BENCH_FIRST_CALL_STEPS"  # --first-call-steps, to the children
@@ -81,6 +85,9 @@ def build(system, rows, metrics=("accuracy",)):
     benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
     base, unrolled, per_iteration = system.partition(UNROLLED)
+    if base.endswith(TF_OPS):
+        os.environ["KERAS_PS_NATIVE"] = "0"  # LocalCluster's tasks inherit it
+        base = base.removesuffix(TF_OPS)
     optimizer_name = base.removesuffix(UNGROUPED).rsplit("_", 1)[1]
     if unrolled:
         os.environ["KERAS_PS_UNROLL_STEPS"] = per_iteration or str(

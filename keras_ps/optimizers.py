@@ -53,8 +53,15 @@ class LazyAdam(keras.optimizers.Adam):
     the two float moments per element.
 
     Repeated ids in a batch are summed before the update, as in the dense
-    gradient. Concurrent workers updating the same row race on its moments
-    like any asynchronous parameter-server update.
+    gradient. On a ps, a float32 table's rows are updated by one C++ kernel
+    (keras_ps/_native, built once per machine) in one pass over each row,
+    under the locks of the table and its slots: two workers' updates of a
+    row come one after the other. Where the kernel cannot be built (no C++
+    compiler or no TF headers, as in keras_ps' Docker image), or with
+    `KERAS_PS_NATIVE=0`, the same update runs as TF's ops (gathers,
+    elementwise ops, scatters; about 3 ms more per step at 10M rows on 2
+    cores), and concurrent workers updating the same row race on its
+    moments like any asynchronous parameter-server update.
 
     Options that cannot be row-wise raise a `ValueError` naming the fix:
     `amsgrad=True`, `global_clipnorm` (needs every gradient's norm first),

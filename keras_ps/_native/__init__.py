@@ -92,17 +92,17 @@ def library_path():
 
 
 def _compile(path):
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise NativeBuildError(
-            f"no C++ compiler {compiler!r} on PATH. Install one (Debian: apt "
-            "install g++) or point $CXX at it")
     include = os.path.join(_tf_dir(), "include")
     if not os.path.exists(os.path.join(include, "tensorflow", "core",
                                        "framework", "op_kernel.h")):
         raise NativeBuildError(
             f"TensorFlow's C++ headers are missing from {include}. Reinstall "
             "tensorflow with them (pip install --force-reinstall tensorflow)")
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise NativeBuildError(
+            f"no C++ compiler {compiler!r} on PATH. Install one (Debian: apt "
+            "install g++) or point $CXX at it")
     import tensorflow as tf  # the flags TF was built with (C++ ABI, Eigen)
 
     tmp = f"{path}.{os.getpid()}.tmp"
