@@ -33,6 +33,10 @@ Usage:
       of the full backup is written, then the delta that seals it; the new
       chain restores bit for bit into 3 shards. Then a compaction dropped
       by a restore.
+  python tests/_incremental_job.py shared DIR CRASHED_DIR
+      zeroed_generation, equivalence, faults, crash_restore (of
+      CRASHED_DIR), callback and background_compaction in one process, on
+      one cluster.
 """
 
 import glob
@@ -129,48 +133,46 @@ CASES = [(opt, 2, 3) for opt in OPTIMIZERS] + \
 BACKGROUND_CASES = [("lazy_adam", 2, 3), ("adagrad", 3, 2)]
 
 
-def equivalence(directory):
+def equivalence(by_shards, directory):
     """Every case, or those named in KERAS_PS_TEST_CASES (comma-separated)."""
     only = os.environ.get("KERAS_PS_TEST_CASES")
-    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        by_shards = strategies(cluster)
-        for optimizer, saved_in, restored_in, background in (
-                [c + (False,) for c in CASES]
-                + [c + (True,) for c in BACKGROUND_CASES]):
-            case = (f"{optimizer}{'_background' if background else ''}-"
-                    f"{saved_in}-to-{restored_in}")
-            if only and case not in only.split(","):
-                continue
-            folder = os.path.join(directory, case)
-            model = build(by_shards[saved_in], optimizer)
-            train(model, 0)
-            writer = backup(model, folder, background_deltas=background)
-            entries = [writer.save()]
-            for seed in (1, 2):
-                train(model, seed)
-                entries.append(writer.save())
-            expected = values(model)
-            weights_file = os.path.join(directory, f"{case}.weights.h5")
-            model.save_weights(weights_file)
-            if background:
-                train(model, 3)  # while the last delta is being written
-                writer.wait()
+    for optimizer, saved_in, restored_in, background in (
+            [c + (False,) for c in CASES]
+            + [c + (True,) for c in BACKGROUND_CASES]):
+        case = (f"{optimizer}{'_background' if background else ''}-"
+                f"{saved_in}-to-{restored_in}")
+        if only and case not in only.split(","):
+            continue
+        folder = os.path.join(directory, case)
+        model = build(by_shards[saved_in], optimizer)
+        train(model, 0)
+        writer = backup(model, folder, background_deltas=background)
+        entries = [writer.save()]
+        for seed in (1, 2):
+            train(model, seed)
+            entries.append(writer.save())
+        expected = values(model)
+        weights_file = os.path.join(directory, f"{case}.weights.h5")
+        model.save_weights(weights_file)
+        if background:
+            train(model, 3)  # while the last delta is being written
+            writer.wait()
 
-            restored = build(by_shards[restored_in], optimizer)
-            entry = backup(restored, folder).restore()
-            from_keras = build(by_shards[restored_in], optimizer)
-            from_keras.load_weights(weights_file)
-            say(case=case, optimizer=optimizer,
-                kinds=[e.kind for e in entries],
-                table_rows=[e.table_rows for e in entries],
-                embedding_rows=[table_rows(folder, e.id) for e in entries],
-                bytes=[e.bytes for e in entries],
-                tracked=writer.tracked_tables,
-                restored_id=entry.id, last_id=entries[-1].id,
-                vs_model=mismatches(values(restored), expected),
-                vs_keras_file=mismatches(values(restored), values(from_keras)),
-                shards=[len(restored.get_layer("table").weights),
-                        len(model.get_layer("table").weights)])
+        restored = build(by_shards[restored_in], optimizer)
+        entry = backup(restored, folder).restore()
+        from_keras = build(by_shards[restored_in], optimizer)
+        from_keras.load_weights(weights_file)
+        say(case=case, optimizer=optimizer,
+            kinds=[e.kind for e in entries],
+            table_rows=[e.table_rows for e in entries],
+            embedding_rows=[table_rows(folder, e.id) for e in entries],
+            bytes=[e.bytes for e in entries],
+            tracked=writer.tracked_tables,
+            restored_id=entry.id, last_id=entries[-1].id,
+            vs_model=mismatches(values(restored), expected),
+            vs_keras_file=mismatches(values(restored), values(from_keras)),
+            shards=[len(restored.get_layer("table").weights),
+                    len(model.get_layer("table").weights)])
 
 
 def table_rows(directory, entry_id):
@@ -211,92 +213,90 @@ def _restore_outcome(strategy, directory, expected_by_id, fallback=True):
             }, model, writer
 
 
-def faults(directory):
-    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        by_shards = strategies(cluster)
-        folder = os.path.join(directory, "chain")
-        model = build(by_shards[2], "lazy_adam")
-        writer = backup(model, folder, **NO_COMPACTION)
-        expected = {}
-        for seed in range(3):  # full, delta, delta
-            train(model, seed)
-            entry = writer.save()
-            expected[entry.id] = values(model)
-        ids = sorted(expected)
-        damaged = _table_file(folder, ids[-1])
-        original = open(damaged, "rb").read()
-        outcomes = {}
-        for how in ("truncated", "altered", "missing"):
-            if how == "truncated":
-                open(damaged, "wb").write(original[:len(original) // 2])
-            elif how == "altered":
-                flipped = bytearray(original)
-                flipped[len(flipped) // 2] ^= 0xFF
-                open(damaged, "wb").write(bytes(flipped))
-            else:
-                os.remove(damaged)
-            outcomes[how] = {
-                "strict": _restore_outcome(by_shards[3], folder, expected,
-                                           fallback=False)[0],
-                "fallback": _restore_outcome(by_shards[3], folder, expected)[0]}
-        open(damaged, "wb").write(original)
-        intact = _restore_outcome(by_shards[3], folder, expected)[0]
-        say(ids=ids, damaged=damaged, outcomes=outcomes, intact=intact)
+def faults(by_shards, directory):
+    folder = os.path.join(directory, "chain")
+    model = build(by_shards[2], "lazy_adam")
+    writer = backup(model, folder, **NO_COMPACTION)
+    expected = {}
+    for seed in range(3):  # full, delta, delta
+        train(model, seed)
+        entry = writer.save()
+        expected[entry.id] = values(model)
+    ids = sorted(expected)
+    damaged = _table_file(folder, ids[-1])
+    original = open(damaged, "rb").read()
+    outcomes = {}
+    for how in ("truncated", "altered", "missing"):
+        if how == "truncated":
+            open(damaged, "wb").write(original[:len(original) // 2])
+        elif how == "altered":
+            flipped = bytearray(original)
+            flipped[len(flipped) // 2] ^= 0xFF
+            open(damaged, "wb").write(bytes(flipped))
+        else:
+            os.remove(damaged)
+        outcomes[how] = {
+            "strict": _restore_outcome(by_shards[3], folder, expected,
+                                       fallback=False)[0],
+            "fallback": _restore_outcome(by_shards[3], folder, expected)[0]}
+    open(damaged, "wb").write(original)
+    intact = _restore_outcome(by_shards[3], folder, expected)[0]
+    say(ids=ids, damaged=damaged, outcomes=outcomes, intact=intact)
 
-        # Training on from a fallback: the next delta follows the restored
-        # backup; the damaged one is dropped with its files.
-        os.remove(damaged)
-        _, resumed, resumed_writer = _restore_outcome(by_shards[2], folder,
-                                                      expected)
-        train(resumed, 7)
-        entry = resumed_writer.save()
-        expected[entry.id] = values(resumed)
-        chain = [e["id"] for e in _backup_chain.read(folder)["chains"][-1]]
-        after_fallback = _restore_outcome(by_shards[3], folder, expected)[0]
-        say(after_fallback=after_fallback, chain=chain, new_id=entry.id,
-            new_kind=entry.kind,
-            damaged_folder_left=os.path.exists(os.path.dirname(damaged)))
+    # Training on from a fallback: the next delta follows the restored
+    # backup; the damaged one is dropped with its files.
+    os.remove(damaged)
+    _, resumed, resumed_writer = _restore_outcome(by_shards[2], folder,
+                                                  expected)
+    train(resumed, 7)
+    entry = resumed_writer.save()
+    expected[entry.id] = values(resumed)
+    chain = [e["id"] for e in _backup_chain.read(folder)["chains"][-1]]
+    after_fallback = _restore_outcome(by_shards[3], folder, expected)[0]
+    say(after_fallback=after_fallback, chain=chain, new_id=entry.id,
+        new_kind=entry.kind,
+        damaged_folder_left=os.path.exists(os.path.dirname(damaged)))
 
-        # A crash between writing a delta's files and publishing it.
-        train(resumed, 8)
-        publish = _backup_chain.publish
+    # A crash between writing a delta's files and publishing it.
+    train(resumed, 8)
+    publish = _backup_chain.publish
 
-        def crash(*args, **kwargs):
-            raise RuntimeError("crashed before publishing")
+    def crash(*args, **kwargs):
+        raise RuntimeError("crashed before publishing")
 
-        _backup_chain.publish = crash
-        try:
-            resumed_writer.save()
-        except RuntimeError:
-            pass
-        finally:
-            _backup_chain.publish = publish
-        orphans = sorted(os.path.basename(p) for p in glob.glob(
-            os.path.join(folder, "*-0*")))
-        after_crash = _restore_outcome(by_shards[3], folder, expected)[0]
-        entry = resumed_writer.save()  # the crashed delta's rows are in it
-        expected[entry.id] = values(resumed)
-        after_crash_next = _restore_outcome(by_shards[1], folder, expected)[0]
-        say(after_crash=after_crash, after_crash_next=after_crash_next,
-            next_kind=entry.kind, folders_after_crash=orphans)
+    _backup_chain.publish = crash
+    try:
+        resumed_writer.save()
+    except RuntimeError:
+        pass
+    finally:
+        _backup_chain.publish = publish
+    orphans = sorted(os.path.basename(p) for p in glob.glob(
+        os.path.join(folder, "*-0*")))
+    after_crash = _restore_outcome(by_shards[3], folder, expected)[0]
+    entry = resumed_writer.save()  # the crashed delta's rows are in it
+    expected[entry.id] = values(resumed)
+    after_crash_next = _restore_outcome(by_shards[1], folder, expected)[0]
+    say(after_crash=after_crash, after_crash_next=after_crash_next,
+        next_kind=entry.kind, folders_after_crash=orphans)
 
-        # Compaction: a full backup after max_deltas deltas, or once the
-        # deltas add up to max_delta_bytes; keep_chains chains kept.
-        kinds = {}
-        for label, options in (("deltas", dict(max_deltas=2)),
-                               ("bytes", dict(max_delta_bytes=1))):
-            compacted = build(by_shards[2], "lazy_adam")
-            compacting = backup(compacted, os.path.join(directory, label),
-                                keep_chains=2, background_compaction=False,
-                                **options)
-            kinds[label] = []
-            for seed in range(7):
-                train(compacted, seed, steps=1)
-                kinds[label].append(compacting.save().kind)
-            kinds[label + "_chains"] = [
-                [e["kind"] for e in chain] for chain in
-                _backup_chain.read(os.path.join(directory, label))["chains"]]
-        say(compaction=kinds)
+    # Compaction: a full backup after max_deltas deltas, or once the
+    # deltas add up to max_delta_bytes; keep_chains chains kept.
+    kinds = {}
+    for label, options in (("deltas", dict(max_deltas=2)),
+                           ("bytes", dict(max_delta_bytes=1))):
+        compacted = build(by_shards[2], "lazy_adam")
+        compacting = backup(compacted, os.path.join(directory, label),
+                            keep_chains=2, background_compaction=False,
+                            **options)
+        kinds[label] = []
+        for seed in range(7):
+            train(compacted, seed, steps=1)
+            kinds[label].append(compacting.save().kind)
+        kinds[label + "_chains"] = [
+            [e["kind"] for e in chain] for chain in
+            _backup_chain.read(os.path.join(directory, label))["chains"]]
+    say(compaction=kinds)
 
 
 # -- a real crash ------------------------------------------------------------------------
@@ -318,21 +318,19 @@ def crash_write(directory):
         writer.save()
 
 
-def crash_restore(directory):
-    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        by_shards = strategies(cluster)
-        folders = sorted(os.listdir(directory))
-        saved = np.load(os.path.join(directory, "..", "expected.npz"))
-        expected = [saved[f"arr_{i}"] for i in range(len(saved.files))]
-        model = build(by_shards[3], "lazy_adam")
-        writer = backup(model, directory)
-        entry = writer.restore()
-        equal = not mismatches(values(model), expected)
-        train(model, 6)
-        writer.save()
-        listed = [e["id"] for e in _backup_chain.read(directory)["chains"][-1]]
-        say(folders_before=folders, restored=entry.id, equal=equal,
-            folders_after=sorted(os.listdir(directory)), listed=listed)
+def crash_restore(by_shards, directory):
+    folders = sorted(os.listdir(directory))
+    saved = np.load(os.path.join(directory, "..", "expected.npz"))
+    expected = [saved[f"arr_{i}"] for i in range(len(saved.files))]
+    model = build(by_shards[3], "lazy_adam")
+    writer = backup(model, directory)
+    entry = writer.restore()
+    equal = not mismatches(values(model), expected)
+    train(model, 6)
+    writer.save()
+    listed = [e["id"] for e in _backup_chain.read(directory)["chains"][-1]]
+    say(folders_before=folders, restored=entry.id, equal=equal,
+        folders_after=sorted(os.listdir(directory)), listed=listed)
 
 
 # -- BackupAndRestore --------------------------------------------------------------------
@@ -371,43 +369,41 @@ class _StateLog(keras.callbacks.Callback):
             self.kinds.append(state.get("kind", "weights"))
 
 
-def callback(directory):
+def callback(by_shards, directory):
     from keras_ps.callbacks import backup_and_restore as backup_lib
 
-    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        by_shards = strategies(cluster)
-        backup_dir = os.path.join(directory, "fit")
-        model = build(by_shards[2], "lazy_adam")
-        log = _StateLog(backup_dir)
-        incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
-        cb = keras_ps.callbacks.BackupAndRestore(
-            backup_dir, save_freq=3, incremental=True, max_deltas=3,
-            max_delta_bytes=10**9, delete_checkpoint=False)
-        x, y = _fit_data(9)
-        model.fit(x, y, batch_size=BATCH, epochs=2, steps_per_epoch=9,
-                  callbacks=[cb, log], verbose=0)
-        expected = values(model)
-        restored = build(by_shards[3], "lazy_adam")
-        again = keras_ps.callbacks.BackupAndRestore(backup_dir,
-                                                    incremental=True)
-        again.set_model(restored)
-        again.on_train_begin()
-        say(kinds=log.kinds, resume=list(again.resume_position()),
-            tracked=cb._incremental.tracked_tables,
-            equal=not mismatches(values(restored), expected),
-            state=_states(backup_dir))
+    backup_dir = os.path.join(directory, "fit")
+    model = build(by_shards[2], "lazy_adam")
+    log = _StateLog(backup_dir)
+    incremental_backup.DEFAULT_MIN_TABLE_BYTES = 0  # the small table too
+    cb = keras_ps.callbacks.BackupAndRestore(
+        backup_dir, save_freq=3, incremental=True, max_deltas=3,
+        max_delta_bytes=10**9, delete_checkpoint=False)
+    x, y = _fit_data(9)
+    model.fit(x, y, batch_size=BATCH, epochs=2, steps_per_epoch=9,
+              callbacks=[cb, log], verbose=0)
+    expected = values(model)
+    restored = build(by_shards[3], "lazy_adam")
+    again = keras_ps.callbacks.BackupAndRestore(backup_dir,
+                                                incremental=True)
+    again.set_model(restored)
+    again.on_train_begin()
+    say(kinds=log.kinds, resume=list(again.resume_position()),
+        tracked=cb._incremental.tracked_tables,
+        equal=not mismatches(values(restored), expected),
+        state=_states(backup_dir))
 
-        modes = {}
-        for label, minimum in (("small", None), ("over", 0)):
-            if minimum is not None:
-                backup_lib.AUTO_INCREMENTAL_MIN_BYTES = minimum
-            auto_dir = os.path.join(directory, f"auto-{label}")
-            auto = keras_ps.callbacks.BackupAndRestore(auto_dir, save_freq=3)
-            model = build(by_shards[2], "adagrad")
-            model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=6,
-                      callbacks=[auto], verbose=0)
-            modes[label] = auto.describe()
-        say(auto=modes)
+    modes = {}
+    for label, minimum in (("small", None), ("over", 0)):
+        if minimum is not None:
+            backup_lib.AUTO_INCREMENTAL_MIN_BYTES = minimum
+        auto_dir = os.path.join(directory, f"auto-{label}")
+        auto = keras_ps.callbacks.BackupAndRestore(auto_dir, save_freq=3)
+        model = build(by_shards[2], "adagrad")
+        model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=6,
+                  callbacks=[auto], verbose=0)
+        modes[label] = auto.describe()
+    say(auto=modes)
 
 
 def ps_loss(directory):
@@ -503,9 +499,8 @@ def _zeroed_generation(strategy, directory):
     return {"error": error, "latest": writer.latest().id, "full": full.id}
 
 
-def zeroed_generation(directory):
-    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        say(zeroed=_zeroed_generation(strategies(cluster)[2], directory))
+def zeroed_generation(by_shards, directory):
+    say(zeroed=_zeroed_generation(by_shards[2], directory))
 
 
 def ps_loss_background(directory):
@@ -534,103 +529,142 @@ def _chain_kinds(directory):
             for chain in _backup_chain.read(directory)["chains"]]
 
 
-def background_compaction(directory):
+def background_compaction(by_shards, directory):
     # Blocks of 4 rows: 8 blocks per 30-row shard.
     os.environ[_constants.SAVE_CHUNK_BYTES_ENV_VAR] = "256"
+    for optimizer, background in (("lazy_adam", False),
+                                  ("adagrad", True)):
+        folder = os.path.join(directory, optimizer)
+        model = build(by_shards[2], optimizer)
+        writer = backup(model, folder, max_deltas=2,
+                        background_deltas=background)
+        step_ran, released = threading.Event(), threading.Event()
+        blocks = []
+
+        def before_block(device, group, block):
+            # Each block waits for a step trained since the one before.
+            if released.is_set():
+                return
+            if not step_ran.wait(300):
+                raise RuntimeError("no step was trained for 300 s")
+            step_ran.clear()
+            blocks.append((device, group, block))
+
+        writer._before_compaction_block = before_block
+        train(model, 0)
+        saved = [writer.save()]  # full
+        for seed in (1, 2, 3):  # deltas; the third starts a compaction
+            train(model, seed)
+            saved.append(writer.save())
+        compacting_after_save = writer.compacting
+        steps = 0
+        while writer.compacting and steps < 400:
+            train(model, 100 + steps, steps=1)
+            steps += 1
+            step_ran.set()
+            if steps == 2:  # the old chain goes on meanwhile
+                saved.append(writer.save())
+        writer.wait()
+        chains_before_seal = _chain_kinds(folder)
+        train(model, 4)
+        saved.append(writer.save())  # the seal: a new chain
+        train(model, 5)
+        saved.append(writer.save())  # a delta after it
+        writer.wait()
+        expected = values(model)
+        restored = build(by_shards[3], optimizer)
+        entry = backup(restored, folder).restore()
+        report = dict(
+            optimizer=optimizer, background=background,
+            compacting_after_save=compacting_after_save, steps=steps,
+            blocks=len(blocks),
+            block_devices=len({d for d, _, _ in blocks}),
+            kinds=[e.kind for e in saved],
+            deltas=[e.deltas for e in saved],
+            chains_before_seal=chains_before_seal,
+            chains=_chain_kinds(folder), restored_id=entry.id,
+            last_id=saved[-1].id, seal_rows=table_rows(folder,
+                                                       saved[-2].id),
+            vs_model=mismatches(values(restored), expected))
+
+        # A compaction dropped by a restore: its thread stops before
+        # its next block and its folder goes at the next publish.
+        train(model, 6)
+        step_ran.clear()
+        started = writer.save()  # 2 deltas: a compaction starts
+        writer.wait()
+        expected = values(model)
+        compaction = writer._compaction
+        dropped_folder = os.path.join(folder, compaction.folder)
+        train(model, 7)  # after the backup restored next
+        entry = writer.restore()
+        step_ran.set()
+        compaction.thread.join(300)
+        restored_equal = not mismatches(values(model), expected)
+        train(model, 8)
+        after = writer.save()  # a delta, and a compaction starts again
+        writer.wait()
+        again = writer._compaction
+        released.set()
+        step_ran.set()
+        stopped = writer.stop_compaction(timeout=300)
+        report.update(
+            dropped_started=started.id, dropped_restored=entry.id,
+            dropped_thread_alive=compaction.thread.is_alive(),
+            dropped_error=type(compaction.error).__name__,
+            dropped_equal=restored_equal, after_kind=after.kind,
+            dropped_folder_left=os.path.exists(dropped_folder),
+            started_again=again is not None, stop_compaction=stopped,
+            stopped_error=type(again.error).__name__)
+        say(**report)
+
+
+def on_own_cluster(part):
+    """`part` as a job of its own: on a LocalCluster it starts."""
+    def job(directory):
+        with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+            part(strategies(cluster), directory)
+    return job
+
+
+def shared(directory, crashed):
+    """The parts that need no process of their own, one after the other in
+    one process on one cluster (a job's start, TensorFlow's import and the
+    cluster's, takes about as long as a part); each part's reports follow a
+    `PART name` line. crash_restore restores `crashed`, the directory
+    crash_write left, if it left its expected values.
+
+    In this order: the zeroed generation first, when its strategy's are the
+    only generations on ps 0 (it zeroes the first one there); the
+    callback's smaller defaults and the compaction's block size (an
+    environment variable) last, when no part follows that they change."""
+    def restore_crashed(by_shards, _):
+        if os.path.exists(os.path.join(crashed, "..", "expected.npz")):
+            crash_restore(by_shards, crashed)
+
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         by_shards = strategies(cluster)
-        for optimizer, background in (("lazy_adam", False),
-                                      ("adagrad", True)):
-            folder = os.path.join(directory, optimizer)
-            model = build(by_shards[2], optimizer)
-            writer = backup(model, folder, max_deltas=2,
-                            background_deltas=background)
-            step_ran, released = threading.Event(), threading.Event()
-            blocks = []
-
-            def before_block(device, group, block):
-                # Each block waits for a step trained since the one before.
-                if released.is_set():
-                    return
-                if not step_ran.wait(300):
-                    raise RuntimeError("no step was trained for 300 s")
-                step_ran.clear()
-                blocks.append((device, group, block))
-
-            writer._before_compaction_block = before_block
-            train(model, 0)
-            saved = [writer.save()]  # full
-            for seed in (1, 2, 3):  # deltas; the third starts a compaction
-                train(model, seed)
-                saved.append(writer.save())
-            compacting_after_save = writer.compacting
-            steps = 0
-            while writer.compacting and steps < 400:
-                train(model, 100 + steps, steps=1)
-                steps += 1
-                step_ran.set()
-                if steps == 2:  # the old chain goes on meanwhile
-                    saved.append(writer.save())
-            writer.wait()
-            chains_before_seal = _chain_kinds(folder)
-            train(model, 4)
-            saved.append(writer.save())  # the seal: a new chain
-            train(model, 5)
-            saved.append(writer.save())  # a delta after it
-            writer.wait()
-            expected = values(model)
-            restored = build(by_shards[3], optimizer)
-            entry = backup(restored, folder).restore()
-            report = dict(
-                optimizer=optimizer, background=background,
-                compacting_after_save=compacting_after_save, steps=steps,
-                blocks=len(blocks),
-                block_devices=len({d for d, _, _ in blocks}),
-                kinds=[e.kind for e in saved],
-                deltas=[e.deltas for e in saved],
-                chains_before_seal=chains_before_seal,
-                chains=_chain_kinds(folder), restored_id=entry.id,
-                last_id=saved[-1].id, seal_rows=table_rows(folder,
-                                                           saved[-2].id),
-                vs_model=mismatches(values(restored), expected))
-
-            # A compaction dropped by a restore: its thread stops before
-            # its next block and its folder goes at the next publish.
-            train(model, 6)
-            step_ran.clear()
-            started = writer.save()  # 2 deltas: a compaction starts
-            writer.wait()
-            expected = values(model)
-            compaction = writer._compaction
-            dropped_folder = os.path.join(folder, compaction.folder)
-            train(model, 7)  # after the backup restored next
-            entry = writer.restore()
-            step_ran.set()
-            compaction.thread.join(300)
-            restored_equal = not mismatches(values(model), expected)
-            train(model, 8)
-            after = writer.save()  # a delta, and a compaction starts again
-            writer.wait()
-            again = writer._compaction
-            released.set()
-            step_ran.set()
-            stopped = writer.stop_compaction(timeout=300)
-            report.update(
-                dropped_started=started.id, dropped_restored=entry.id,
-                dropped_thread_alive=compaction.thread.is_alive(),
-                dropped_error=type(compaction.error).__name__,
-                dropped_equal=restored_equal, after_kind=after.kind,
-                dropped_folder_left=os.path.exists(dropped_folder),
-                started_again=again is not None, stop_compaction=stopped,
-                stopped_error=type(again.error).__name__)
-            say(**report)
+        for name, part in [("zeroed_generation", zeroed_generation),
+                           ("equivalence", equivalence), ("faults", faults),
+                           ("crash_restore", restore_crashed),
+                           ("callback", callback),
+                           ("background_compaction", background_compaction)]:
+            print(f"PART {name}", flush=True)
+            os.makedirs(os.path.join(directory, name), exist_ok=True)
+            part(by_shards, os.path.join(directory, name))
 
 
 if __name__ == "__main__":
     started = time.monotonic()
-    {"equivalence": equivalence, "faults": faults, "crash_write": crash_write,
-     "crash_restore": crash_restore, "callback": callback,
-     "ps_loss": ps_loss, "ps_loss_background": ps_loss_background,
-     "zeroed_generation": zeroed_generation,
-     "background_compaction": background_compaction}[sys.argv[1]](sys.argv[2])
+    if sys.argv[1] == "shared":
+        shared(sys.argv[2], sys.argv[3])
+    else:
+        {"equivalence": on_own_cluster(equivalence),
+         "faults": on_own_cluster(faults), "crash_write": crash_write,
+         "crash_restore": on_own_cluster(crash_restore),
+         "callback": on_own_cluster(callback), "ps_loss": ps_loss,
+         "ps_loss_background": ps_loss_background,
+         "zeroed_generation": on_own_cluster(zeroed_generation),
+         "background_compaction": on_own_cluster(background_compaction),
+         }[sys.argv[1]](sys.argv[2])
     print(f"done in {time.monotonic() - started:.1f}s", flush=True)

@@ -20,6 +20,12 @@ coordinator process (tests/_incremental_job.py).
 - BackupAndRestore(incremental=True) through fit and its restore;
   incremental="auto" stays off for a small model; a ps lost mid-fit is
   recovered from full + deltas.
+
+The runs that need no process of their own (equivalence, faults,
+compaction written while training, the restore after a process crash,
+BackupAndRestore, a zeroed generation) are parts of one job, on one
+cluster, shared by the module's tests: a job's start takes about as long as
+a part.
 """
 
 import os
@@ -28,6 +34,7 @@ import sys
 import pytest
 
 from _paths import TESTS
+from _results import PREFIX
 from _results import last_report
 from _results import reports
 from _results import run_child
@@ -36,13 +43,44 @@ JOB = os.path.join(TESTS, "_incremental_job.py")
 ROWS, TOUCHED = 60, 24  # as the job's table: ids are drawn below TOUCHED
 
 
-def run(mode, directory, timeout=900, cases=None):
+def run(mode, directory, *args, timeout=900, cases=None):
     os.makedirs(directory, exist_ok=True)
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     if cases:
         env["KERAS_PS_TEST_CASES"] = ",".join(cases)
-    return run_child([sys.executable, JOB, mode, str(directory)], timeout,
-                     cwd=TESTS, env=env)
+    return run_child([sys.executable, JOB, mode, str(directory),
+                      *map(str, args)], timeout, cwd=TESTS, env=env)
+
+
+def by_part(output):
+    """The reports of a `shared` job, by part (each after `PART name`)."""
+    parts, part = {}, None
+    for line in output.splitlines():
+        if line.startswith("PART "):
+            part = parts.setdefault(line[len("PART "):], [])
+        elif line.startswith(PREFIX):
+            part.append(reports(line)[0])
+    return parts
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """A process crash between a delta's files and its manifest: the
+    crash_write job's exit code and output, and the backup it left."""
+    directory = tmp_path_factory.mktemp("crash") / "backup"
+    code, output = run("crash_write", directory, timeout=600)
+    return code, output, directory
+
+
+@pytest.fixture(scope="module")
+def shared(crashed, tmp_path_factory):
+    """Every part of the `shared` job, the equivalence part with the
+    default suite's cases, the crash_restore part on crash_write's
+    backup."""
+    code, output = run("shared", tmp_path_factory.mktemp("shared"),
+                       crashed[2], timeout=1500, cases=SHORT)
+    assert code == 0, output[-4000:]
+    return by_part(output)
 
 
 CASES = [f"{opt}-{saved}-to-{restored}"
@@ -64,8 +102,8 @@ def equivalence_of(cases, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def equivalence(tmp_path_factory):
-    return equivalence_of(SHORT, tmp_path_factory)
+def equivalence(shared):
+    return {r["case"]: r for r in shared["equivalence"]}
 
 
 @pytest.mark.timeout(1600)
@@ -108,13 +146,11 @@ def check_equivalence(case, result):
 
 
 @pytest.fixture(scope="module")
-def faults(tmp_path_factory):
-    code, output = run("faults", tmp_path_factory.mktemp("faults"))
-    assert code == 0, output[-4000:]
-    return reports(output)
+def faults(shared):
+    return shared["faults"]
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("how", ["truncated", "altered", "missing"])
 def test_a_damaged_delta_is_named_and_restore_falls_back(how, faults):
     report = faults[0]
@@ -136,7 +172,7 @@ def test_a_damaged_delta_is_named_and_restore_falls_back(how, faults):
                                 "equal": True}
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 def test_training_goes_on_from_the_fallback(faults):
     ids = faults[0]["ids"]
     report = faults[1]
@@ -148,7 +184,7 @@ def test_training_goes_on_from_the_fallback(faults):
                                         "problems": [], "equal": True}
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 def test_a_crash_before_publishing_leaves_the_previous_chain(faults):
     report = faults[2]
     published = faults[1]["new_id"]
@@ -165,7 +201,7 @@ def test_a_crash_before_publishing_leaves_the_previous_chain(faults):
                                           "problems": [], "equal": True}
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 def test_compaction_after_max_deltas_or_max_delta_bytes(faults):
     kinds = faults[3]["compaction"]
     assert kinds["deltas"] == ["full", "delta", "delta", "full", "delta",
@@ -176,14 +212,11 @@ def test_compaction_after_max_deltas_or_max_delta_bytes(faults):
 
 
 @pytest.fixture(scope="module")
-def background_compaction(tmp_path_factory):
-    code, output = run("background_compaction",
-                       tmp_path_factory.mktemp("compaction"))
-    assert code == 0, output[-4000:]
-    return {r["optimizer"]: r for r in reports(output)}
+def background_compaction(shared):
+    return {r["optimizer"]: r for r in shared["background_compaction"]}
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
 def test_compaction_written_while_training_restores_bit_for_bit(
         optimizer, background_compaction):
@@ -210,7 +243,7 @@ def test_compaction_written_while_training_restores_bit_for_bit(
     assert result["vs_model"] == []
 
 
-@pytest.mark.timeout(1000)
+@pytest.mark.timeout(1600)
 @pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
 def test_a_restore_drops_the_compaction_being_written(
         optimizer, background_compaction):
@@ -230,15 +263,13 @@ def test_a_restore_drops_the_compaction_being_written(
     assert result["stopped_error"] == "WriteStopped"
 
 
-@pytest.mark.timeout(600)
-def test_a_process_crash_between_files_and_manifest(tmp_path):
-    directory = tmp_path / "backup"
-    code, output = run("crash_write", directory)
+@pytest.mark.timeout(1600)
+def test_a_process_crash_between_files_and_manifest(crashed, shared):
+    code, output, _ = crashed
     assert code == 17, output[-4000:]  # the job's os._exit in publish
     published = last_report(output)["published"]
-    code, output = run("crash_restore", directory)
-    assert code == 0, output[-4000:]
-    result = last_report(output)
+    # Restored by the shared job's crash_restore part, another process.
+    result = shared["crash_restore"][-1]
     # Full, delta and the crashed delta's folder; the crashed one is not
     # restored; the next delta takes its number (its folder written anew).
     assert result["folders_before"] == [
@@ -249,11 +280,9 @@ def test_a_process_crash_between_files_and_manifest(tmp_path):
     assert result["listed"] == [1, published, published + 1]
 
 
-@pytest.mark.timeout(900)
-def test_backup_and_restore_writes_deltas_and_restores_them(tmp_path):
-    code, output = run("callback", tmp_path)
-    assert code == 0, output[-4000:]
-    fit_report, auto_report = reports(output)
+@pytest.mark.timeout(1600)
+def test_backup_and_restore_writes_deltas_and_restores_them(shared):
+    fit_report, auto_report = shared["callback"]
     # save_freq=3 over 2 epochs of 9 steps, plus each epoch's end; after
     # max_deltas=3 deltas the full backup is written in the background, so
     # the backups fit waits for stay deltas.
@@ -296,13 +325,12 @@ def test_a_delta_written_across_a_ps_loss_is_dropped_without_a_wait(tmp_path):
             "background" in output), output[-4000:]
 
 
-def test_a_delta_written_while_a_ps_lost_its_state_is_dropped(tmp_path):
+@pytest.mark.timeout(1600)
+def test_a_delta_written_while_a_ps_lost_its_state_is_dropped(shared):
     # A ps' generation set to 0 (as a recovery leaves it) while a background
     # delta is written: that delta is not published; the chain ends at the
     # full backup before it.
-    code, output = run("zeroed_generation", tmp_path / "zeroed")
-    assert code == 0, output[-4000:]
-    zeroed = last_report(output)["zeroed"]
+    zeroed = shared["zeroed_generation"][-1]["zeroed"]
     assert zeroed["error"] == (
         f"a ps lost its variables while delta {zeroed['full'] + 1} was "
         "written"), zeroed
