@@ -7,6 +7,9 @@ Usage:
       BackupAndRestore into DIR/backup, then write tf.train.Checkpoint
       DIR/ckpt and save_weights DIR/model.weights.h5; reports lookups of
       trained and unseen ids, the live state and the optimizer slot rows.
+      Then, in the same process (a job's start takes as long as its
+      work), what `restore DIR 2` reports, and what `sidecar DIR/sidecar`
+      does and reports.
   python tests/_dynamic_job.py restore DIR NUM_PS
       on its own LocalCluster with NUM_PS ps: loads each of the three into
       a fresh model and reports the same numbers for each.
@@ -94,22 +97,33 @@ def main(mode, directory, num_ps=2):
                 os.path.join(directory, "ckpt"))
             model.save_weights(os.path.join(directory, "model.weights.h5"))
             say(**report(model, table, vocab))
+            # Into fresh models (their own variables and key maps) on the
+            # same 2 ps, as `restore DIR 2` does on a cluster of its own.
+            say(**restore(strategy, directory, vocab, x, y))
+            train_for_sidecar(strategy, os.path.join(directory, "sidecar"),
+                              vocab, x, y)
             return
-        results = {}
-        model, table = build(strategy)
-        tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(
-            os.path.join(directory, "ckpt")).assert_consumed()
-        results["checkpoint"] = report(model, table, vocab)
-        model, table = build(strategy)
-        model.load_weights(os.path.join(directory, "model.weights.h5"))
-        results["weights"] = report(model, table, vocab)
-        model, table = build(strategy)
-        # Resumes at the end of training: restores, trains no step.
-        model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
-                  verbose=0, callbacks=[keras_ps.callbacks.BackupAndRestore(
-                      backup_dir, delete_checkpoint=False)])
-        results["backup"] = report(model, table, vocab)
-        say(**results)
+        say(**restore(strategy, directory, vocab, x, y))
+
+
+def restore(strategy, directory, vocab, x, y):
+    """The saved model loaded into a fresh model on `strategy` from each of
+    the checkpoint, the weights file and the backup; the report of each."""
+    results = {}
+    model, table = build(strategy)
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(
+        os.path.join(directory, "ckpt")).assert_consumed()
+    results["checkpoint"] = report(model, table, vocab)
+    model, table = build(strategy)
+    model.load_weights(os.path.join(directory, "model.weights.h5"))
+    results["weights"] = report(model, table, vocab)
+    model, table = build(strategy)
+    # Resumes at the end of training: restores, trains no step.
+    model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
+              verbose=0, callbacks=[keras_ps.callbacks.BackupAndRestore(
+                  os.path.join(directory, "backup"), delete_checkpoint=False)])
+    results["backup"] = report(model, table, vocab)
+    return results
 
 
 def ps_loss(directory, incremental=False):
@@ -144,19 +158,22 @@ def ps_loss(directory, incremental=False):
 
 
 def sidecar(directory):
-    """Model.fit with a SidecarCheckpoint per epoch; reports the trained
-    model's evaluation of `data()` for the evaluator to match."""
     vocab, x, y = data()
     with keras_ps.LocalCluster(num_workers=1, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        model, table = build(strategy)
-        model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
-                  verbose=0, callbacks=[keras_ps.callbacks.SidecarCheckpoint(
-                      directory)])
-        result = model.evaluate(x, y, batch_size=64, verbose=0,
-                                return_dict=True)
-        say(loss=float(result["loss"]),
-            live_rows=report(model, table, vocab)["live_rows"])
+        train_for_sidecar(strategy, directory, vocab, x, y)
+
+
+def train_for_sidecar(strategy, directory, vocab, x, y):
+    """Model.fit with a SidecarCheckpoint per epoch; reports the trained
+    model's evaluation of `data()` for the evaluator to match."""
+    model, table = build(strategy)
+    model.fit(x, y, batch_size=32, epochs=EPOCHS, steps_per_epoch=STEPS,
+              verbose=0, callbacks=[keras_ps.callbacks.SidecarCheckpoint(
+                  directory)])
+    result = model.evaluate(x, y, batch_size=64, verbose=0, return_dict=True)
+    say(loss=float(result["loss"]),
+        live_rows=report(model, table, vocab)["live_rows"])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ capacity with exact counts, optimizer state of reused rows, bad input,
 Model.fit and custom loops with int64 and string keys, the export to plain
 Keras loaded where keras_ps cannot be imported, and (in separate
 processes, tests/_dynamic_job.py) a checkpoint restored into 1, 2 and 3 ps.
+The save job also restores into its own 2 ps and trains the sidecar
+evaluator's model: a job's start takes as long as its work.
 Incremental backups of the table: test_dynamic_incremental.py."""
 
 import json
@@ -20,6 +22,7 @@ import tensorflow as tf
 import keras_ps
 from _paths import TESTS
 from _results import last_report
+from _results import reports
 from keras_ps.tables.dynamic import hashing
 from keras_ps.tables.dynamic import policies
 from keras_ps.tables.dynamic import slots as slots_lib
@@ -386,21 +389,36 @@ def test_export_loads_and_predicts_without_keras_ps(strategy, tmp_path):
 
 
 # -- checkpoints: restore into 1, 2 and 3 ps ------------------------------------------
-def _job(*args, timeout=280):
+def _job(*args, timeout=280, every_report=False):
     done = subprocess.run([sys.executable, JOB, *map(str, args)],
                           capture_output=True, text=True, timeout=timeout,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
                                    PYTHONUNBUFFERED="1"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    if every_report:
+        return reports(done.stdout)
     return last_report(done.stdout)
 
 
+@pytest.fixture(scope="module")
+def save_job(tmp_path_factory):
+    """The save job (2 ps): its directory, and its reports of the saved
+    model, of the restore into 2 ps, and of the model trained with a
+    SidecarCheckpoint per epoch into DIR/sidecar."""
+    directory = tmp_path_factory.mktemp("dynamic")
+    found = _job("save", directory, timeout=400, every_report=True)
+    assert len(found) == 3, found
+    return directory, found
+
+
 @pytest.mark.timeout(900)
-def test_checkpoint_restores_into_1_2_and_3_ps(tmp_path):
-    saved = _job("save", tmp_path)
+def test_checkpoint_restores_into_1_2_and_3_ps(save_job):
+    directory, (saved, into_2_ps, _) = save_job
     assert saved["live_rows"] > 0
     for num_ps in (1, 2, 3):
-        restored = _job("restore", tmp_path, num_ps)
+        # Into 2 ps: done by the save job, on its cluster (fresh models).
+        restored = into_2_ps if num_ps == 2 else _job("restore", directory,
+                                                      num_ps)
         for how in ("checkpoint", "weights", "backup"):
             got = restored[how]
             assert got["num_shards"] == num_ps
@@ -434,17 +452,19 @@ def test_a_lost_ps_gets_its_key_map_back_in_the_same_fit(backups, tmp_path):
         assert shard["reads_own_rows"], result
 
 
-@pytest.mark.timeout(300)
-def test_sidecar_evaluator_evaluates_a_dynamic_table(tmp_path):
-    # Trained on 2 ps with a SidecarCheckpoint per epoch; the evaluator, a
-    # plain process-local model (one shard), restores the newest checkpoint
-    # (its keys routed again) and evaluates as the trained model did.
+@pytest.mark.timeout(600)
+def test_sidecar_evaluator_evaluates_a_dynamic_table(save_job):
+    # Trained on 2 ps with a SidecarCheckpoint per epoch (by the save job,
+    # after its own model); the evaluator, a plain process-local model (one
+    # shard), restores the newest checkpoint (its keys routed again) and
+    # evaluates as the trained model did.
     import _dynamic_job as job
 
-    trained = _job("sidecar", tmp_path / "ckpt")
+    directory, (_, _, trained) = save_job
     model, table = job.build(tf.distribute.get_strategy())
     _, x, y = job.data()
-    sidecar = keras_ps.SidecarEvaluator(model, (x, y), str(tmp_path / "ckpt"),
+    sidecar = keras_ps.SidecarEvaluator(model, (x, y),
+                                        str(directory / "sidecar"),
                                         timeout=60, poll_interval=0.05)
     made = sidecar.start()
     assert made and made[-1].checkpoint.final
