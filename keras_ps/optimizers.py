@@ -59,8 +59,8 @@ class LazyAdam(keras.optimizers.Adam):
     row come one after the other. Where the kernel cannot be built (no C++
     compiler or no TF headers, as in keras_ps' Docker image), or with
     `KERAS_PS_NATIVE=0`, the same update runs as TF's ops (gathers,
-    elementwise ops, scatters; about 3 ms more per step at 10M rows on 2
-    cores), and concurrent workers updating the same row race on its
+    elementwise ops, scatters: about 1 ms more of the busier ps' CPU per
+    step at 10M rows), and concurrent workers updating the same row race on its
     moments like any asynchronous parameter-server update.
 
     Options that cannot be row-wise raise a `ValueError` naming the fix:
