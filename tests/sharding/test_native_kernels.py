@@ -76,3 +76,17 @@ def test_tasks_without_the_kernels_get_lazy_adam_made_of_tf_ops():
     assert "native kernels off (KERAS_PS_NATIVE=0)" in result["ps_log"]
     assert "ps:0 has not loaded keras_ps' C++ kernels" in output
     assert result["iterations"] == 4 and np.isfinite(result["loss"])
+
+
+def test_an_unwritable_cache_directory_is_named_with_the_fix(tmp_path,
+                                                               monkeypatch):
+    # A file where the directory should be: no process can write there.
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    monkeypatch.setenv("KERAS_PS_CACHE_DIR", str(blocked))
+    with pytest.raises(_native.NativeBuildError,
+                       match=r"cannot write to the cache directory .*"
+                             r"not_a_directory.*Set KERAS_PS_CACHE_DIR"):
+        _native.build()
+    assert "native kernels not loaded: cannot write to the cache directory" \
+        in _native.load_in_server()
