@@ -139,9 +139,9 @@ def env_int(name, default):
 SAVE_CHUNK_BYTES_ENV_VAR = "KERAS_PS_SAVE_CHUNK_BYTES"
 DEFAULT_SAVE_CHUNK_BYTES = 64 * 2**20
 
-# Whether keras_ps' C++ kernels (keras_ps/_native: LazyAdam's row update in
-# one pass over each row) are built and used; 0 runs the same update made of
-# TF's ops everywhere. Built once per machine and TF install into
+# Whether keras_ps' C++ kernels (keras_ps/_native: LazyAdam's and Adagrad's
+# row updates in one pass over each row) are built and used; 0 runs the same
+# updates made of TF's ops everywhere. Built once per machine and TF install into
 # CACHE_DIR_ENV_VAR's directory (default ~/.cache/keras_ps).
 NATIVE_ENV_VAR = "KERAS_PS_NATIVE"
 CACHE_DIR_ENV_VAR = "KERAS_PS_CACHE_DIR"

@@ -31,6 +31,7 @@ from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _rowwise
 from keras_ps.tables import _sharded_weights
 from keras_ps import _keras as hooks
+from keras_ps import _native
 from keras_ps._keras import per_apply
 
 logger = logging.getLogger(__name__)
@@ -229,7 +230,8 @@ def _rowwise_adagrad(keras_update_step):
         inner = _tf_variable(variable)
         _check_weight_decay(self, inner)
         _rowwise.adagrad(inner, slot(self, "_accumulators", variable), gradient,
-                         learning_rate, self.epsilon)
+                         learning_rate, self.epsilon,
+                         kernels=_native.kernels_for(self._distribution_strategy))
 
     return update_step
 

@@ -4,7 +4,9 @@ every process of a cluster.
 TF has no kernel for LazyAdam's row update: made of TF's ops it is three
 gathers, sixteen elementwise ops and four scatters, each a pass over all the
 gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
-pass over each row. It is compiled with the machine's C++ compiler (`$CXX`,
+pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
+Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
+its scatter-add, gather and scatter-sub. It is compiled with the machine's C++ compiler (`$CXX`,
 else `c++`) against the headers that ship in the tensorflow wheel, into a
 cache directory (`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first
 time a process needs it: about 15 s of one core, once per machine and TF
@@ -12,7 +14,7 @@ install. Later processes load the cached file in milliseconds.
 
 Where it cannot be built (no compiler; no TF headers, as in keras_ps' Docker
 image, which leaves them out), or with `KERAS_PS_NATIVE=0`, keras_ps runs the
-same update made of TF's ops: the results agree to float rounding.
+same updates made of TF's ops: the results agree to float rounding.
 
 A graph holding one of these ops runs only where every process that handles
 it has loaded the library: the coordinator, which traces it; each worker,
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
                       "row_updates.cc")
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 1
+VERSION = 2
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine.
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC", "-w")
@@ -208,8 +210,8 @@ def library():
                 _library_error = error
                 logger.warning(
                     "[native] keras_ps' C++ kernels are not used: %s. LazyAdam "
-                    "runs its update made of TF's ops (slower per step, same "
-                    "results).", error)
+                    "and Adagrad run their row updates made of TF's ops "
+                    "(slower per step, same results).", error)
         return _library
 
 
@@ -253,14 +255,16 @@ def _ask_tasks(lib, spec):
             except tf.errors.OpError as error:
                 logger.warning(
                     "[native] %s:%d has not loaded keras_ps' C++ kernels (%s): "
-                    "LazyAdam runs its update made of TF's ops. Start tasks "
+                    "LazyAdam and Adagrad run their row updates made of TF's "
+                    "ops. Start tasks "
                     "with `python -m keras_ps.server` to use them.", job, index,
                     str(error).splitlines()[0])
                 return False
             if version != VERSION:
                 logger.warning(
                     "[native] %s:%d has keras_ps' C++ kernels version %d, this "
-                    "process %d: LazyAdam runs its update made of TF's ops. "
+                    "process %d: LazyAdam and Adagrad run their row updates "
+                    "made of TF's ops. "
                     "Run one keras_ps version on every task.", job, index,
                     version, VERSION)
                 return False

@@ -5,6 +5,12 @@
 // The same update in TF's ops takes three gathers, sixteen elementwise ops and
 // four scatters, each a pass over all the rows with a buffer of its own.
 //
+// KerasPsAdagradRows: Keras' Adagrad on the rows a gradient names, in one pass
+// over each row (see keras_ps.tables._rowwise.adagrad). In TF's ops it is a
+// scatter-add into the accumulator, a gather of its new rows, five
+// elementwise ops and a scatter-sub into the table; TF's scatters update one
+// row at a time through an Eigen expression each.
+//
 // KerasPsNativeVersion: the library's version; a coordinator runs it on every
 // task to learn whether that task has loaded this library.
 
@@ -29,7 +35,7 @@ using tensorflow::Tensor;
 using tensorflow::Var;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-constexpr int kVersion = 1;
+constexpr int kVersion = 2;
 
 REGISTER_OP("KerasPsNativeVersion")
     .Output("version: int32")
@@ -168,5 +174,79 @@ class LazyAdamRowsOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("KerasPsLazyAdamRows").Device(tensorflow::DEVICE_CPU),
                         LazyAdamRowsOp);
+
+REGISTER_OP("KerasPsAdagradRows")
+    .Input("var: resource")
+    .Input("accumulator: resource")
+    .Input("grad: float")
+    .Input("indices: int64")
+    .Input("lr: float")
+    .Input("epsilon: float")
+    .SetIsStateful()
+    .SetShapeFn(tensorflow::shape_inference::NoOutputs);
+
+// var, accumulator: float32 variables of one shape [rows, ...]; grad: [n, ...]
+// (the rows of the gradient, each index once); indices: [n]. Under the
+// exclusive locks of both variables, so a row's update is atomic. The
+// arithmetic is in the order of the update made of TF's ops:
+// a = accumulator + g * g; var -= (lr * g) / sqrt(a + epsilon).
+class AdagradRowsOp : public OpKernel {
+ public:
+  explicit AdagradRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    auto locks = tensorflow::MaybeLockVariableInputMutexesInOrder<CPUDevice, float>(
+        ctx, /*do_lock=*/true, /*sparse=*/true, {0, 1});
+    Tensor var, accum;
+    OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                            ctx, 0, true, true, &var));
+    OP_REQUIRES_OK(ctx, tensorflow::GetInputTensorFromVariable<CPUDevice, float>(
+                            ctx, 1, true, true, &accum));
+    const Tensor& grad = ctx->input(2);
+    const Tensor& indices = ctx->input(3);
+    OP_REQUIRES(ctx, var.dims() >= 1 && var.shape() == accum.shape(),
+                tensorflow::errors::InvalidArgument(
+                    "var and accumulator must have one shape of rank 1 or more. "
+                    "Received: ", var.shape().DebugString(), ", ",
+                    accum.shape().DebugString()));
+    const int64_t rows = var.dim_size(0);
+    const int64_t n = indices.NumElements();
+    const int64_t dim = rows ? var.NumElements() / rows : 0;
+    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
+                tensorflow::errors::InvalidArgument(
+                    "grad must hold ", n, " rows of ", dim, " values. Received: ",
+                    grad.shape().DebugString()));
+    const auto ids = indices.flat<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, ids(i) >= 0 && ids(i) < rows,
+                  tensorflow::errors::InvalidArgument(
+                      "row index ", ids(i), " is not in [0, ", rows, ")"));
+    }
+    const float lr = ctx->input(4).scalar<float>()();
+    const float eps = ctx->input(5).scalar<float>()();
+    float* table = var.flat<float>().data();
+    float* sums = accum.flat<float>().data();
+    const float* g_all = grad.flat<float>().data();
+
+    auto update = [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t r = ids(i);
+        float* w = table + r * dim;
+        float* a = sums + r * dim;
+        const float* g = g_all + i * dim;
+        for (int64_t j = 0; j < dim; ++j) {
+          const float a1 = a[j] + g[j] * g[j];
+          a[j] = a1;
+          w[j] -= (lr * g[j]) / std::sqrt(a1 + eps);
+        }
+      }
+    };
+    auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+    tensorflow::Shard(threads->num_threads, threads->workers, n,
+                      /*cost_per_unit=*/dim * 10, update);
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KerasPsAdagradRows").Device(tensorflow::DEVICE_CPU),
+                        AdagradRowsOp);
 
 }  // namespace keras_ps

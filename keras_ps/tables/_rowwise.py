@@ -81,15 +81,30 @@ def sgd(variable, gradient, learning_rate):
     _dirty_rows.mark_rows(variable, indices, after=[update])
 
 
-def adagrad(variable, accumulator, gradient, learning_rate, epsilon):
+def adagrad(variable, accumulator, gradient, learning_rate, epsilon,
+            kernels=None):
     """Keras 3's Adagrad on the gradient's rows:
     `accumulator += g^2; variable -= lr * g / sqrt(accumulator + epsilon)`.
 
     (TF's ResourceSparseApplyAdagradV2 puts epsilon outside the square root,
     `sqrt(accumulator) + epsilon`, so it is not used.) Three ops: scatter-add
     into the accumulator, gather its new rows, scatter-sub into the variable.
+
+    Args:
+        kernels: keras_ps' C++ kernels (keras_ps._native.kernels_for), or
+            None. With them a float32 weight is updated in one pass over
+            each row, under the locks of both variables (the same results
+            to float rounding).
     """
     values, indices = deduplicate(gradient)
+    if kernels is not None and variable.dtype == tf.float32:
+        update = kernels.keras_ps_adagrad_rows(
+            var=variable.handle, accumulator=accumulator.handle,
+            grad=tf.cast(values, tf.float32), indices=tf.cast(indices, tf.int64),
+            lr=tf.cast(learning_rate, tf.float32),
+            epsilon=tf.cast(epsilon, tf.float32))
+        _dirty_rows.mark_rows(variable, indices, after=[update])
+        return
     values = tf.cast(values, variable.dtype)
     tf.raw_ops.ResourceScatterAdd(resource=accumulator.handle, indices=indices,
                                   updates=tf.square(values))

@@ -346,6 +346,53 @@ def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, kernels, strategy,
     assert int(optimizer.iterations.numpy()) == len(LAZY_STEPS)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
+def test_adagrad_kernel_agrees_with_tf_ops(sharded, strategy, two_shards,
+                                           coordinator, monkeypatch):
+    """Keras' Adagrad on a ps table: keras_ps' C++ kernel and the update made
+    of TF's ops (KERAS_PS_NATIVE=0) leave the same accumulator, and the same
+    table to float rounding (one unit in the last place).
+    (test_rowwise_equals_keras_dense_result checks the kernel against Keras'
+    own dense update.)"""
+    rng = np.random.default_rng(1)
+    init_table = rng.normal(size=(ROWS, DIM)).astype("float32")
+    results = {}
+    for kernels in ("native", "tf_ops"):
+        if kernels == "tf_ops":
+            monkeypatch.setenv("KERAS_PS_NATIVE", "0")
+        with (two_shards if sharded else strategy).scope():
+            layer = keras.layers.Embedding(ROWS, DIM, embeddings_initializer=(
+                keras.initializers.Constant(init_table)))
+            layer.build()
+            optimizer = keras.optimizers.Adagrad(
+                0.3, initial_accumulator_value=0.05, epsilon=0.1)
+            optimizer.build(layer.trainable_variables)
+
+        @tf.function
+        def step(ids, c):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(layer(ids))) * c
+            grads = tape.gradient(loss, [w.value for w in layer.trainable_variables])
+            optimizer.apply(grads, layer.trainable_variables)
+
+        for ids, c, _ in LAZY_STEPS:
+            coordinator.schedule(step, args=(
+                tf.constant(ids, tf.int64), tf.constant(c))).fetch()
+        fused = "KerasPsAdagradRows" in _op_types(step.get_concrete_function(
+            tf.TensorSpec([4], tf.int64), tf.TensorSpec([], tf.float32)))
+        assert fused == (kernels == "native")
+        shards = layer.trainable_variables
+        results[kernels] = (
+            np.asarray(layer.embeddings.numpy()),
+            np.concatenate([optimizer._accumulators[optimizer._get_variable_index(s)]
+                            .numpy() for s in shards]))
+    np.testing.assert_allclose(results["native"][0], results["tf_ops"][0],
+                               rtol=1e-6, atol=0)
+    np.testing.assert_array_equal(results["native"][1], results["tf_ops"][1])
+    np.testing.assert_array_equal(results["native"][0][UNTOUCHED], init_table[UNTOUCHED])
+    assert not np.allclose(results["native"][0], init_table)
+
+
 def test_lazy_adam_under_model_fit_with_shared_table(two_shards):
     """LazyAdam as a compiled model's optimizer: Model.fit on the cluster,
     two inputs sharing a sharded table; rows no batch uses keep their value."""
