@@ -49,7 +49,7 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_unrolled3", "keras_ps_adagrad_unrolled5",
            "keras_ps_adagrad_unrolled1", "keras_ps_lazyadam_unrolled1",
            "keras_ps_lazyadam_unrolled5", "keras_ps_lazyadam_tfops",
-           "keras_ps_lazyadam_tfops_unrolled5")
+           "keras_ps_lazyadam_tfops_unrolled5", "keras_ps_adagrad_tfops_unrolled5")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
@@ -59,8 +59,8 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # --first-call-steps 1000 or more to measure the steady state after it);
 # "<system>_ungrouped" moves one tensor per variable between processes
 # instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0); "<system>_tfops" runs
-# LazyAdam's row update as TF's ops instead of keras_ps' C++ kernel
-# (KERAS_PS_NATIVE=0, in the tasks too).
+# LazyAdam's and Adagrad's row updates as TF's ops instead of keras_ps' C++
+# kernels (KERAS_PS_NATIVE=0, in the tasks too).
 UNROLLED = "_unrolled"
 UNGROUPED = "_ungrouped"
 TF_OPS = "_tfops"
