@@ -140,29 +140,61 @@ class LazyAdamRowsOp : public OpKernel {
     int64_t* steps = last->flat<int64_t>().data();
     const float* g_all = grad.flat<float>().data();
 
+    // The per-row factors of k, the steps since the row was last updated:
+    // drift_scale = alpha * (rho + ... + rho^(k-1)), beta_1^k, beta_2^k.
+    // Computed once per call for the k most rows have (the rows of most
+    // batches were updated a few steps ago), with the same pow calls as for
+    // any other k, so the results do not depend on the table.
+    auto factors = [&](float k, float* drift_scale, float* b1k, float* b2k) {
+      *drift_scale = alpha * (rho * (1 - std::pow(rho, k - 1)) / (1 - rho));
+      *b1k = std::pow(b1, k);
+      *b2k = std::pow(b2, k);
+    };
+    constexpr int64_t kKnown = 64;
+    float known[kKnown + 1][3];
+    for (int64_t k = 1; k <= kKnown; ++k) {
+      factors(static_cast<float>(k), &known[k][0], &known[k][1], &known[k][2]);
+    }
+
     auto update = [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t r = ids(i);
         // Steps since the row was last updated; 1 for a second update at
         // the same step (another worker's).
-        const float k = static_cast<float>(std::max<int64_t>(step - steps[r], 1));
-        const float drift_scale =
-            alpha * (rho * (1 - std::pow(rho, k - 1)) / (1 - rho));
-        const float b1k = std::pow(b1, k);
-        const float b2k = std::pow(b2, k);
+        const int64_t k = std::max<int64_t>(step - steps[r], 1);
+        float drift_scale, b1k, b2k;
+        if (k <= kKnown) {
+          drift_scale = known[k][0];
+          b1k = known[k][1];
+          b2k = known[k][2];
+        } else {
+          factors(static_cast<float>(k), &drift_scale, &b1k, &b2k);
+        }
         float* w = table + r * dim;
         float* mr = first + r * dim;
         float* vr = second + r * dim;
         const float* g = g_all + i * dim;
-        for (int64_t j = 0; j < dim; ++j) {
-          const float m0 = mr[j];
-          const float v0 = vr[j];
-          const float drift = drift_scale * m0 / (std::sqrt(v0) + eps);
-          const float m1 = b1k * m0 + (1 - b1) * g[j];
-          const float v1 = b2k * v0 + (1 - b2) * (g[j] * g[j]);
-          mr[j] = m1;
-          vr[j] = v1;
-          w[j] -= drift + alpha * m1 / (std::sqrt(v1) + eps);
+        if (drift_scale == 0) {
+          // k = 1 (or a zero learning rate): no skipped steps, so no drift
+          // to add; leaving it out saves a square root and a division.
+          for (int64_t j = 0; j < dim; ++j) {
+            const float m1 = b1k * mr[j] + (1 - b1) * g[j];
+            const float v1 = b2k * vr[j] + (1 - b2) * (g[j] * g[j]);
+            mr[j] = m1;
+            vr[j] = v1;
+            w[j] -= alpha * m1 / (std::sqrt(v1) + eps);
+          }
+        } else {
+          for (int64_t j = 0; j < dim; ++j) {
+            const float m0 = mr[j];
+            const float v0 = vr[j];
+            const float drift = drift_scale * m0 / (std::sqrt(v0) + eps);
+            const float m1 = b1k * m0 + (1 - b1) * g[j];
+            const float v1 = b2k * v0 + (1 - b2) * (g[j] * g[j]);
+            mr[j] = m1;
+            vr[j] = v1;
+            w[j] -= drift + alpha * m1 / (std::sqrt(v1) + eps);
+          }
         }
         steps[r] = std::max(steps[r], step);
       }

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import keras
 import keras_ps
+from keras_ps import _native
 from keras_ps.tables import _rowwise
 from keras_ps._keras import optimizers as hooks
 
@@ -344,6 +345,35 @@ def test_lazy_adam_matches_numpy_reference(sharded, id_dtype, kernels, strategy,
     np.testing.assert_allclose(got_v, want_v, rtol=1e-4, atol=1e-9)
     np.testing.assert_array_equal(got_last, want_last)
     assert int(optimizer.iterations.numpy()) == len(LAZY_STEPS)
+
+
+def test_lazy_adam_kernel_agrees_with_tf_ops_after_long_gaps():
+    """The kernel's rows last updated 1 to 200 steps before (it looks up the
+    factors of up to 64 steps, computes longer gaps), and rows updated twice
+    at one step, against the update made of TF's ops, in this process."""
+    kernels = _native.library()
+    assert kernels is not None, "keras_ps' C++ kernels did not build here"
+    rng = np.random.default_rng(2)
+    rows, dim, step = 8, 5, 200
+    last = np.array([0, 1, 136, 137, 150, 199, 200, 90], np.int64)  # k: 200..1
+    start = [rng.normal(size=(rows, dim)).astype("float32"),
+             (0.1 * rng.normal(size=(rows, dim))).astype("float32"),
+             rng.uniform(0.01, 0.2, size=(rows, dim)).astype("float32")]
+    ids = tf.constant([6, 0, 2, 3, 1, 4, 5], tf.int64)  # row 7 is not updated
+    grad = tf.constant(rng.normal(size=(7, dim)).astype("float32"))
+    results = {}
+    for name, use in (("native", kernels), ("tf_ops", None)):
+        var, m, v = (tf.Variable(x) for x in start)
+        last_step = tf.Variable(last)
+        _rowwise.lazy_adam(var, m, v, last_step, tf.IndexedSlices(grad, ids),
+                           step, 0.05, 0.9, 0.999, 1e-7, kernels=use)
+        results[name] = [x.numpy() for x in (var, m, v, last_step)]
+    for got, want in zip(results["native"], results["tf_ops"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_array_equal(results["native"][3],
+                                  [200, 200, 200, 200, 200, 200, 200, 90])
+    np.testing.assert_array_equal(results["native"][0][7], start[0][7])
+    assert not np.allclose(results["native"][0][:7], start[0][:7])
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_table", "two_shards"])
