@@ -6,11 +6,12 @@ gathers, sixteen elementwise ops and four scatters, each a pass over all the
 gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
 pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
-its scatter-add, gather and scatter-sub. It is compiled with the machine's C++ compiler (`$CXX`,
-else `c++`) against the headers that ship in the tensorflow wheel, into a
-cache directory (`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first
-time a process needs it: about 15 s of one core, once per machine and TF
-install. Later processes load the cached file in milliseconds.
+its scatter-add, gather and scatter-sub. They are compiled into one library
+with the machine's C++ compiler (`$CXX`, else `c++`) against the headers
+that ship in the tensorflow wheel, into a cache directory
+(`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first time a process
+needs it: about 15 s of one core, once per machine and TF install. Later
+processes load the cached file in milliseconds.
 
 Where it cannot be built (no compiler; no TF headers, as in keras_ps' Docker
 image, which leaves them out), or with `KERAS_PS_NATIVE=0`, keras_ps runs the
@@ -256,16 +257,16 @@ def _ask_tasks(lib, spec):
                 logger.warning(
                     "[native] %s:%d has not loaded keras_ps' C++ kernels (%s): "
                     "LazyAdam and Adagrad run their row updates made of TF's "
-                    "ops. Start tasks "
-                    "with `python -m keras_ps.server` to use them.", job, index,
+                    "ops. Start tasks with `python -m keras_ps.server` to use "
+                    "them.", job, index,
                     str(error).splitlines()[0])
                 return False
             if version != VERSION:
                 logger.warning(
                     "[native] %s:%d has keras_ps' C++ kernels version %d, this "
                     "process %d: LazyAdam and Adagrad run their row updates "
-                    "made of TF's ops. "
-                    "Run one keras_ps version on every task.", job, index,
+                    "made of TF's ops. Run one keras_ps version on every "
+                    "task.", job, index,
                     version, VERSION)
                 return False
     return True

@@ -142,9 +142,9 @@ class LazyAdamRowsOp : public OpKernel {
 
     // The per-row factors of k, the steps since the row was last updated:
     // drift_scale = alpha * (rho + ... + rho^(k-1)), beta_1^k, beta_2^k.
-    // Computed once per call for the k most rows have (the rows of most
-    // batches were updated a few steps ago), with the same pow calls as for
-    // any other k, so the results do not depend on the table.
+    // Computed once per call for gaps of up to kKnown steps (three pow calls
+    // each, where a row would make them itself), by the same calls as for a
+    // longer gap: a row gets the same bits either way.
     auto factors = [&](float k, float* drift_scale, float* b1k, float* b2k) {
       *drift_scale = alpha * (rho * (1 - std::pow(rho, k - 1)) / (1 - rho));
       *b1k = std::pow(b1, k);

@@ -1,0 +1,92 @@
+"""The row-wise optimizer updates alone: TF's ops against keras_ps' C++ kernels.
+
+One process, no cluster: a table of R x 64 float32 rows and its slots as
+local variables, batches of 4,096 log-uniform (Zipf-like) ids made distinct
+(about 2,000 rows an apply at 5M rows), each update applied 50 times in one
+tf.function call, 10 calls a round. Prints microseconds per apply, min and
+median over the rounds, for Adagrad and LazyAdam, each as TF's ops
+(keras_ps.tables._rowwise with kernels=None) and with keras_ps' kernel.
+
+    .venv/bin/python benchmarks/row_updates.py --rows 5000000 --rounds 7
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+DIM, IDS, APPLIES, CALLS = 64, 4096, 50, 10
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rows", type=int, default=5_000_000)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_ps import _native
+    from keras_ps.tables import _rowwise
+
+    kernels = _native.library()
+    if kernels is None:
+        sys.exit("keras_ps' C++ kernels cannot be built here (see the warning)")
+    rows, rng = args.rows, np.random.default_rng(0)
+    table = tf.Variable(rng.normal(size=(rows, DIM)).astype("float32"))
+    accumulator = tf.Variable(tf.fill((rows, DIM), 0.1))
+    m = tf.Variable(tf.zeros((rows, DIM)))
+    v = tf.Variable(tf.zeros((rows, DIM)))
+    last_step = tf.Variable(tf.zeros((rows,), tf.int64))
+    step = tf.Variable(tf.constant(1, tf.int64))
+
+    def batch():
+        ids = np.exp(rng.uniform(0, np.log(rows + 1), IDS)).astype(np.int64) - 1
+        ids = np.unique(np.minimum(ids, rows - 1))
+        return (tf.constant(rng.normal(size=(len(ids), DIM)).astype("float32")),
+                tf.constant(ids))
+
+    batches = [batch() for _ in range(CALLS)]
+
+    def timed(update):
+        @tf.function
+        def applies(values, ids):
+            _rowwise.mark_distinct(ids)
+            for _ in tf.range(APPLIES):
+                update(tf.IndexedSlices(values, ids))
+        return applies
+
+    functions = {
+        "adagrad, TF's ops": timed(lambda g: _rowwise.adagrad(
+            table, accumulator, g, 0.1, 1e-7)),
+        "adagrad, kernel": timed(lambda g: _rowwise.adagrad(
+            table, accumulator, g, 0.1, 1e-7, kernels=kernels)),
+        "lazy_adam, TF's ops": timed(lambda g: _rowwise.lazy_adam(
+            table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
+            1e-7)),
+        "lazy_adam, kernel": timed(lambda g: _rowwise.lazy_adam(
+            table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
+            1e-7, kernels=kernels)),
+    }
+    for function in functions.values():  # trace, and touch every page once
+        function(*batches[0])
+    times = {name: [] for name in functions}
+    for _ in range(args.rounds):
+        for name, function in functions.items():
+            start = time.perf_counter()
+            for values, ids in batches:
+                function(values, ids)
+            times[name].append((time.perf_counter() - start)
+                               / (CALLS * APPLIES) * 1e6)
+    print(f"rows {rows:,}, {statistics.median(len(b[1]) for b in batches):.0f} "
+          f"distinct rows an apply (median), {args.rounds} rounds")
+    for name, xs in times.items():
+        print(f"{name:22s} us per apply: min {min(xs):7.1f}, "
+              f"median {statistics.median(xs):7.1f}")
+
+
+if __name__ == "__main__":
+    main()
