@@ -37,6 +37,27 @@ using CPUDevice = Eigen::ThreadPoolDevice;
 
 constexpr int kVersion = 2;
 
+// The checks both row kernels make before writing a row: `grad` holds one
+// row of `dim` values per index, and every index names a row of the table.
+// No row is written when one fails.
+absl::Status CheckRows(const Tensor& grad, const Tensor& indices,
+                       int64_t rows, int64_t dim) {
+  const int64_t n = indices.NumElements();
+  if (grad.NumElements() != n * dim) {
+    return tensorflow::errors::InvalidArgument(
+        "grad must hold ", n, " rows of ", dim, " values. Received: ",
+        grad.shape().DebugString());
+  }
+  const auto ids = indices.flat<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (ids(i) < 0 || ids(i) >= rows) {
+      return tensorflow::errors::InvalidArgument(
+          "row index ", ids(i), " is not in [0, ", rows, ")");
+    }
+  }
+  return absl::OkStatus();
+}
+
 REGISTER_OP("KerasPsNativeVersion")
     .Output("version: int32")
     .SetIsStateful()
@@ -114,16 +135,8 @@ class LazyAdamRowsOp : public OpKernel {
                     last->shape().DebugString()));
     const int64_t n = indices.NumElements();
     const int64_t dim = rows ? var.NumElements() / rows : 0;
-    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
-                tensorflow::errors::InvalidArgument(
-                    "grad must hold ", n, " rows of ", dim, " values. Received: ",
-                    grad.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckRows(grad, indices, rows, dim));
     const auto ids = indices.flat<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, ids(i) >= 0 && ids(i) < rows,
-                  tensorflow::errors::InvalidArgument(
-                      "row index ", ids(i), " is not in [0, ", rows, ")"));
-    }
 
     const int64_t step = ctx->input(6).scalar<int64_t>()();
     const float lr = ctx->input(7).scalar<float>()();
@@ -244,16 +257,8 @@ class AdagradRowsOp : public OpKernel {
     const int64_t rows = var.dim_size(0);
     const int64_t n = indices.NumElements();
     const int64_t dim = rows ? var.NumElements() / rows : 0;
-    OP_REQUIRES(ctx, grad.NumElements() == n * dim,
-                tensorflow::errors::InvalidArgument(
-                    "grad must hold ", n, " rows of ", dim, " values. Received: ",
-                    grad.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, CheckRows(grad, indices, rows, dim));
     const auto ids = indices.flat<int64_t>();
-    for (int64_t i = 0; i < n; ++i) {
-      OP_REQUIRES(ctx, ids(i) >= 0 && ids(i) < rows,
-                  tensorflow::errors::InvalidArgument(
-                      "row index ", ids(i), " is not in [0, ", rows, ")"));
-    }
     const float lr = ctx->input(4).scalar<float>()();
     const float eps = ctx->input(5).scalar<float>()();
     float* table = var.flat<float>().data();
