@@ -47,7 +47,8 @@ Each repeat is a new process with a new cluster. In it:
      kernels        on each ps, run there (no RPC in the loop): the row
                     gather, TF's one-kernel ResourceSparseApplyAdagradV2 and
                     keras_ps' row-wise Adagrad on that ps' rows (the real
-                    shard and its accumulator), 50 times per call
+                    shard and its accumulator; keras_ps' C++ kernel where
+                    the tasks loaded it, as in fit), 50 times per call
 
     .venv/bin/python benchmarks/step_breakdown.py --rows 1000000 --repeats 3
 """
@@ -92,6 +93,7 @@ def run_one(rows):
     from keras_ps._keras.optimizers import slot
     from keras_ps.partitioners import FixedShardsPartitioner
     from keras_ps.strategy._per_worker import dispatch_scope, worker_device
+    from keras_ps import _native
     from keras_ps.tables import _rowwise
     from keras_ps.training import _step_functions
 
@@ -465,7 +467,9 @@ def run_one(rows):
                     var=shard.handle, accum=accum.handle, lr=1e-6,
                     epsilon=1e-7, grad=g, indices=ids, use_locking=True)
                 return tf.constant(0.0)
-            _rowwise.adagrad(shard, accum, tf.IndexedSlices(g, ids), 1e-6, 1e-7)
+            # What fit runs: keras_ps' C++ kernel where every task loaded it.
+            _rowwise.adagrad(shard, accum, tf.IndexedSlices(g, ids), 1e-6, 1e-7,
+                             kernels=_native.kernels_for(strategy))
             return tf.constant(0.0)
 
         def loop():
