@@ -1,13 +1,16 @@
 """The row-wise optimizer updates alone: TF's ops against keras_ps' C++ kernels.
 
 One process, no cluster: a table of R x 64 float32 rows and its slots as
-local variables, batches of 4,096 log-uniform (Zipf-like) ids made distinct
-(about 2,000 rows an apply at 5M rows), each update applied 50 times in one
-tf.function call, 10 calls a round. Prints microseconds per apply, min and
+local variables, batches of 4,096 ids made distinct, log-uniform (Zipf-like:
+about 2,000 rows an apply at 5M rows) or uniform (--ids uniform: about 4,000),
+each update applied 50 times in one tf.function call, 10 calls a round, every
+apply with a batch of its own (500 in all), so that, as in training, the rows
+of an apply are mostly not in a cache. Prints microseconds per apply, min and
 median over the rounds, for Adagrad and LazyAdam, each as TF's ops
 (keras_ps.tables._rowwise with kernels=None) and with keras_ps' kernel.
 
     .venv/bin/python benchmarks/row_updates.py --rows 5000000 --rounds 7
+    .venv/bin/python benchmarks/row_updates.py --rows 1000000 --ids uniform
 """
 
 import argparse
@@ -23,6 +26,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,18 +48,26 @@ def main():
     step = tf.Variable(tf.constant(1, tf.int64))
 
     def batch():
-        ids = np.exp(rng.uniform(0, np.log(rows + 1), IDS)).astype(np.int64) - 1
+        if args.ids == "uniform":
+            ids = rng.integers(0, rows, IDS)
+        else:
+            ids = np.exp(rng.uniform(0, np.log(rows + 1), IDS)).astype(np.int64) - 1
         ids = np.unique(np.minimum(ids, rows - 1))
         return (tf.constant(rng.normal(size=(len(ids), DIM)).astype("float32")),
                 tf.constant(ids))
 
-    batches = [batch() for _ in range(CALLS)]
+    # One call's APPLIES batches, each used by one apply (the loop is
+    # written out: the batches differ in length).
+    batches = [[batch() for _ in range(APPLIES)] for _ in range(CALLS)]
+
+    signature = [[(tf.TensorSpec([None, DIM], tf.float32),
+                   tf.TensorSpec([None], tf.int64))] * APPLIES]
 
     def timed(update):
-        @tf.function
-        def applies(values, ids):
-            _rowwise.mark_distinct(ids)
-            for _ in tf.range(APPLIES):
+        @tf.function(input_signature=signature)
+        def applies(call_batches):
+            for values, ids in call_batches:
+                _rowwise.mark_distinct(ids)
                 update(tf.IndexedSlices(values, ids))
         return applies
 
@@ -72,16 +84,17 @@ def main():
             1e-7, kernels=kernels)),
     }
     for function in functions.values():  # trace, and touch every page once
-        function(*batches[0])
+        function(batches[0])
     times = {name: [] for name in functions}
     for _ in range(args.rounds):
         for name, function in functions.items():
             start = time.perf_counter()
-            for values, ids in batches:
-                function(values, ids)
+            for call_batches in batches:
+                function(call_batches)
             times[name].append((time.perf_counter() - start)
                                / (CALLS * APPLIES) * 1e6)
-    print(f"rows {rows:,}, {statistics.median(len(b[1]) for b in batches):.0f} "
+    sizes = [len(ids) for call_batches in batches for _, ids in call_batches]
+    print(f"rows {rows:,}, {args.ids} ids, {statistics.median(sizes):.0f} "
           f"distinct rows an apply (median), {args.rounds} rounds")
     for name, xs in times.items():
         print(f"{name:22s} us per apply: min {min(xs):7.1f}, "

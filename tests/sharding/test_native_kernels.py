@@ -54,6 +54,28 @@ def test_a_row_index_out_of_range_is_named():
     assert not var.numpy().any() and not last.numpy().any()
 
 
+def test_a_slot_that_is_its_variable_is_refused():
+    # The kernels update a row's arrays through pointers they assume
+    # distinct; one variable passed twice is named instead of updated.
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    var, v = tf.Variable(tf.ones((4, 2))), tf.Variable(tf.ones((4, 2)))
+    last = tf.Variable(tf.zeros((4,), tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="the variable and its slots must be distinct"):
+        lib.keras_ps_lazy_adam_rows(
+            var=var.handle, m=var.handle, v=v.handle, last_step=last.handle,
+            grad=tf.ones((1, 2)), indices=tf.constant([1], tf.int64),
+            step=tf.constant(1, tf.int64), lr=0.1, beta_1=0.9, beta_2=0.999,
+            epsilon=1e-7)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="the variable and its slots must be distinct"):
+        lib.keras_ps_adagrad_rows(
+            var=var.handle, accumulator=var.handle, grad=tf.ones((1, 2)),
+            indices=tf.constant([1], tf.int64), lr=0.1, epsilon=1e-7)
+    assert (var.numpy() == 1).all() and not last.numpy().any()
+
+
 def test_without_a_compiler_lazy_adam_trains_with_tf_ops(tmp_path):
     env = {"CXX": "/nonexistent/c++", "KERAS_PS_CACHE_DIR": str(tmp_path)}
     output, result = run_job("no_compiler", env)
