@@ -85,9 +85,9 @@ inline void PrefetchRow(const float* row, int64_t dim) {
 
 // `prefetch(r)` asks for the arrays' row r; `row(i)` updates the row of the
 // gradient's i-th index.
-template <typename Prefetch, typename Row>
+template <typename PrefetchFn, typename RowFn>
 void ForEachRow(const int64_t* ids, int64_t begin, int64_t end,
-                Prefetch prefetch, Row row) {
+                PrefetchFn prefetch, RowFn row) {
   for (int64_t i = begin; i < std::min(begin + kAhead, end); ++i) {
     prefetch(ids[i]);
   }
