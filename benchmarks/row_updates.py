@@ -83,7 +83,7 @@ def main():
             table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
             1e-7, kernels=kernels)),
     }
-    for function in functions.values():  # trace, and touch every page once
+    for function in functions.values():  # trace (one signature for every call)
         function(batches[0])
     times = {name: [] for name in functions}
     for _ in range(args.rounds):

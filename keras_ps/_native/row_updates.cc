@@ -100,12 +100,18 @@ void ForEachRow(const int64_t* ids, int64_t begin, int64_t end,
 // The buffers a kernel writes row by row: the loops below read and write
 // them through restrict pointers (so the compiler keeps them in vector
 // registers), which holds only for distinct variables.
-absl::Status CheckDistinct(std::initializer_list<const void*> buffers) {
+struct NamedBuffer {
+  const char* input;  // the op's input name
+  const void* data;
+};
+
+absl::Status CheckDistinct(std::initializer_list<NamedBuffer> buffers) {
   for (auto a = buffers.begin(); a != buffers.end(); ++a) {
     for (auto b = a + 1; b != buffers.end(); ++b) {
-      if (*a == *b) {
+      if (a->data == b->data) {
         return tensorflow::errors::InvalidArgument(
-            "the variable and its slots must be distinct variables");
+            "inputs ", a->input, " and ", b->input, " are one variable: the "
+            "variable and its slots must be distinct variables");
       }
     }
   }
@@ -250,7 +256,7 @@ class LazyAdamRowsOp : public OpKernel {
     float* second = v.flat<float>().data();
     int64_t* steps = last->flat<int64_t>().data();
     const float* g_all = grad.flat<float>().data();
-    OP_REQUIRES_OK(ctx, CheckDistinct({table, first, second}));
+    OP_REQUIRES_OK(ctx, CheckDistinct({{"var", table}, {"m", first}, {"v", second}}));
     const float one_minus_b1 = 1 - b1;
     const float one_minus_b2 = 1 - b2;
 
@@ -349,7 +355,7 @@ class AdagradRowsOp : public OpKernel {
     float* table = var.flat<float>().data();
     float* sums = accum.flat<float>().data();
     const float* g_all = grad.flat<float>().data();
-    OP_REQUIRES_OK(ctx, CheckDistinct({table, sums}));
+    OP_REQUIRES_OK(ctx, CheckDistinct({{"var", table}, {"accumulator", sums}}));
 
     auto prefetch = [&](int64_t r) {
       PrefetchRow(table + r * dim, dim);

@@ -62,14 +62,16 @@ def test_a_slot_that_is_its_variable_is_refused():
     var, v = tf.Variable(tf.ones((4, 2))), tf.Variable(tf.ones((4, 2)))
     last = tf.Variable(tf.zeros((4,), tf.int64))
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="the variable and its slots must be distinct"):
+                       match="inputs var and m are one variable: the "
+                             "variable and its slots must be distinct"):
         lib.keras_ps_lazy_adam_rows(
             var=var.handle, m=var.handle, v=v.handle, last_step=last.handle,
             grad=tf.ones((1, 2)), indices=tf.constant([1], tf.int64),
             step=tf.constant(1, tf.int64), lr=0.1, beta_1=0.9, beta_2=0.999,
             epsilon=1e-7)
     with pytest.raises(tf.errors.InvalidArgumentError,
-                       match="the variable and its slots must be distinct"):
+                       match="inputs var and accumulator are one variable: "
+                             "the variable and its slots must be distinct"):
         lib.keras_ps_adagrad_rows(
             var=var.handle, accumulator=var.handle, grad=tf.ones((1, 2)),
             indices=tf.constant([1], tf.int64), lr=0.1, epsilon=1e-7)
