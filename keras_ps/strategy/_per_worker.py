@@ -25,6 +25,40 @@ def current_worker():
     return getattr(_dispatch, "worker", None)
 
 
+class IndexWatch:
+    """Notes whether Python code read the dispatched worker's index.
+
+    A `dataset_fn` traced without reading it builds the same graph for every
+    worker, so one trace can serve them all (`input_context()` contexts note
+    their `input_pipeline_id` being read here)."""
+
+    def __enter__(self):
+        self.read = False
+        self._saved = getattr(_dispatch, "watch", None)
+        _dispatch.watch = self
+        return self
+
+    def __exit__(self, *exc):
+        _dispatch.watch = self._saved
+
+
+def note_index_read():
+    """Tells the watches of this thread that the worker index was read."""
+    watch = getattr(_dispatch, "watch", None)
+    while watch is not None:
+        watch.read = True
+        watch = watch._saved
+
+
+class WorkerInputContext(tf.distribute.InputContext):
+    """TF's InputContext, noting when the worker's pipeline id is read."""
+
+    @property
+    def input_pipeline_id(self):
+        note_index_read()
+        return super().input_pipeline_id
+
+
 class dispatch_scope:  # noqa: N801  (used like a function: `with dispatch_scope(...)`)
     """Within it, this thread dispatches for worker `index` of `num_workers`."""
 

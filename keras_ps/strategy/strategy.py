@@ -33,6 +33,7 @@ from keras_ps._keras import initializers as keras_initializers
 from keras_ps._keras import optimizers as keras_optimizers
 from keras_ps._keras import sharding as keras_sharding
 from keras_ps.strategy._per_worker import PerWorkerValues
+from keras_ps.strategy._per_worker import WorkerInputContext
 from keras_ps.strategy._per_worker import current_worker
 from keras_ps.strategy._per_worker import worker_device
 from keras_ps.errors import ClusterConfigError
@@ -212,7 +213,7 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         (pipeline 0 of 1 outside a dispatch)."""
         current = current_worker()
         index, count = current if current else (0, 1)
-        return tf.distribute.InputContext(
+        return WorkerInputContext(
             num_input_pipelines=count, input_pipeline_id=index,
             num_replicas_in_sync=1)
 

@@ -11,6 +11,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from keras_ps.coordinator import worker_context
+
 DEFAULT_BATCH_SIZE = 32
 
 
@@ -64,13 +66,16 @@ def arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle):
     """Numpy arrays / tensors become a per-worker dataset: each worker reads
     its own 1/num_workers of the rows (shard by worker index), shuffled each
     pass, batched, repeated. The arrays travel inside the dataset's graph, so
-    keep them small (use a DatasetCreator for large data)."""
+    keep them small (use a DatasetCreator for large data). The worker's index
+    is a tensor given at each call, so the graph is traced once and serves
+    every worker."""
     data = as_arrays(x, y, sample_weight)
     batch_size = batch_size or DEFAULT_BATCH_SIZE
 
     def dataset_fn(context):
+        del context  # the same graph on every worker
         ds = tf.data.Dataset.from_tensor_slices(data)
-        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        ds = ds.shard(worker_context.num_workers(), worker_context.worker_index())
         if shuffle:
             ds = ds.shuffle(8 * batch_size, reshuffle_each_iteration=True)
         return ds.batch(batch_size).repeat()

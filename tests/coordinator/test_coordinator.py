@@ -126,6 +126,54 @@ def test_dataset_fn_sees_input_context(coordinator):
         assert pipeline == index and count == 2
 
 
+def _worker_of_each_element(coordinator, per_worker_dataset):
+    iterator = iter(per_worker_dataset)
+
+    @tf.function
+    def read(it):
+        return next(it), worker_index()
+
+    results = [coordinator.schedule(read, args=(iterator,)) for _ in range(40)]
+    coordinator.join()
+    return [(int(element), int(index)) for element, index in
+            (r.fetch() for r in results)]
+
+
+def test_a_dataset_fn_that_ignores_the_worker_is_traced_once(coordinator):
+    traces = []
+
+    def dataset_fn(context):
+        traces.append(context.num_input_pipelines)
+        # The worker's index as a tensor given at call time: one trace serves
+        # every worker, each still gets its own elements.
+        return tf.data.Dataset.from_tensors(worker_index()).repeat()
+
+    pairs = _worker_of_each_element(
+        coordinator, coordinator.create_per_worker_dataset(dataset_fn))
+    assert traces == [2]
+    assert all(element == index for element, index in pairs), pairs
+
+
+@pytest.mark.parametrize("read_by", ["context", "strategy"])
+def test_a_dataset_fn_that_reads_the_worker_is_traced_per_worker(
+        strategy, coordinator, read_by):
+    traces = []
+
+    def from_context(context):
+        traces.append(context.input_pipeline_id)
+        return tf.data.Dataset.from_tensors(
+            tf.constant(context.input_pipeline_id, tf.int64)).repeat()
+
+    def from_strategy():
+        return from_context(strategy.input_context())
+
+    dataset_fn = from_context if read_by == "context" else from_strategy
+    pairs = _worker_of_each_element(
+        coordinator, coordinator.create_per_worker_dataset(dataset_fn))
+    assert sorted(traces) == [0, 1]
+    assert all(element == index for element, index in pairs), pairs
+
+
 def test_per_worker_dataset_from_dataset(coordinator):
     dataset = tf.data.Dataset.range(5).repeat()
     iterator = iter(coordinator.create_per_worker_dataset(dataset))

@@ -33,20 +33,26 @@ def test_iterator_type_spec_in_an_input_signature(coordinator, source):
     assert len(step._list_all_concrete_functions()) == 1
 
 
-def test_dataset_fn_is_traced_once_per_worker(coordinator):
-    """A documented difference: TF traces `dataset_fn` once and sends the
-    graph; keras_ps calls it on each worker (so a worker that rejoins gets a
-    fresh pipeline). Python side effects in it run once per worker."""
+@pytest.mark.parametrize("reads_the_worker", [False, True])
+def test_dataset_fn_is_traced_once_unless_it_reads_the_worker(
+        coordinator, reads_the_worker):
+    """As in TF, a `dataset_fn` is traced once and its graph runs on every
+    worker. A documented difference: one that reads
+    `input_context.input_pipeline_id` in Python is traced once per worker,
+    each with its own id (TF gives every worker the same context). Python
+    side effects in it run once per trace."""
     traces = []
 
-    def dataset_fn():
+    def dataset_fn(input_context):
         def double(x):
             traces.append(1)  # runs when `map` traces `double`
             return 2 * x
-        return tf.data.Dataset.range(8).map(double).repeat()
+        start = input_context.input_pipeline_id if reads_the_worker else 0
+        return tf.data.Dataset.range(start, 8).map(double).repeat()
 
     coordinator.create_per_worker_dataset(dataset_fn)
-    assert len(traces) == len(coordinator.workers) == 2
+    assert len(coordinator.workers) == 2
+    assert len(traces) == (2 if reads_the_worker else 1)
 
 
 def test_per_worker_variable_is_refused_with_the_alternative(strategy,
