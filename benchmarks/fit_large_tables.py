@@ -214,12 +214,17 @@ def run_child(system, rows, timeout=1800, quick=False):
 
 
 def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print, quick=False):
-    """Every (system, rows) `repeats` times, systems side by side per repeat
-    (quick: 2 epochs of 10 steps, a smoke run)."""
+    """Every (system, rows) `repeats` times, systems side by side per repeat,
+    their order turned by one each repeat (quick: 2 epochs of 10 steps, a
+    smoke run)."""
     runs = []
     for r in range(repeats):
+        # Each repeat starts one system later, so no system always runs first
+        # (on a memory-heavy table the machine's state after the last
+        # process shifts the next one's rate).
+        order = list(systems[r % len(systems):]) + list(systems[:r % len(systems)])
         for rows in rows_list:
-            for system in systems:
+            for system in order:
                 if (system, rows) in SKIP:
                     continue
                 if system == "keras_ps_adam" and rows != min(rows_list):
