@@ -3,9 +3,11 @@
 import concurrent.futures
 import inspect
 import logging
+import random
 import time
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ps import _constants
@@ -50,6 +52,13 @@ def serialized(dataset):
     spec = dataset.element_spec
     return lambda: tf.data.experimental.from_variant(
         tf.raw_ops.DatasetFromGraph(graph_def=graph), spec)
+
+
+def _python_random_state():
+    """The state of Python's and numpy's global random generators: a
+    dataset_fn that draws a seed from them moves it."""
+    _, keys, position, *_ = np.random.get_state()
+    return random.getstate(), keys.tobytes(), position
 
 
 def _at_once(indices, make):
@@ -151,6 +160,7 @@ class PerWorkerDataset:
                 function = tf.function(lambda: self._fn(context))
             else:
                 function = tf.function(self._fn)
+            drawn_before = _python_random_state()
             try:
                 dataset = function()
             except Exception as error:
@@ -165,10 +175,11 @@ class PerWorkerDataset:
             raise TypeError(
                 f"dataset_fn must return a tf.data.Dataset. Received: "
                 f"{type(dataset).__name__} from {self._fn!r}.")
-        if not watch.read:
-            # dataset_fn did not read which worker it runs for: its graph is
-            # the same on every worker, so the next ones run this trace
-            # (tracing is most of a dataset's making: ~50 ms for a dataset
+        if not watch.read and _python_random_state() == drawn_before:
+            # dataset_fn did not read which worker it runs for, nor draw from
+            # Python's or numpy's random generator (a seed per worker): its
+            # graph is the same on every worker, so the next ones run this
+            # trace (tracing is most of a dataset's making: ~50 ms for a dataset
             # with a map, against ~20 ms to run it on a worker).
             self._shared_trace = (function, num_workers)
         return dataset

@@ -174,6 +174,30 @@ def test_a_dataset_fn_that_reads_the_worker_is_traced_per_worker(
     assert all(element == index for element, index in pairs), pairs
 
 
+@pytest.mark.parametrize("generator", ["random", "numpy"])
+def test_a_dataset_fn_that_draws_a_python_seed_is_traced_per_worker(
+        coordinator, generator):
+    import random
+
+    import numpy as np
+    seeds = []
+
+    def dataset_fn():
+        seed = (random.randrange(2**31) if generator == "random"
+                else int(np.random.randint(2**31)))
+        seeds.append(seed)
+        return tf.data.Dataset.from_tensors(
+            tf.constant(seed, tf.int64)).repeat()
+
+    pairs = _worker_of_each_element(
+        coordinator, coordinator.create_per_worker_dataset(dataset_fn))
+    # Each worker traced its own dataset_fn, with a seed of its own.
+    assert len(seeds) == 2
+    assert {element for element, _ in pairs} <= set(seeds)
+    by_worker = {index: element for element, index in pairs}
+    assert len(set(by_worker.values())) == len(by_worker)
+
+
 def test_per_worker_dataset_from_dataset(coordinator):
     dataset = tf.data.Dataset.range(5).repeat()
     iterator = iter(coordinator.create_per_worker_dataset(dataset))
