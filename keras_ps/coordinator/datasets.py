@@ -114,7 +114,7 @@ class PerWorkerDataset:
                 "create_per_worker_dataset needs a dataset_fn or a "
                 f"tf.data.Dataset. Received: {dataset_or_fn!r}.")
         # (the traced dataset_fn, number of workers) once a trace did not
-        # read the worker index, for the other workers to run.
+        # depend on the worker (see _build), for the other workers to run.
         self._shared_trace = None
         # Built now on the workers that answer; a worker that is down or
         # joins later gets its dataset when it is admitted (rebuild).
@@ -130,9 +130,9 @@ class PerWorkerDataset:
 
     def _build_on(self, indices, num_workers):
         """{index: the dataset of worker index, or None if it does not
-        answer}. The first trace is made alone; when it did not read the
-        worker index, the other workers run it at once (each call waits on
-        its own worker), else each worker's trace follows."""
+        answer}. The first trace is made alone; when it did not depend on
+        the worker, the other workers run it at once (each call waits on its
+        own worker), else each worker's trace follows."""
         built = {}
         pending = list(indices)
         while pending and not self._has_shared_trace(num_workers):
