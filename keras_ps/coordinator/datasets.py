@@ -148,19 +148,20 @@ class PerWorkerDataset:
                 self._shared_trace[1] == num_workers)
 
     def _build(self, index, num_workers):
-        shared = self._shared_trace
+        shared = (self._shared_trace[0] if self._has_shared_trace(num_workers)
+                  else None)
         with tf.device(worker_device(index)), \
                 dispatch_scope(index, num_workers), \
                 tf.variable_creator_scope(_no_variables), \
                 IndexWatch() as watch:
-            if self._has_shared_trace(num_workers):
-                function = shared[0]
+            if shared is not None:
+                function = shared
             elif self._with_context:
                 context = self._strategy.input_context()
                 function = tf.function(lambda: self._fn(context))
             else:
                 function = tf.function(self._fn)
-            drawn_before = _python_random_state()
+            drawn_before = None if shared is not None else _python_random_state()
             try:
                 dataset = function()
             except Exception as error:
@@ -175,7 +176,8 @@ class PerWorkerDataset:
             raise TypeError(
                 f"dataset_fn must return a tf.data.Dataset. Received: "
                 f"{type(dataset).__name__} from {self._fn!r}.")
-        if not watch.read and _python_random_state() == drawn_before:
+        if (shared is None and not watch.read and
+                _python_random_state() == drawn_before):
             # dataset_fn did not read which worker it runs for, nor draw from
             # Python's or numpy's random generator (a seed per worker): its
             # graph is the same on every worker, so the next ones run this
