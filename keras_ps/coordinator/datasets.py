@@ -133,14 +133,16 @@ class PerWorkerDataset:
         answer}. The first trace is made alone; when it did not depend on
         the worker, the other workers run it at once (each call waits on its
         own worker), else each worker's trace follows."""
+        def make(index):
+            return self._unless_unreachable(index, self._build, index,
+                                            num_workers)
+
         built = {}
         pending = list(indices)
         while pending and not self._has_shared_trace(num_workers):
             index = pending.pop(0)
-            built[index] = self._unless_unreachable(
-                index, self._build, index, num_workers)
-        built.update(_at_once(pending, lambda index: self._unless_unreachable(
-            index, self._build, index, num_workers)))
+            built[index] = make(index)
+        built.update(_at_once(pending, make))
         return built
 
     def _has_shared_trace(self, num_workers):
