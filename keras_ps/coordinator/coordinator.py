@@ -207,7 +207,10 @@ class ClusterCoordinator:
 
         `dataset_fn` may take a `tf.distribute.InputContext` telling the
         worker's index (`input_pipeline_id`) and the number of workers
-        (`num_input_pipelines`), so each worker can read its own shard.
+        (`num_input_pipelines`), so each worker can read its own shard. It
+        is traced once and its graph run on every worker, unless it reads
+        `input_pipeline_id` or draws from Python's or numpy's global random
+        generator: then it is traced once per worker.
         """
         # Under the shared gate: a worker's re-admission (which rebuilds every
         # tracked dataset on it) cannot interleave with creating this one.

@@ -171,8 +171,9 @@ class PerWorkerDataset:
                 error.add_note(
                     f"keras_ps: dataset_fn {name!r} raised this while "
                     f"creating the dataset on worker {index}. "
-                    "Fix the error in dataset_fn: it runs once on every worker "
-                    "(and again when a worker rejoins).")
+                    "Fix the error in dataset_fn: it is traced for the first "
+                    "worker, and for each worker when it reads the worker's "
+                    "index (and again when a worker rejoins).")
                 raise
         if not isinstance(dataset, tf.data.Dataset):
             raise TypeError(

@@ -20,10 +20,12 @@ class DatasetCreator:
     """Input for `model.fit`: a function that builds the dataset on each worker.
 
     Args:
-        dataset_fn: `dataset_fn(input_context) -> tf.data.Dataset`. It runs
-            on every worker; `input_context.input_pipeline_id` is the worker's
-            index and `input_context.num_input_pipelines` the number of
-            workers, so each worker can read its own shard. The dataset should
+        dataset_fn: `dataset_fn(input_context) -> tf.data.Dataset`, whose
+            graph runs on every worker; `input_context.input_pipeline_id` is
+            the worker's index and `input_context.num_input_pipelines` the
+            number of workers, so each worker can read its own shard (see
+            `ClusterCoordinator.create_per_worker_dataset` for how often it
+            is traced). The dataset should
             repeat: `fit` takes `steps_per_epoch` batches per epoch from it.
 
     Example:
