@@ -113,6 +113,19 @@ def mark_all(variable):
             value=tf.fill(tf.shape(tracker.dirty), generation))
 
 
+def count_marked(trackers, since):
+    """How many rows each of `trackers` has marked after generation `since`
+    (counted on their ps; a few small calls each)."""
+    counts = []
+    for tracker in trackers:
+        with tf.device(tracker.device):
+            marks = tf.raw_ops.ReadVariableOp(resource=tracker.dirty.handle,
+                                              dtype=tf.int32)
+            counts.append(tf.math.count_nonzero(marks > since,
+                                                dtype=tf.int64))
+    return [int(count) for count in counts]
+
+
 class Generations:
     """The current generation of every ps that holds a tracked table.
 
@@ -157,13 +170,15 @@ class Generations:
     def agree(self):
         """Whether every ps holds the current generation (False when a ps
         was given its variables back, as zeros, since the last advance)."""
+        # Read under the lock: an `advance` between reading `current` and
+        # the variables (a compaction starting while a delta's thread
+        # checks) would look like a lost ps, and drop that delta.
         with self._lock:
-            variables = self._live()
-            current = self.current
-        try:
-            return all(int(v.numpy()) == current for v in variables)
-        except tf.errors.OpError:
-            return False
+            try:
+                return all(int(v.numpy()) == self.current
+                           for v in self._live())
+            except tf.errors.OpError:
+                return False
 
 
 GENERATIONS = Generations()

@@ -3,6 +3,8 @@ each row-wise update of a tracked table marks exactly the rows it touched,
 on the table's ps; an update that is not row-wise marks every row; an
 untracked table's update has not one op more."""
 
+import threading
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -123,6 +125,31 @@ def test_generations_advance_on_every_ps_and_marks_follow(strategy):
     assert not _dirty_rows.GENERATIONS.agree()
     _dirty_rows.GENERATIONS.advance()
     assert _dirty_rows.GENERATIONS.agree()
+
+
+def test_agree_is_not_fooled_by_an_advance_under_way():
+    # A delta's thread checks agree() while the chief may start a new
+    # generation (a compaction starting): every ps still holds the
+    # generation, so it must never answer False. Real variables, a real
+    # race: thousands of checks against advances in another thread.
+    generations = _dirty_rows.Generations()
+    for key in ("ps0", "ps1", "ps2"):
+        generations.variable_for(key, lambda current: tf.Variable(current))
+    stop, answers = threading.Event(), []
+
+    def check():
+        while not stop.is_set():
+            answers.append(generations.agree())
+
+    checker = threading.Thread(target=check)
+    checker.start()
+    try:
+        for _ in range(300):
+            generations.advance()
+    finally:
+        stop.set()
+        checker.join(60)
+    assert len(answers) > 100 and all(answers), answers.count(False)
 
 
 def _model(strategy, optimizer):
