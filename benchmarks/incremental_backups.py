@@ -4,8 +4,8 @@ The model and data of fit_large_tables.py: Embedding(R, 64) sharded over 2 ps
 (FixedShardsPartitioner(2)), 2 workers, in-process cluster, batch 256 x 16
 Zipf-like ids over the whole table, MLP 128-64-1, steps_per_execution=10,
 keras_ps.optimizers.LazyAdam. A backup every 100 steps (after
-`coordinator.join()`, as BackupAndRestore does), in three runs, each in its
-own process:
+`coordinator.join()`, as BackupAndRestore does), in runs of these modes,
+each in its own process:
 
   none         no backup: the reference training time
   incremental  keras_ps.IncrementalBackup.save(): a full backup first, then
@@ -15,10 +15,15 @@ own process:
                delta), training waiting for each delta to be published
   blocking     the same with background_compaction=False: training waits
                while the compaction's full backup is written
-  background   the same with background_deltas=True (BackupAndRestore's
-               default): training waits only while each ps copies a
-               delta's rows; the files are written and the delta is
-               published while training goes on
+  background   the same with background_deltas=True: training waits only
+               while each ps copies a delta's rows; the files are written
+               and the delta is published while training goes on; a
+               compaction merges the deltas into one (rows changed since
+               the full backup) while they are under half the table
+               (merge_below=0.5, the default)
+  background_full
+               the same, but each compaction writes a full backup
+               (merge_below=0)
   background_blocking
                background deltas, background_compaction=False
   join         no backup, but the join every 100 steps that each backup
@@ -60,7 +65,7 @@ import fit_large_tables as large  # noqa: E402  (the model's data)
 
 EVERY = 100  # steps between backups
 MODES = ("none", "join", "incremental", "blocking", "background",
-         "background_blocking", "keras_h5")
+         "background_full", "background_blocking", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
 
@@ -115,13 +120,14 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
             for shard in model.layers[0].weights]
 
     backup = None
-    if mode in ("incremental", "blocking", "background",
+    if mode in ("incremental", "blocking", "background", "background_full",
                 "background_blocking"):
         backup = keras_ps.IncrementalBackup(
             model, directory, background_deltas=mode.startswith("background"),
             background_compaction=not mode.endswith("blocking"),
-            max_deltas=max_deltas)
-    records, ends = [], []
+            max_deltas=max_deltas,
+            merge_below=0 if mode == "background_full" else 0.5)
+    records, ends, compactions = [], [], []
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 
     def touched_since(iterations):
@@ -154,6 +160,14 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
                 records.append(dict(step=step, kind="join",
                                     join_s=joined - started))
             elif backup is not None:
+                # A compaction whose write ended is sealed by this save.
+                compaction = backup._compaction
+                if compaction is not None and compaction.entry is not None:
+                    compactions.append(dict(
+                        step=step, kind=compaction.kind,
+                        bytes=compaction.entry["bytes"],
+                        table_rows=compaction.entry["table_rows"],
+                        seconds=compaction.seconds))
                 entry = backup.save()
                 seconds = time.perf_counter() - joined
                 counting = time.perf_counter()
@@ -188,6 +202,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
               callbacks=[Backups()])
     (t0, o0), (t1, o1) = ends[0], ends[-1]
     result = dict(mode=mode, rows=rows, every=EVERY, records=records,
+                  compactions=compactions,
                   steps_per_s=(epochs - 1) * steps / (t1 - t0 - (o1 - o0)),
                   dense_bytes=sizes["dense_bytes"], row_bytes=ROW_BYTES)
     if backup is not None:
@@ -308,13 +323,17 @@ def summary(results):
                         ("blocking", "incremental, compaction blocking"),
                         ("background", "incremental, deltas written in "
                          "the background"),
+                        ("background_full", "background deltas, "
+                         "compaction always a full backup"),
                         ("background_blocking", "background deltas, "
                          "compaction blocking")):
         records = [x for r in runs[mode] for x in r["records"]]
         # A sealing delta holds the rows changed since its compaction
         # began, not since the previous backup: listed apart.
         seals = [x for previous, x in zip(records, records[1:])
-                 if x["deltas"] == 1 and previous["deltas"] > 1]
+                 if x["kind"] == "delta" and x["deltas"] < previous["deltas"]]
+        compactions = [x for r in runs[mode] for x in r.get("compactions",
+                                                             ())]
         deltas = [x for x in records if x["kind"] == "delta"
                   and not any(x is y for y in seals)]
         fulls = [x for x in records if x["kind"] == "full"]
@@ -334,6 +353,17 @@ def summary(results):
                 f"{_mb(statistics.median(x['bytes'] for x in seals))} "
                 f"({_median((x['table_rows'] for x in seals), 0)} table rows)"
                 f" | | {_median(x['seconds'] for x in seals)} | | |")
+        for kind in ("full", "delta"):
+            done = [x for x in compactions if x["kind"] == kind]
+            if done:
+                lines.append(
+                    f"| {label}: {len(done)} compaction(s) written while "
+                    f"training, as a "
+                    f"{'full backup' if kind == 'full' else 'merged delta'} | "
+                    f"{_mb(statistics.median(x['bytes'] for x in done))} "
+                    f"({_median((x['table_rows'] for x in done), 0)} table "
+                    f"rows) | | {_median(x['seconds'] for x in done)} "
+                    "(its write) | | |")
         if fulls:
             lines.append(
                 f"| {label}: full | "

@@ -1,12 +1,14 @@
-"""keras_ps' C++ kernels (row_updates.cc): built once per machine, loaded by
-every process of a cluster.
+"""keras_ps' C++ kernels (row_updates.cc, row_files.cc): built once per
+machine, loaded by every process of a cluster.
 
 TF has no kernel for LazyAdam's row update: made of TF's ops it is three
 gathers, sixteen elementwise ops and four scatters, each a pass over all the
 gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
 pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
-its scatter-add, gather and scatter-sub. They are compiled into one library
+its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
+backup's row file with one copy of its bytes (TF's ops make three). They
+are compiled into one library
 with the machine's C++ compiler (`$CXX`, else `c++`) against the headers
 that ship in the tensorflow wheel, into a cache directory
 (`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first time a process
@@ -41,10 +43,10 @@ from keras_ps import _constants
 
 logger = logging.getLogger(__name__)
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                      "row_updates.cc")
+SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
+           for name in ("row_updates.cc", "row_files.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 2
+VERSION = 3
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine.
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC", "-w")
@@ -87,11 +89,13 @@ def library_path():
         tf_id = f"{framework}:{stat.st_size}:{int(stat.st_mtime)}"
     except OSError:
         tf_id = framework
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        with open(source, "rb") as f:
+            digest.update(f.read())
     digest.update(" ".join(_FLAGS).encode())
     digest.update(tf_id.encode())
-    return os.path.join(cache_dir(), f"row_updates-{digest.hexdigest()[:16]}.so")
+    return os.path.join(cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
 
 
 def _compile(path):
@@ -109,7 +113,7 @@ def _compile(path):
     import tensorflow as tf  # the flags TF was built with (C++ ABI, Eigen)
 
     tmp = f"{path}.{os.getpid()}.tmp"
-    command = [compiler, *_FLAGS, *tf.sysconfig.get_compile_flags(), SOURCE,
+    command = [compiler, *_FLAGS, *tf.sysconfig.get_compile_flags(), *SOURCES,
                "-o", tmp, *tf.sysconfig.get_link_flags(),
                f"-Wl,-rpath,{_tf_dir()}"]
     logger.warning("[native] building keras_ps' C++ kernels once for this "
@@ -238,35 +242,52 @@ def kernels_for(strategy):
     return lib if _answers[strategy] else None
 
 
+def kernels_on(devices):
+    """The kernels' module if each of `devices` (device names of tasks) has
+    loaded them, else None; each device is asked (an op run on it)."""
+    lib = library()
+    if lib is None:
+        return None
+    return lib if all(_answer(lib, d) is not False for d in devices) else None
+
+
 def _ask_tasks(lib, spec):
+    return all(
+        _answer(lib, f"/job:{job}/replica:0/task:{index}/device:CPU:0")
+        is not False for job in ("ps", "worker")
+        for index in range(len(spec[job])))
+
+
+def _answer(lib, device):
+    """Whether the task of `device` has loaded this library's version (None:
+    it did not answer, and is not counted against them)."""
     import tensorflow as tf
 
-    for job in ("ps", "worker"):
-        for index in range(len(spec[job])):
-            device = f"/job:{job}/replica:0/task:{index}/device:CPU:0"
-            try:
-                # Asked now, also from inside a trace (the first apply of a
-                # train function asks).
-                with tf.init_scope(), tf.device(device):
-                    version = int(lib.keras_ps_native_version())
-            except tf.errors.UnavailableError as error:
-                logger.info("[native] %s:%d did not answer (%s); not counted",
-                            job, index, str(error).splitlines()[0])
-                continue
-            except tf.errors.OpError as error:
-                logger.warning(
-                    "[native] %s:%d has not loaded keras_ps' C++ kernels (%s): "
-                    "LazyAdam and Adagrad run their row updates made of TF's "
-                    "ops. Start tasks with `python -m keras_ps.server` to use "
-                    "them.", job, index,
+    if "/job:" not in (device or ""):
+        return True  # this process, which loaded it
+    spec = tf.DeviceSpec.from_string(device)
+    task = f"{spec.job}:{spec.task}"
+    try:
+        # Asked now, also from inside a trace (the first apply of a train
+        # function asks).
+        with tf.init_scope(), tf.device(device):
+            version = int(lib.keras_ps_native_version())
+    except tf.errors.UnavailableError as error:
+        logger.info("[native] %s did not answer (%s); not counted", task,
                     str(error).splitlines()[0])
-                return False
-            if version != VERSION:
-                logger.warning(
-                    "[native] %s:%d has keras_ps' C++ kernels version %d, this "
-                    "process %d: LazyAdam and Adagrad run their row updates "
-                    "made of TF's ops. Run one keras_ps version on every "
-                    "task.", job, index,
-                    version, VERSION)
-                return False
+        return None
+    except tf.errors.OpError as error:
+        logger.warning(
+            "[native] %s has not loaded keras_ps' C++ kernels (%s): LazyAdam's "
+            "and Adagrad's row updates and the backups' row files are made "
+            "of TF's ops (slower, same results). Start tasks with `python -m "
+            "keras_ps.server` to use them.", task, str(error).splitlines()[0])
+        return False
+    if version != VERSION:
+        logger.warning(
+            "[native] %s has keras_ps' C++ kernels version %d, this process "
+            "%d: LazyAdam's and Adagrad's row updates and the backups' row "
+            "files are made of TF's ops. Run one keras_ps version on every "
+            "task.", task, version, VERSION)
+        return False
     return True

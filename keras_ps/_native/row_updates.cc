@@ -36,7 +36,7 @@ using tensorflow::Tensor;
 using tensorflow::Var;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-constexpr int kVersion = 2;
+constexpr int kVersion = 3;
 
 // The checks both row kernels make before writing a row: `grad` holds one
 // row of `dim` values per index, and every index names a row of the table.

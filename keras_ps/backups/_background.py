@@ -6,11 +6,13 @@
   snapshot, taken between steps); the thread has each ps write its copy,
   then publishes the delta, unless a ps lost its variables meanwhile or a
   restore abandoned it.
-- `Compaction`: a full backup each ps writes block by block from its live
-  variables while the steps go on. Alone it is not one state (rows changed
-  during the write may hold any value they had); the delta of every row
-  marked since `generation` makes it one (keras_ps.backups.incremental_backup
-  writes that delta and publishes both).
+- `Compaction`: a full backup, or a *merged delta* (every row changed since
+  the chain's first state, to follow that state instead of the chain's
+  deltas), each ps writes block by block from its live variables while the
+  steps go on. Alone it is not one state (rows changed during the write may
+  hold any value they had); the delta of every row marked since
+  `generation` makes it one (keras_ps.backups.incremental_backup writes
+  that delta and publishes them as a new chain).
 """
 
 import logging
@@ -89,29 +91,38 @@ class PendingDelta:
 
 
 class Compaction:
-    """Writes a full backup into `path` with `writer.write_in_blocks`, in a
-    thread, while training goes on.
+    """Writes a full backup, or a merged delta, into `path` with
+    `writer.write_in_blocks`, in a thread, while training goes on.
 
     Args:
         writer: a keras_ps.backups._io.Writer.
         catalog: its keras_ps.backups._catalog.Catalog.
-        path: the full backup's folder; `folder` its name.
-        entry_id: the full backup's id.
+        path: the entry's folder; `folder` its name.
+        entry_id: the entry's id.
         generation: every row changed since the write began is marked
             after it.
         before_block: None, or called before each block (tests).
+        root: None: a full backup. Else (manifest entries of the chain's
+            first state, the generation of that state): a merged delta of
+            the rows changed since that state, which follows those entries
+            in the new chain.
 
     Attributes:
-        entry: its manifest entry (`"fuzzy": True`) once written.
+        entry: its manifest entry (`"fuzzy": True`) once written;
+            `seconds` the write took.
+        root_entries: the entries it follows in the new chain ([] for a
+            full backup).
         error: what stopped the write (`WriteStopped` after `stop()`).
     """
 
     def __init__(self, writer, catalog, path, folder, entry_id, generation,
-                 before_block=None):
+                 before_block=None, root=None):
         self.folder = folder
         self.entry_id = entry_id
         self.generation = generation
-        self.entry = self.error = None
+        self.root_entries = [] if root is None else list(root[0])
+        self.kind = "full" if root is None else "delta"
+        self.entry = self.error = self.seconds = None
         self.stopped = False
 
         def write():
@@ -119,23 +130,28 @@ class Compaction:
             try:
                 with _tf_adapter.own_executor():
                     files, table_rows = writer.write_in_blocks(
-                        path + os.sep, lambda: self.stopped, before_block)
-                entry = _backup_chain.new_entry(entry_id, "full", folder,
+                        path + os.sep, lambda: self.stopped, before_block,
+                        since=None if root is None else root[1])
+                entry = _backup_chain.new_entry(entry_id, self.kind, folder,
                                                 files, table_rows, None)
-                entry.update(catalog.describe(), fuzzy=True)
+                if root is None:
+                    entry.update(catalog.describe())
+                entry.update(fuzzy=True)
                 self.entry = entry
-                logger.info("[chief] full backup %d written while training "
-                            "went on: %d bytes in %.2fs; the next backup "
-                            "publishes it", entry_id, entry["bytes"],
-                            time.monotonic() - started)
+                self.seconds = time.monotonic() - started
+                logger.info("[chief] %s %d written while training went on: "
+                            "%d bytes in %.2fs; the next backup publishes it",
+                            "full backup" if root is None else "merged delta",
+                            entry_id, entry["bytes"], self.seconds)
             except Exception as error:  # noqa: BLE001  (logged by save())
                 self.error = error
 
         self.thread = threading.Thread(
             target=write, daemon=True, name=f"keras_ps-compaction-{entry_id}")
         self.thread.start()
-        logger.info("[chief] compaction: full backup %d being written while "
-                    "training goes on", entry_id)
+        logger.info("[chief] compaction: %s %d being written while "
+                    "training goes on", "full backup" if root is None else
+                    "merged delta", entry_id)
 
     @property
     def running(self):
@@ -144,40 +160,76 @@ class Compaction:
     def stop(self, reason):
         """Stops the write before its next block (without waiting)."""
         self.stopped = True
-        logger.info("[chief] the full backup %d being written in the "
-                    "background is dropped: %s", self.entry_id, reason)
+        logger.info("[chief] the %s %d being written in the background is "
+                    "dropped: %s", self.kind, self.entry_id, reason)
 
 
 class BackgroundWrites:
     """What keras_ps.IncrementalBackup writes in the background: the delta
     being written (`_pending`, a PendingDelta) and the compaction
     (`_compaction`, a Compaction). Uses the backup's `_lock`,
-    `_publish_lock`, `_next_id`, `_writer`, `_ready()`, `_new_folder()` and
+    `_publish_lock`, `_next_id`, `_writer`, `_root`, `merge_below`,
+    `max_deltas`, `max_delta_bytes`, `_ready()`, `_new_folder()` and
     `_publish()`."""
 
     # -- compaction while training goes on ----------------------------------------
     @property
     def compacting(self):
-        """Whether a full backup is being written in the background (it is
-        published by the next `save()` after its write ends)."""
+        """Whether a compaction (a full backup or a merged delta) is being
+        written in the background (it is published by the next `save()`
+        after its write ends)."""
         compaction = self._compaction
         return compaction is not None and compaction.running
 
-    def _start_compaction(self, last_id, manifest):
-        """Starts writing a full backup in a thread, block by block, while
-        training goes on; called between steps (the rows changed from here
-        on are the ones the sealing delta writes). `last_id`: the entry
-        just saved (it may not be published yet), after `manifest`."""
+    def _start_compaction(self, last_id, manifest, base):
+        """Starts writing a full backup, or a merged delta
+        (`_merge_root`), in a thread, block by block, while training goes
+        on; called between steps (the rows changed from here on are the
+        ones the sealing delta writes). `last_id`: the entry just saved (it
+        may not be published yet), after `manifest`, in the chain of `base`
+        (chain index, length)."""
+        root = self._merge_root(manifest, base)
         self._next_id = max(self._next_id, last_id + 1)
-        entry_id, folder, path = self._new_folder("full", manifest)
+        entry_id, folder, path = self._new_folder(
+            "full" if root is None else "delta", manifest)
         # Not in the manifest until sealed: not given out again.
         self._next_id = entry_id + 1
         self._compaction = Compaction(
             self._writer, self._ready(), path, folder, entry_id,
-            _dirty_rows.GENERATIONS.advance(), self._before_compaction_block)
+            _dirty_rows.GENERATIONS.advance(), self._before_compaction_block,
+            root)
+
+    def _merge_root(self, manifest, base):
+        """(the entries of the first state of `base`'s chain, its
+        generation) when a compaction can merge the chain's deltas into
+        one: the rows changed since that state take less than
+        `merge_below` of the tables' bytes. None: it writes a full
+        backup."""
+        chain = manifest["chains"][base[0]]
+        if (not self.merge_below or self._root is None
+                or self._root[0] != chain[0]["id"]
+                or not self._ready().tables):
+            return None
+        _, length, generation = self._root
+        fraction = _changed_fraction(self._ready().tables, generation)
+        if fraction >= self.merge_below:
+            logger.info("[chief] compaction: %.0f%% of the tables' rows "
+                        "changed since the chain's full backup (merge_below="
+                        "%s): a new full backup", 100 * fraction,
+                        self.merge_below)
+            return None
+        return chain[:length], generation
+
+    def _compaction_due(self, manifest, base, factor):
+        """Whether the chain of `base` reached `factor` times its limits."""
+        chain = manifest["chains"][base[0]]
+        limit = (self.max_delta_bytes if self.max_delta_bytes is not None
+                 else chain[0]["bytes"])
+        return (base[1] - 1 >= factor * self.max_deltas
+                or _backup_chain.delta_bytes(chain, base[1]) >= factor * limit)
 
     def _stop_compaction(self, reason):
-        """Drops the full backup being written in the background, if any,
+        """Drops the compaction being written in the background, if any,
         without waiting for it: it stops before its next block, and its
         folder goes at the next publish."""
         compaction, self._compaction = self._compaction, None
@@ -185,7 +237,7 @@ class BackgroundWrites:
             compaction.stop(reason)
 
     def stop_compaction(self, timeout=None):
-        """Drops the full backup being written in the background, if any,
+        """Drops the compaction being written in the background, if any,
         and waits up to `timeout` seconds (None: no limit) for its thread
         to stop (it stops between two blocks). `BackupAndRestore` calls it
         at the end of `fit`; the next `save()` due to compact starts again.
@@ -268,3 +320,13 @@ class BackgroundWrites:
                        "dropped, the restore takes the backup before it",
                        pending.thread.name)
 
+
+def _changed_fraction(tables, since):
+    """The share of `tables`' bytes (catalog groups: rows with their slots)
+    in rows marked after generation `since`: what a delta since then holds
+    of them."""
+    counts = _dirty_rows.count_marked(
+        [_dirty_rows.tracker_of(g.variables[0]) for g in tables], since)
+    total = sum(g.nbytes for g in tables)
+    return sum(n * g.nbytes / g.parts[0].rows
+               for n, g in zip(counts, tables)) / total

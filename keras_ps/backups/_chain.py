@@ -5,10 +5,14 @@ deltas, each delta holding what changed since the entry before it; every
 prefix of a chain (its full, then its first k deltas) is one restorable
 state, the state when its last entry was written. Each entry's files live
 in a folder of their own (`full-000007/`, `delta-000008/`). One exception:
-a full backup written while training went on (`"fuzzy": true`) holds rows
-from different moments, and is published only with the delta that makes it
-one state (every row changed since its write began); its chain's states
-start with that delta.
+an entry written while training went on (`"fuzzy": true`: a full backup, or
+a merged delta of every row changed since its chain's first state) holds
+rows from different moments, and is published only with the delta that
+makes it one state (every row changed since its write began); no state ends
+with a fuzzy entry. A chain made by merging deltas starts with the entries
+of the first state of the chain it merged, and shares their folders: it
+replaces that chain's deltas, which stay as a fallback until
+`keep_chains` newer full backups drop them.
 
 `manifest.json` lists the chains, each entry with its files' lengths and
 fingerprints. It is the one thing published: an entry's files are written
@@ -106,16 +110,25 @@ def locate(manifest, entry_id):
     return None
 
 
+def first_state_length(chain):
+    """Entries of `chain` up to its first state: its full backup, with the
+    delta sealing it when it is fuzzy."""
+    return 2 if chain[0].get("fuzzy") else 1
+
+
 def states_newest_first(manifest):
     """Every restorable state as (chain index, prefix length), newest
-    first: the newest chain whole, then without its last delta, ..., then
-    its full alone (unless it is fuzzy: not a state without its first
-    delta), then the chain before it, and so on."""
-    for c in range(len(manifest["chains"]) - 1, -1, -1):
-        chain = manifest["chains"][c]
-        shortest = 2 if chain[0].get("fuzzy") else 1
-        for length in range(len(chain), shortest - 1, -1):
-            yield c, length
+    first (by the id of its last entry, which ids order by time): the
+    newest chain whole, then without its last delta, and so on, a prefix
+    that ends with a fuzzy entry skipped; a state that two chains share
+    (a full backup, alone) once."""
+    states = {}
+    for c, chain in enumerate(manifest["chains"]):
+        for length in range(1, len(chain) + 1):
+            if not chain[length - 1].get("fuzzy"):
+                states.setdefault(chain[length - 1]["id"], (c, length))
+    for entry_id in sorted(states, reverse=True):
+        yield states[entry_id]
 
 
 def new_entry(entry_id, kind, folder, files, table_rows, metadata):
@@ -129,15 +142,14 @@ def new_entry(entry_id, kind, folder, files, table_rows, metadata):
 def with_entry(manifest, base, entry, keep_chains):
     """A new manifest with `entry` added.
 
-    A full entry starts a new chain; the oldest chains beyond `keep_chains`
-    are dropped. A delta continues the state `base` (chain index, length):
-    entries after it in that chain and chains after it are dropped (they
-    belong to a state that was not restored).
+    A full entry starts a new chain; the chains of full backups older than
+    the `keep_chains` newest are dropped. A delta continues the state
+    `base` (chain index, length): entries after it in that chain and chains
+    after it are dropped (they belong to a state that was not restored).
     """
     chains = [list(chain) for chain in manifest["chains"]]
     if entry["kind"] == "full":
-        chains.append([entry])
-        chains = chains[-keep_chains:]
+        chains = _newest_fulls(chains + [[entry]], keep_chains)
     else:
         c, length = base
         chains = chains[:c + 1]
@@ -149,11 +161,25 @@ def with_entry(manifest, base, entry, keep_chains):
 
 def with_chain(manifest, entries, keep_chains):
     """A new manifest with a new chain of `entries` (a full backup and the
-    deltas after it); the oldest chains beyond `keep_chains` are dropped."""
-    chains = [list(chain) for chain in manifest["chains"]] + [list(entries)]
+    deltas after it). When it starts with the full backup of chains
+    already listed (its deltas merged), only the newest of those stays, as
+    its fallback. Chains of full backups older than the `keep_chains`
+    newest are dropped."""
+    full = entries[0]["id"]
+    sharing = [c for c, chain in enumerate(manifest["chains"])
+               if chain[0]["id"] == full]
+    chains = [list(chain) for c, chain in enumerate(manifest["chains"])
+              if c not in sharing[:-1]] + [list(entries)]
     return {"format": FORMAT, "next_id": max(
         [manifest["next_id"]] + [entry["id"] + 1 for entry in entries]),
-        "chains": chains[-keep_chains:]}
+        "chains": _newest_fulls(chains, keep_chains)}
+
+
+def _newest_fulls(chains, keep):
+    """The `chains` that start with one of the `keep` newest full
+    backups."""
+    kept = sorted({chain[0]["id"] for chain in chains})[-keep:]
+    return [chain for chain in chains if chain[0]["id"] in kept]
 
 
 def check_file(path, entry, record):
@@ -312,9 +338,16 @@ def check_int(name, value, minimum, allow_none=False):
 
 
 def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
-                  min_table_bytes=0):
+                  min_table_bytes=0, merge_below=0.5):
     """Raises ValueError naming the first bad IncrementalBackup option."""
     check_int("max_deltas", max_deltas, 1)
     check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
     check_int("keep_chains", keep_chains, 1)
     check_int("min_table_bytes", min_table_bytes, 0)
+    if (isinstance(merge_below, bool)
+            or not isinstance(merge_below, (int, float))
+            or not 0 <= merge_below <= 1):
+        raise ValueError(
+            "merge_below must be a number from 0 (compaction always writes "
+            "a full backup) to 1. Received: "
+            f"merge_below={merge_below!r}.")

@@ -14,10 +14,11 @@ import threading
 import numpy as np
 import tensorflow as tf
 
+from keras_ps import _native
+from keras_ps import _tf_adapter
+from keras_ps.backups import _row_files
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _row_chunks
-from keras_ps.backups import _row_files
-from keras_ps import _tf_adapter
 
 
 class Writer:
@@ -31,6 +32,17 @@ class Writer:
     def __init__(self, catalog):
         self._catalog = catalog
         self._functions = {}
+        self._kernels_asked = False
+        self._kernels_found = None
+
+    @property
+    def _kernels(self):
+        """keras_ps' C++ kernels if every device written on loaded them
+        (asked at the first write), else None."""
+        if not self._kernels_asked:
+            self._kernels_found = _native.kernels_on(self._devices())
+            self._kernels_asked = True
+        return self._kernels_found
 
     def _groups(self, device):
         return [g for g in self._catalog.groups if g.device == device]
@@ -43,7 +55,7 @@ class Writer:
         groups = self._groups(device)
         function = _write_function(device, full, tuple(
             (g.kind, tuple((v.dtype, tuple(v.shape)) for v in g.variables))
-            for g in groups))
+            for g in groups), self._kernels)
         variables = [g.variables for g in groups]
         dirty = [None if full else _dirty_vector(g) for g in groups]
         names = tf.constant([g.name for g in groups], tf.string)
@@ -86,6 +98,8 @@ class Writer:
                         for buffer, value in zip(kept, values):
                             buffer.assign(value)
 
+            kernels = self._kernels
+
             def write(prefix):
                 taken = [[b.read_value() for b in kept] for kept in buffers]
                 return _write_groups(
@@ -93,7 +107,7 @@ class Writer:
                     [None if g.kind == "bundle" else t[0]
                      for g, t in zip(groups, taken)],
                     [t if g.kind == "bundle" else t[1:]
-                     for g, t in zip(groups, taken)])
+                     for g, t in zip(groups, taken)], kernels=kernels)
 
             def free():
                 # A call of its own, after the write returned: emptied in
@@ -163,22 +177,33 @@ class Writer:
 
         return self._describe(per_device(write, sorted(devices)))
 
-    def _block_function(self, group):
+    def _block_function(self, group, changed):
         """(function writing one block of `group`'s row files, rows per
-        block); the function takes the prefix and the block number."""
-        key = (id(group), "block")
+        block); the function takes the prefix, the block number, a
+        generation `since` and the number of the file it writes. `changed`:
+        of a table, only the rows of the block marked after `since` are
+        written (a block with none writes no file)."""
+        key = (id(group), "block", changed)
         if key not in self._functions:
             block_rows = _row_files.rows_per_block(
                 group.variables, _row_chunks.chunk_bytes())
             rows, offset = group.parts[0].rows, group.parts[0].offset
+            dirty = _dirty_vector(group) if changed else None
+            kernels = self._kernels
 
-            def write(prefix, block):
+            def write(prefix, block, since, number):
                 with tf.device(group.device):
                     first = block * block_rows
                     ids = tf.range(first, tf.minimum(first + block_rows, rows))
+                    if dirty is not None:
+                        marks = tf.gather(tf.raw_ops.ReadVariableOp(
+                            resource=dirty.handle, dtype=tf.int32), ids)
+                        ids = tf.gather(ids, tf.reshape(
+                            tf.where(marks > since), [-1]))
                     return _row_files.write_rows(
                         tf.strings.join([prefix, group.name]), ids, offset,
-                        group.variables, block_rows, first_block=block)
+                        group.variables, block_rows, first_block=number,
+                        kernels=kernels)
 
             self._functions[key] = (tf.function(write, autograph=False),
                                     block_rows)
@@ -187,18 +212,22 @@ class Writer:
     def _bundle_function(self, group):
         key = (id(group), "bundle")
         if key not in self._functions:
+            kernels = self._kernels
             self._functions[key] = tf.function(
                 lambda prefix: _write_groups(prefix, [group], [None],
-                                             [group.variables])[0],
+                                             [group.variables],
+                                             kernels=kernels)[0],
                 autograph=False)
         return self._functions[key]
 
-    def write_in_blocks(self, prefix, stopped, before_block=None):
-        """Writes what `write(prefix, -1, full=True)` writes, one block
+    def write_in_blocks(self, prefix, stopped, before_block=None,
+                        since=None):
+        """Writes what `write(prefix, -1, full=True)` writes (with `since`:
+        what `write(prefix, since, full=False)` writes), one block of rows
         (`_row_chunks.chunk_bytes()`) per call on each device, while
         training may go on: rows updated meanwhile may be written with any
-        value they had during the write (a full backup made consistent by
-        a delta of every row marked since the write began).
+        value they had during the write (an entry made consistent by a
+        delta of every row marked since the write began).
 
         Args:
             stopped: called before each block; True stops the write
@@ -216,7 +245,8 @@ class Writer:
                     records.append(self._bundle_function(group)(
                         tf.constant(prefix)).numpy())
                     continue
-                function, block_rows = self._block_function(group)
+                function, block_rows = self._block_function(
+                    group, since is not None and group.table)
                 columns = []
                 for block in range(-(-group.parts[0].rows // block_rows)):
                     if before_block is not None:
@@ -224,8 +254,13 @@ class Writer:
                     if stopped():
                         raise WriteStopped(f"stopped before block {block} of "
                                            f"{group.name} on {device}")
-                    columns.append(function(tf.constant(prefix), tf.constant(
-                        block, tf.int64)).numpy())
+                    # Files are numbered in order: a block of a merged
+                    # delta may have no changed row, and no file.
+                    columns.append(function(
+                        tf.constant(prefix), tf.constant(block, tf.int64),
+                        tf.constant(-1 if since is None else since, tf.int32),
+                        tf.constant(sum(c.shape[1] for c in columns),
+                                    tf.int64)).numpy())
                 records.append(np.concatenate(columns, axis=1))
             return groups, records
 
@@ -251,11 +286,13 @@ class Writer:
         return files, table_rows
 
 
-def _write_groups(prefix, groups, ids, sources, names=None, offsets=None):
+def _write_groups(prefix, groups, ids, sources, names=None, offsets=None,
+                  kernels=None):
     """Writes each group (its rows `ids[i]` of `sources[i]`, or, for a
     bundle, `sources[i]` whole), each on its device; the records of each.
     `names`, `offsets`: the groups' names and first rows as tensors (a
-    shared function's arguments); None: the groups' own."""
+    shared function's arguments); None: the groups' own. `kernels`: keras_ps'
+    C++ kernels (the files' writer), or None: TF's ops."""
     block_bytes = _row_chunks.chunk_bytes()
     records = []
     for i, (group, group_ids, group_sources) in enumerate(
@@ -266,11 +303,12 @@ def _write_groups(prefix, groups, ids, sources, names=None, offsets=None):
         with tf.device(group.device):
             if group.kind == "bundle":
                 records.append(_row_files.write_whole(
-                    tf.strings.join([path, ".0"]), group_sources))
+                    tf.strings.join([path, ".0"]), group_sources, kernels))
                 continue
             records.append(_row_files.write_rows(
                 path, group_ids, offset, group_sources,
-                _row_files.rows_per_block(group_sources, block_bytes)))
+                _row_files.rows_per_block(group_sources, block_bytes),
+                kernels=kernels))
     return records
 
 
@@ -290,12 +328,13 @@ class _Layout:
         self.kind, self.device = kind, device
 
 
-def _write_function(device, full, specs):
+def _write_function(device, full, specs, kernels):
     """A function `(prefix, since, variables, dirty, names, offsets)` that
     writes groups of `specs` on `device`: the rows of each table marked
     after generation `since` in its `dirty` vector (every row when `full`),
-    the rows of the others, or a bundle whole."""
-    key = (device, full, specs)
+    the rows of the others, or a bundle whole (with `kernels`' writer, or
+    TF's ops when None)."""
+    key = (device, full, specs, kernels is not None)
     with _write_functions_lock:
         function = _write_functions.get(key)
         if function is not None:
@@ -315,7 +354,7 @@ def _write_function(device, full, specs):
                         marks, int(first.shape[0]) if first.shape.rank else 1,
                         since))
             return _write_groups(prefix, layouts, ids, variables, names,
-                                 offsets)
+                                 offsets, kernels)
 
         function = _write_functions[key] = _tf_adapter.keep_traces(
             tf.function(write, autograph=False))

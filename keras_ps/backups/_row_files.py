@@ -13,7 +13,9 @@ global row ids, then of the rows of each variable of the group, in order
 (shape `[len(ids)] + variable.shape[1:]`); a bundle (small variables written
 whole) is the same without the ids. The manifest records each part's size,
 and the file's length and farmhash fingerprint, checked before it is parsed.
-Pure TensorFlow.
+Written with keras_ps' C++ writer (`KerasPsWriteTensors`, one copy of the
+bytes) where the ps has loaded it, else with TF's ops (three copies): the
+same bytes either way.
 """
 
 import math
@@ -44,7 +46,7 @@ def _rows(variable, local_ids):
 
 
 def write_rows(prefix, local_ids, offset, sources, block_rows,
-               first_block=0):
+               first_block=0, kernels=None):
     """Writes rows `local_ids` of `sources` to files `prefix + ".0"`,
     `prefix + ".1"`, ..., `block_rows` rows each (numbered from
     `first_block`). Run it under the device holding the sources (inside a
@@ -59,6 +61,8 @@ def write_rows(prefix, local_ids, offset, sources, block_rows,
             whose rows `local_ids` are written; or tensors holding those
             rows already (`gather_rows`, a snapshot), in the same order.
         block_rows: rows per file.
+        kernels: keras_ps' C++ kernels (keras_ps._native.kernels_on the
+            device), or None: TF's ops write the files.
 
     Returns:
         An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(sources),
@@ -75,16 +79,15 @@ def write_rows(prefix, local_ids, offset, sources, block_rows,
     def write_block(block, *records):
         first, stop = block * block_rows, (block + 1) * block_rows
         ids = local_ids[first:stop]
-        parts = [tf.io.serialize_tensor(ids + offset)]
-        parts += [tf.io.serialize_tensor(
-            _rows(s, ids) if isinstance(s, tf.Variable) else s[first:stop])
+        tensors = [ids + offset] + [
+            _rows(s, ids) if isinstance(s, tf.Variable) else s[first:stop]
             for s in sources]
-        content = _write(tf.strings.join(
-            [prefix, ".", tf.strings.as_string(block + first_block)]), parts)
-        values = (_length(content), fingerprint(content),
-                  tf.size(ids, out_type=tf.int64),
+        length, content_print, sizes = _write(tf.strings.join(
+            [prefix, ".", tf.strings.as_string(block + first_block)]),
+            tensors, kernels)
+        values = (length, content_print, tf.size(ids, out_type=tf.int64),
                   tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset,
-                  *[_length(part) for part in parts])
+                  *tf.unstack(sizes, len(tensors)))
         index = tf.cast(block, tf.int32)
         return (block + 1,) + tuple(
             r.write(index, v) for r, v in zip(records, values))
@@ -101,7 +104,7 @@ def gather_rows(local_ids, variables):
     return [_rows(v, local_ids) for v in variables]
 
 
-def write_whole(path, sources):
+def write_whole(path, sources, kernels=None):
     """Writes `sources` whole into one file (a *bundle* of small
     variables): the serialized value of each, in order, with no ids. Run it
     under the device holding them.
@@ -113,25 +116,29 @@ def write_whole(path, sources):
         An int64 tensor of shape `[len(RECORD_FIELDS) + len(sources), 1]`,
         as `write_rows` (rows, first and last id 0; no ids part).
     """
-    parts = [tf.io.serialize_tensor(tf.raw_ops.ReadVariableOp(
-        resource=s.handle, dtype=s.dtype) if isinstance(s, tf.Variable)
-        else s) for s in sources]
-    content = _write(path, parts)
+    length, content_print, sizes = _write(path, [
+        tf.raw_ops.ReadVariableOp(resource=s.handle, dtype=s.dtype)
+        if isinstance(s, tf.Variable) else s for s in sources], kernels)
     zero = tf.constant(0, tf.int64)
     return tf.reshape(tf.stack(
-        [_length(content), fingerprint(content), zero, zero, zero]
-        + [_length(part) for part in parts]), [-1, 1])
+        [length, content_print, zero, zero, zero]
+        + tf.unstack(sizes, len(sources))), [-1, 1])
 
 
 def _length(string):
     return tf.cast(tf.strings.length(string), tf.int64)
 
 
-def _write(path, parts):
-    """Writes the concatenation of `parts` to `path`; returns it."""
+def _write(path, tensors, kernels):
+    """Writes the concatenation of `tensors` serialized to `path`; returns
+    its length, its fingerprint and the size of each part (int64)."""
+    if kernels is not None and all(t.dtype != tf.string for t in tensors):
+        return kernels.keras_ps_write_tensors(path, tensors)
+    parts = [tf.io.serialize_tensor(t) for t in tensors]
     content = tf.strings.join(parts)
     tf.io.write_file(path, content)
-    return content
+    return (_length(content), fingerprint(content),
+            tf.stack([_length(part) for part in parts]))
 
 
 def read_file(path):

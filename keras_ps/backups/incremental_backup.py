@@ -109,6 +109,15 @@ class IncrementalBackup(_background.BackgroundWrites):
             again), `save()` writes the full backup before it returns.
             False: `save()` writes the compaction's full backup before it
             returns.
+        merge_below: a compaction written while training goes on writes
+            the rows changed since the chain's full backup (a merged delta,
+            written and sealed the same way; the new chain shares the full
+            backup's files, the old one stays as its fallback) while they
+            take less than this share of the tables' bytes (0.5: half);
+            else, and after a restore (which rows differ from the full
+            backup is not known then), a full backup. 0: always a full
+            backup. With Zipf ids a merged delta of 20 deltas is a small
+            part of a full backup, and takes that part of its write time.
 
     Example:
     ```python
@@ -126,14 +135,15 @@ class IncrementalBackup(_background.BackgroundWrites):
     def __init__(self, objects, directory, max_deltas=20,
                  max_delta_bytes=None, keep_chains=2,
                  min_table_bytes=None, background_deltas=False,
-                 background_compaction=True):
+                 background_compaction=True, merge_below=0.5):
         self._objects = _backup_catalog.normalize(objects)
         if not directory:
             raise ValueError("IncrementalBackup needs a directory. Received: "
                              f"directory={directory!r}.")
         if min_table_bytes is None:
             min_table_bytes = DEFAULT_MIN_TABLE_BYTES
-        check_options(max_deltas, max_delta_bytes, keep_chains, min_table_bytes)
+        check_options(max_deltas, max_delta_bytes, keep_chains,
+                      min_table_bytes, merge_below)
         self.min_table_bytes = min_table_bytes
         self.directory = os.fspath(directory)
         self.max_deltas = max_deltas
@@ -144,12 +154,17 @@ class IncrementalBackup(_background.BackgroundWrites):
         self._checked_devices = set()
         self._writer = self._applier = None
         self._base = None  # (entry id, generation) of what a delta builds on
+        # (full entry id, length, generation) of the first state of the
+        # chain this object wrote since its full backup (None after a
+        # restore: the marks do not say what differs from it).
+        self._root = None
         self.background_deltas = bool(background_deltas)
         self._pending = None  # a _background.PendingDelta
         # Held while a background delta is published, and to abandon one.
         self._publish_lock = threading.Lock()
         self._next_id = 1  # above an abandoned delta's id: not given out again
         self.background_compaction = bool(background_compaction)
+        self.merge_below = merge_below
         self._compaction = None  # a full backup written in the background
         # Tests: called as (device, group name, block) before each block of
         # a background compaction is written.
@@ -249,7 +264,7 @@ class IncrementalBackup(_background.BackgroundWrites):
                         or self._compaction_due(manifest, base, 2)):
                     return self._save("full", metadata, manifest, None)
                 entry = self._save("delta", metadata, manifest, base)
-                self._start_compaction(entry.id, manifest)
+                self._start_compaction(entry.id, manifest, base)
                 return entry
             return self._save("delta", metadata, manifest, base)
 
@@ -290,14 +305,6 @@ class IncrementalBackup(_background.BackgroundWrites):
             return None
         return _backup_chain.locate(manifest, self._base[0])
 
-    def _compaction_due(self, manifest, base, factor):
-        """Whether the chain of `base` reached `factor` times its limits."""
-        chain = manifest["chains"][base[0]]
-        limit = (self.max_delta_bytes if self.max_delta_bytes is not None
-                 else chain[0]["bytes"])
-        return (base[1] - 1 >= factor * self.max_deltas
-                or _backup_chain.delta_bytes(chain, base[1]) >= factor * limit)
-
     def _new_folder(self, kind, manifest):
         """(entry id, folder name, path) of a new entry, its folder empty."""
         # An abandoned background write may still write into its folder.
@@ -322,7 +329,8 @@ class IncrementalBackup(_background.BackgroundWrites):
         def add(manifest, entry):
             if seal is not None:
                 return _backup_chain.with_chain(
-                    manifest, [seal.entry, entry], self.keep_chains)
+                    manifest, seal.root_entries + [seal.entry, entry],
+                    self.keep_chains)
             return _backup_chain.with_entry(manifest, base, entry,
                                             self.keep_chains)
 
@@ -334,7 +342,8 @@ class IncrementalBackup(_background.BackgroundWrites):
                 and self._writer.can_snapshot()):
             return self._save_in_background(
                 self._writer.snapshot(since), path, entry_id, kind, folder,
-                metadata, manifest, add, 1 if seal else base[1], generation,
+                metadata, manifest, add,
+                len(seal.root_entries) + 1 if seal else base[1], generation,
                 started)
         with _backup_chain.write_failures(
                 path, self.directory, f"{kind} {entry_id}",
@@ -354,6 +363,11 @@ class IncrementalBackup(_background.BackgroundWrites):
         _backup_chain.publish(self.directory, manifest, keep=(
             [compaction.folder] if compaction is not None else []))
         self._base = (entry["id"], generation)
+        c, length = _backup_chain.locate(manifest, entry["id"])
+        chain = manifest["chains"][c]
+        if length == _backup_chain.first_state_length(chain):
+            # A new chain's first state: what a merged delta builds on.
+            self._root = (chain[0]["id"], length, generation)
         info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
         logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
                     "table rows, %.2fs", entry["kind"], entry["id"],
@@ -421,6 +435,7 @@ class IncrementalBackup(_background.BackgroundWrites):
                 generation = _dirty_rows.GENERATIONS.advance()
                 self._base = ((entries[-1]["id"], generation)
                               if devices is None else None)
+                self._root = None
                 info = _backup_chain.entry_info(entries[-1], length - 1,
                                    time.monotonic() - started, problems)
                 logger.info("[chief] restored %s backup %d (%d deltas) in "

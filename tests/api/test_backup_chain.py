@@ -66,6 +66,38 @@ def test_a_fuzzy_full_backup_is_a_state_only_with_its_first_delta():
     )["chains"]] == [[3, 5], [6, 7]]
 
 
+def test_a_merged_chain_shares_its_full_backup_and_falls_back_by_time():
+    full = entry(1, "full")
+    manifest = manifest_of([full, entry(2, "delta"), entry(3, "delta")])
+    merged = dict(entry(4, "delta"), fuzzy=True)  # rows changed since 1
+    # Delta 5 was saved on the old chain while the merged delta was
+    # written; delta 6 seals it.
+    manifest = _backup_chain.with_entry(manifest, (0, 3), entry(5, "delta"),
+                                        2)
+    after = _backup_chain.with_chain(manifest, [full, merged,
+                                                entry(6, "delta")], 2)
+    assert [[e["id"] for e in c] for c in after["chains"]] == [
+        [1, 2, 3, 5], [1, 4, 6]]
+    # Newest state first, whichever chain holds it; no state ends with the
+    # merged delta; the full backup alone once.
+    assert list(_backup_chain.states_newest_first(after)) == [
+        (1, 3), (0, 4), (0, 3), (0, 2), (0, 1)]
+    assert after["next_id"] == 7
+    # Merged again: the chain merged stays as the fallback, the one
+    # before it goes; the full backup's folder stays listed.
+    again = _backup_chain.with_chain(
+        _backup_chain.with_entry(after, (1, 3), entry(7, "delta"), 2),
+        [full, dict(entry(8, "delta"), fuzzy=True), entry(9, "delta")], 2)
+    assert [[e["id"] for e in c] for c in again["chains"]] == [
+        [1, 4, 6, 7], [1, 8, 9]]
+    # keep_chains counts full backups: two new ones leave only theirs.
+    newer = _backup_chain.with_entry(again, None, entry(10, "full"), 2)
+    assert [[e["id"] for e in c] for c in newer["chains"]] == [
+        [1, 4, 6, 7], [1, 8, 9], [10]]
+    newest = _backup_chain.with_entry(newer, None, entry(11, "full"), 2)
+    assert [[e["id"] for e in c] for c in newest["chains"]] == [[10], [11]]
+
+
 def test_a_full_backup_keeps_keep_chains_chains():
     manifest = manifest_of([entry(1, "full")], [entry(2, "full")])
     after = _backup_chain.with_entry(manifest, None, entry(3, "full"), 2)

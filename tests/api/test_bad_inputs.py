@@ -749,6 +749,12 @@ def incremental_backup_max_deltas_zero(env):
     keras_ps.IncrementalBackup(_model(), env.tmp(), max_deltas=0)
 
 
+@case("incremental_backup_merge_below_too_big", ValueError,
+      "merge_below=1.5", "from 0 (compaction always writes a full backup)")
+def incremental_backup_merge_below_too_big(env):
+    keras_ps.IncrementalBackup(_model(), env.tmp(), merge_below=1.5)
+
+
 @case("incremental_backup_optimizer_not_built", ValueError,
       "not built", "optimizer.build(model.trainable_variables)")
 def incremental_backup_optimizer_not_built(env):

@@ -215,7 +215,7 @@ def test_compaction_after_max_deltas_or_max_delta_bytes(faults):
 
 @pytest.fixture(scope="module")
 def background_compaction(shared):
-    return {r["optimizer"]: r for r in shared["background_compaction"]}
+    return {r["case"]: r for r in shared["background_compaction"]}
 
 
 @pytest.mark.timeout(1600)
@@ -237,7 +237,7 @@ def test_compaction_written_while_training_restores_bit_for_bit(
     assert result["kinds"] == ["full"] + ["delta"] * 6
     assert result["deltas"] == [0, 1, 2, 3, 4, 1, 2]
     old = [["full", False]] + [["delta", False]] * 4
-    assert result["chains_before_seal"] == [old]
+    assert result["chains_before_seal"] == [old], result
     assert result["chains"] == [old, [["full", True], ["delta", False],
                                       ["delta", False]]]
     assert result["seal_rows"] > 0
@@ -246,10 +246,47 @@ def test_compaction_written_while_training_restores_bit_for_bit(
 
 
 @pytest.mark.timeout(1600)
-@pytest.mark.parametrize("optimizer", ["lazy_adam", "adagrad"])
+def test_compaction_merges_the_deltas_when_few_rows_changed(
+        background_compaction):
+    # The same plan with merge_below=0.9, background deltas: 24 of the
+    # embedding's 60 rows are ever updated (52% of the tracked bytes, with
+    # the dense layers'), so the compaction writes the rows changed since
+    # the full backup (a merged delta), not a full backup. The new chain
+    # starts with the old chain's full backup (its files shared), then the
+    # merged delta and the delta sealing it, and restores into 3 shards
+    # exactly as the model at the last backup.
+    result = background_compaction["lazy_adam_merged"]
+    assert result["compacting_after_save"] is True
+    assert result["block_devices"] == 2 and result["blocks"] >= 16, result
+    old = [["full", False]] + [["delta", False]] * 4
+    assert result["chains_before_seal"] == [old], result
+    assert result["chains"] == [old, [["full", False], ["delta", True],
+                                      ["delta", False], ["delta", False]]]
+    assert result["deltas"] == [0, 1, 2, 3, 4, 2, 3]
+    old_ids, new_ids = result["chain_ids"]
+    assert new_ids[0] == old_ids[0]
+    full_rows, merged_rows, seal_rows, _ = result["new_chain_rows"]
+    assert full_rows == 60 and 0 < merged_rows <= 24, result
+    assert seal_rows > 0
+    assert result["restored_id"] == result["last_id"]
+    assert result["vs_model"] == []
+    # Its merged delta truncated: the newest state of the old chain (the
+    # delta saved while the merged one was written) restores, exactly.
+    assert result["fallback_id"] == old_ids[-1]
+    assert result["fallback_problems"], result
+    for problem in result["fallback_problems"]:
+        assert result["damaged"] in problem and "truncated" in problem
+    assert result["fallback_equal"] is True
+    # The chain counts the merged delta and its seal as deltas: with
+    # max_deltas=2 the save after the seal merged again.
+    assert result["merging_again"] is True and result["stop_merging"] is True
+
+
+@pytest.mark.timeout(1600)
+@pytest.mark.parametrize("case", ["lazy_adam", "adagrad"])
 def test_a_restore_drops_the_compaction_being_written(
-        optimizer, background_compaction):
-    result = background_compaction[optimizer]
+        case, background_compaction):
+    result = background_compaction[case]
     # The restore took the delta saved as the compaction started; the
     # compaction's thread stopped before its next block and its folder went
     # at the next publish; training and deltas go on, a compaction starts

@@ -1,5 +1,6 @@
 """keras_ps' C++ kernels (keras_ps/_native): LazyAdam's row update in one
-pass, and what happens where they cannot be used.
+pass, the backups' row-file writer, and what happens where they cannot be
+used.
 
 The kernel's results are checked against a numpy reference, beside the same
 update made of TF's ops, in tests/sharding/test_rowwise_updates.py
@@ -76,6 +77,52 @@ def test_a_slot_that_is_its_variable_is_refused():
             var=var.handle, accumulator=var.handle, grad=tf.ones((1, 2)),
             indices=tf.constant([1], tf.int64), lr=0.1, epsilon=1e-7)
     assert (var.numpy() == 1).all() and not last.numpy().any()
+
+
+@pytest.mark.parametrize("tensors", [
+    lambda: [tf.range(5, dtype=tf.int64), tf.random.normal((5, 64)),
+             tf.cast(tf.random.uniform((5, 3), 0, 9, tf.int32), tf.int64)],
+    lambda: [tf.zeros((0,), tf.int64), tf.zeros((0, 64))],  # no row
+    lambda: [tf.constant(7, tf.int64), tf.constant([True, False]),
+             tf.ones((2, 0, 3), tf.float16), tf.constant(2.5, tf.float64),
+             tf.random.normal((300, 129))],  # scalars, an empty dim
+], ids=["rows", "empty", "mixed"])
+def test_the_row_file_writer_writes_the_bytes_of_tf_ops(tensors, tmp_path):
+    # KerasPsWriteTensors writes what serialize_tensor + strings.join +
+    # write_file write, byte for byte, with the same length, fingerprint
+    # (tf.fingerprint of the bytes) and part sizes; each part parses back.
+    from keras_ps.backups import _row_files
+
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    values = tensors()
+    native_path = str(tmp_path / "made" / "here" / "native.0")  # no folder
+    length, fingerprint, sizes = lib.keras_ps_write_tensors(native_path,
+                                                            values)
+    tf_path = str(tmp_path / "tf_ops.0")
+    expected = _row_files._write(tf_path, values, kernels=None)
+    with open(native_path, "rb") as f:
+        written = f.read()
+    with open(tf_path, "rb") as f:
+        assert written == f.read()
+    assert int(length) == len(written) == int(expected[0])
+    assert int(fingerprint) == int(expected[1])
+    assert sizes.numpy().tolist() == expected[2].numpy().tolist()
+    content = tf.io.read_file(native_path)
+    for index, value in enumerate(values):
+        parsed = _row_files.part(content, sizes, index, value.dtype)
+        assert parsed.shape == value.shape
+        assert parsed.numpy().tobytes() == value.numpy().tobytes()
+
+
+def test_the_row_file_writer_names_a_file_it_cannot_write(tmp_path):
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    path = str(blocker / "rows.0")
+    with pytest.raises(tf.errors.OpError, match=str(blocker)):
+        lib.keras_ps_write_tensors(path, [tf.range(3, dtype=tf.int64)])
 
 
 def test_without_a_compiler_lazy_adam_trains_with_tf_ops(tmp_path):

@@ -1,0 +1,157 @@
+// keras_ps' row-file writer, built with row_updates.cc into one library by
+// keras_ps/_native/__init__.py.
+//
+// KerasPsWriteTensors: writes a backup's row file (keras_ps.backups._row_files)
+// in one copy of its bytes. The file is the concatenation of each tensor
+// serialized as tf.io.serialize_tensor serializes it (a TensorProto with its
+// dtype, shape and raw content), byte for byte; the op returns its length,
+// its farmhash fingerprint (what tf.fingerprint gives for the file's bytes)
+// and the size of each part. Made of TF's ops the same file takes
+// serialize_tensor (a copy of each tensor), strings.join (a copy of them all)
+// and write_file: about 150 ms for a 62 MB file here against 30-60 ms.
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/platform/env.h"
+#include "tensorflow/core/platform/path.h"
+
+// FarmHash's Fingerprint64, which tf.fingerprint computes: exported by
+// libtensorflow_framework under this name (farmhash::Fingerprint64 is
+// farmhashna::Hash64).
+namespace farmhashna {
+uint64_t Hash64(const char* s, size_t len);
+}  // namespace farmhashna
+
+namespace keras_ps {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+void PutVarint(std::string* out, uint64_t value) {
+  while (value >= 0x80) {
+    out->push_back(static_cast<char>(value | 0x80));
+    value >>= 7;
+  }
+  out->push_back(static_cast<char>(value));
+}
+
+void PutField(std::string* out, int field, const std::string& message) {
+  out->push_back(static_cast<char>(field << 3 | 2));  // length-delimited
+  PutVarint(out, message.size());
+  out->append(message);
+}
+
+// What precedes a tensor's raw bytes in its serialized TensorProto: dtype
+// (field 1), tensor_shape (field 2: a Dim, field 2, per dimension, with its
+// size, field 1, left out when 0 as proto3 does), then the tag and length of
+// tensor_content (field 4), left out with the field when the tensor is
+// empty. version_number (field 3) is 0: not written.
+std::string TensorProtoHeader(const Tensor& tensor, uint64_t content_bytes) {
+  std::string shape;
+  for (int64_t size : tensor.shape().dim_sizes()) {
+    std::string dim;
+    if (size != 0) {
+      dim.push_back(1 << 3);  // field 1, varint
+      PutVarint(&dim, static_cast<uint64_t>(size));
+    }
+    PutField(&shape, 2, dim);
+  }
+  std::string header;
+  header.push_back(1 << 3);
+  PutVarint(&header, static_cast<uint64_t>(tensor.dtype()));
+  PutField(&header, 2, shape);
+  if (content_bytes > 0) {
+    header.push_back(static_cast<char>(4 << 3 | 2));
+    PutVarint(&header, content_bytes);
+  }
+  return header;
+}
+
+REGISTER_OP("KerasPsWriteTensors")
+    .Input("filename: string")
+    .Input("tensors: T")
+    .Attr("T: list({float, double, int32, int64, half, bfloat16, int8, "
+          "uint8, int16, uint16, uint32, uint64, bool})")
+    .Output("length: int64")
+    .Output("fingerprint: int64")
+    .Output("sizes: int64")
+    .SetIsStateful()
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->Vector(c->num_inputs() - 1));
+      return absl::OkStatus();
+    });
+
+class WriteTensorsOp : public OpKernel {
+ public:
+  explicit WriteTensorsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& filename = ctx->input(0);
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(filename.shape()),
+                tensorflow::errors::InvalidArgument(
+                    "filename must be a scalar. Received: ",
+                    filename.shape().DebugString()));
+    const std::string path(filename.scalar<tensorflow::tstring>()());
+    tensorflow::OpInputList tensors;
+    OP_REQUIRES_OK(ctx, ctx->input_list("tensors", &tensors));
+
+    std::vector<std::string> headers;
+    uint64_t total = 0;
+    for (const Tensor& tensor : tensors) {
+      const uint64_t bytes = tensor.tensor_data().size();
+      headers.push_back(TensorProtoHeader(tensor, bytes));
+      total += headers.back().size() + bytes;
+    }
+    // One contiguous copy: the fingerprint is of the whole file's bytes.
+    // Kept for the next file of this thread: a fresh buffer of tens of MB
+    // costs its page faults again.
+    thread_local std::string content;
+    content.resize(total);
+    char* out = content.data();
+    Tensor* sizes = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            2, {static_cast<int64_t>(tensors.size())}, &sizes));
+    for (int i = 0; i < tensors.size(); ++i) {
+      const auto data = tensors[i].tensor_data();
+      std::memcpy(out, headers[i].data(), headers[i].size());
+      out += headers[i].size();
+      if (!data.empty()) std::memcpy(out, data.data(), data.size());
+      out += data.size();
+      sizes->vec<int64_t>()(i) = headers[i].size() + data.size();
+    }
+
+    tensorflow::Env* env = ctx->env();
+    OP_REQUIRES_OK(ctx, env->RecursivelyCreateDir(
+                            std::string(tensorflow::io::Dirname(path))));
+    std::unique_ptr<tensorflow::WritableFile> file;
+    OP_REQUIRES_OK(ctx, env->NewWritableFile(path, &file));
+    OP_REQUIRES_OK(ctx, file->Append(content));
+    OP_REQUIRES_OK(ctx, file->Close());
+
+    Tensor* length = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, {}, &length));
+    length->scalar<int64_t>()() = static_cast<int64_t>(total);
+    Tensor* fingerprint = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, {}, &fingerprint));
+    fingerprint->scalar<int64_t>()() = static_cast<int64_t>(
+        farmhashna::Hash64(content.data(), content.size()));
+    if (content.capacity() > (size_t{128} << 20)) {
+      std::string().swap(content);  // not more than two blocks' worth kept
+    }
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KerasPsWriteTensors").Device(tensorflow::DEVICE_CPU),
+                        WriteTensorsOp);
+
+}  // namespace keras_ps
