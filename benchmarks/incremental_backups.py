@@ -19,8 +19,8 @@ each in its own process:
                while each ps copies a delta's rows; the files are written
                and the delta is published while training goes on; a
                compaction merges the deltas into one (rows changed since
-               the full backup) while they are under half the table
-               (merge_below=0.5, the default)
+               the full backup) while they are under a quarter of the table
+               (IncrementalBackup's default merge_below)
   background_full
                the same, but each compaction writes a full backup
                (merge_below=0)
@@ -126,7 +126,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
             model, directory, background_deltas=mode.startswith("background"),
             background_compaction=not mode.endswith("blocking"),
             max_deltas=max_deltas,
-            merge_below=0 if mode == "background_full" else 0.5)
+            **(dict(merge_below=0) if mode == "background_full" else {}))
     records, ends, compactions = [], [], []
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 

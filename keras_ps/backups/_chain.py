@@ -338,7 +338,7 @@ def check_int(name, value, minimum, allow_none=False):
 
 
 def check_options(max_deltas=20, max_delta_bytes=None, keep_chains=2,
-                  min_table_bytes=0, merge_below=0.5):
+                  min_table_bytes=0, merge_below=0.25):
     """Raises ValueError naming the first bad IncrementalBackup option."""
     check_int("max_deltas", max_deltas, 1)
     check_int("max_delta_bytes", max_delta_bytes, 1, allow_none=True)
