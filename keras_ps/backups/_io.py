@@ -9,6 +9,7 @@ keras_ps.backups._apply.
 """
 
 import concurrent.futures
+import functools
 import threading
 
 import numpy as np
@@ -32,17 +33,12 @@ class Writer:
     def __init__(self, catalog):
         self._catalog = catalog
         self._functions = {}
-        self._kernels_asked = False
-        self._kernels_found = None
 
-    @property
+    @functools.cached_property
     def _kernels(self):
         """keras_ps' C++ kernels if every device written on loaded them
         (asked at the first write), else None."""
-        if not self._kernels_asked:
-            self._kernels_found = _native.kernels_on(self._devices())
-            self._kernels_asked = True
-        return self._kernels_found
+        return _native.kernels_on(self._devices())
 
     def _groups(self, device):
         return [g for g in self._catalog.groups if g.device == device]
