@@ -117,10 +117,9 @@ class IncrementalBackup(_background.BackgroundWrites):
             a restore (which rows differ from the full backup is not known
             then), a full backup. 0: always a full backup. A merged delta
             counts toward `max_delta_bytes`: one of half a full backup
-            brings the next compaction twice as soon and saves nothing, one
-            of a quarter (the default) writes a third of what the full
-            backups would. With Zipf ids over 10M rows 20 deltas merge into
-            15% of a full backup.
+            brings the next compaction twice as soon and saves nothing; one
+            of a quarter (the default) writes a third of what full backups
+            would. (Zipf ids, 10M rows: 20 deltas merge into 15% of one.)
 
     Example:
     ```python
