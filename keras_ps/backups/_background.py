@@ -210,7 +210,7 @@ class BackgroundWrites:
                 or self._root[0] != chain[0]["id"]
                 or not self._ready().tables):
             return None
-        _, length, generation = self._root
+        generation = self._root[1]
         fraction = _changed_fraction(self._ready().tables, generation)
         if fraction >= self.merge_below:
             logger.info("[chief] compaction: %.0f%% of the tables' rows "
@@ -218,7 +218,7 @@ class BackgroundWrites:
                         "%s): a new full backup", 100 * fraction,
                         self.merge_below)
             return None
-        return chain[:length], generation
+        return chain[:_backup_chain.first_state_length(chain)], generation
 
     def _compaction_due(self, manifest, base, factor):
         """Whether the chain of `base` reached `factor` times its limits."""

@@ -156,9 +156,9 @@ class IncrementalBackup(_background.BackgroundWrites):
         self._checked_devices = set()
         self._writer = self._applier = None
         self._base = None  # (entry id, generation) of what a delta builds on
-        # (full entry id, length, generation) of the first state of the
-        # chain this object wrote since its full backup (None after a
-        # restore: the marks do not say what differs from it).
+        # (full entry id, generation) of the first state of the chain this
+        # object wrote since its full backup (None after a restore: the
+        # marks do not say what differs from it).
         self._root = None
         self.background_deltas = bool(background_deltas)
         self._pending = None  # a _background.PendingDelta
@@ -369,7 +369,7 @@ class IncrementalBackup(_background.BackgroundWrites):
         chain = manifest["chains"][c]
         if length == _backup_chain.first_state_length(chain):
             # A new chain's first state: what a merged delta builds on.
-            self._root = (chain[0]["id"], length, generation)
+            self._root = (chain[0]["id"], generation)
         info = _backup_chain.entry_info(entry, deltas, time.monotonic() - started)
         logger.info("[chief] %s backup %d written: %d bytes in %d files, %d "
                     "table rows, %.2fs", entry["kind"], entry["id"],
