@@ -28,6 +28,10 @@ each in its own process:
                background deltas, background_compaction=False
   join         no backup, but the join every 100 steps that each backup
                starts with: what draining the steps in flight costs alone
+  track        the join, and the tables' changed rows marked on the ps
+               from the first join on (IncrementalBackup.check()), as
+               they are for deltas, but nothing written: what marking
+               the rows costs the steps
   keras_h5     model.save_weights(...weights.h5): the full Keras weights file
                BackupAndRestore writes without `incremental` (R <= 1M only:
                at 10M each would write 7.7 GB)
@@ -64,7 +68,7 @@ sys.path.insert(0, HERE)
 import fit_large_tables as large  # noqa: E402  (the model's data)
 
 EVERY = 100  # steps between backups
-MODES = ("none", "join", "incremental", "blocking", "background",
+MODES = ("none", "join", "track", "incremental", "blocking", "background",
          "background_full", "background_blocking", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
@@ -121,7 +125,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
 
     backup = None
     if mode in ("incremental", "blocking", "background", "background_full",
-                "background_blocking"):
+                "background_blocking", "track"):
         backup = keras_ps.IncrementalBackup(
             model, directory, background_deltas=mode.startswith("background"),
             background_compaction=not mode.endswith("blocking"),
@@ -131,11 +135,15 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
     state = {"step": 0, "last_iterations": 0, "overhead": 0.0}
 
     def touched_since(iterations):
-        """Rows updated after step `iterations`."""
-        started = time.perf_counter()
-        count = sum(int(np.count_nonzero(s.numpy() > iterations))
-                    for s in sizes["row_steps"])
-        state["overhead"] += time.perf_counter() - started
+        """Rows updated after step `iterations`, counted on the ps holding
+        each shard's row steps (copying them here moved 80 MB per backup
+        over gRPC at 10M rows, which slowed the writes going on)."""
+        count = 0
+        for steps in sizes["row_steps"]:
+            steps = steps.value  # the tf.Variable of the Keras variable
+            with tf.device(steps.device):
+                count += int(tf.math.count_nonzero(
+                    steps > iterations, dtype=tf.int64))
         return count
 
     class Backups(keras.callbacks.Callback):
@@ -156,8 +164,11 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
             started = time.perf_counter()
             coordinator.join()
             joined = time.perf_counter()
-            if mode == "join":
-                records.append(dict(step=step, kind="join",
+            if mode in ("join", "track"):
+                if mode == "track" and not state.get("tracking"):
+                    backup.check()  # the rows are marked from now on
+                    state["tracking"] = True
+                records.append(dict(step=step, kind=mode,
                                     join_s=joined - started))
             elif backup is not None:
                 # A compaction whose write ended is sealed by this save.
@@ -205,7 +216,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
                   compactions=compactions,
                   steps_per_s=(epochs - 1) * steps / (t1 - t0 - (o1 - o0)),
                   dense_bytes=sizes["dense_bytes"], row_bytes=ROW_BYTES)
-    if backup is not None:
+    if backup is not None and mode != "track":
         backup.wait()
         for record in records:
             if "table_rows" not in record:
@@ -319,6 +330,9 @@ def summary(results):
     if runs["join"]:
         lines.append(f"| no backup, a join every {EVERY} steps | | | | "
                      f"{speed('join')} |")
+    if runs["track"]:
+        lines.append(f"| no backup, a join every {EVERY} steps, rows "
+                     f"marked | | | | {speed('track')} |")
     for mode, label in (("incremental", "incremental"),
                         ("blocking", "incremental, compaction blocking"),
                         ("background", "incremental, deltas written in "

@@ -87,12 +87,17 @@ def test_a_slot_that_is_its_variable_is_refused():
              tf.ones((2, 0, 3), tf.float16), tf.constant(2.5, tf.float64),
              tf.random.normal((300, 129))],  # scalars, an empty dim
 ], ids=["rows", "empty", "mixed"])
-def test_the_row_file_writer_writes_the_bytes_of_tf_ops(tensors, tmp_path):
+@pytest.mark.parametrize("direct_io", ["1", "0"], ids=["direct", "buffered"])
+def test_the_row_file_writer_writes_the_bytes_of_tf_ops(tensors, direct_io,
+                                                        tmp_path, monkeypatch):
     # KerasPsWriteTensors writes what serialize_tensor + strings.join +
     # write_file write, byte for byte, with the same length, fingerprint
     # (tf.fingerprint of the bytes) and part sizes; each part parses back.
+    # Both ways of writing: O_DIRECT (lengths that are no multiple of the
+    # 4096 bytes it writes at a time), and through TF's Env.
     from keras_ps.backups import _row_files
 
+    monkeypatch.setenv("KERAS_PS_DIRECT_IO", direct_io)
     lib = _native.library()
     assert lib is not None, "the kernels could not be built on this machine"
     values = tensors()
@@ -113,6 +118,66 @@ def test_the_row_file_writer_writes_the_bytes_of_tf_ops(tensors, tmp_path):
         parsed = _row_files.part(content, sizes, index, value.dtype)
         assert parsed.shape == value.shape
         assert parsed.numpy().tobytes() == value.numpy().tobytes()
+
+
+def _cached_pages(path):
+    """Pages of the file at `path` in the page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_char_p]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size,
+                                          access=mmap.ACCESS_COPY) as m:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
+        vector = ctypes.create_string_buffer(pages)
+        assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
+        resident = sum(byte & 1 for byte in vector.raw)
+        del address  # the buffer export must end before the map closes
+    return resident, pages
+
+
+def _filesystem(path):
+    """The type of the filesystem holding `path` (/proc/self/mounts)."""
+    path, best = os.path.realpath(path), ("", "")
+    with open("/proc/self/mounts") as mounts:
+        for line in mounts:
+            _, point, kind = line.split()[:3]
+            if (path == point or path.startswith(point.rstrip("/") + "/")) \
+                    and len(point) > len(best[0]):
+                best = (point, kind)
+    return best[1]
+
+
+def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
+        tmp_path, monkeypatch):
+    # With KERAS_PS_DIRECT_IO=1, on ext4, XFS or Btrfs, a row file is
+    # written with O_DIRECT: none of its pages is left in the page cache
+    # (the kernel neither copies them there nor writes them back later).
+    # Unset (the default) or 0, it goes through the cache.
+    kind = _filesystem(tmp_path)
+    if kind not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{tmp_path} is on {kind}, which is written buffered")
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    rows = [tf.random.normal((4000, 64)), tf.range(4000, dtype=tf.int64)]
+    seen = {}
+    for setting in ("1", "0", None):
+        if setting is None:
+            monkeypatch.delenv("KERAS_PS_DIRECT_IO", raising=False)
+        else:
+            monkeypatch.setenv("KERAS_PS_DIRECT_IO", setting)
+        path = str(tmp_path / f"rows-{setting}.0")
+        lib.keras_ps_write_tensors(path, rows)
+        seen[setting] = _cached_pages(path)
+    resident, pages = seen["1"]
+    assert pages > 200 and resident == 0, seen
+    for setting in ("0", None):
+        resident, pages = seen[setting]
+        assert resident == pages, seen
 
 
 def test_the_row_file_writer_names_a_file_it_cannot_write(tmp_path):
