@@ -136,8 +136,8 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
 
     def touched_since(iterations):
         """Rows updated after step `iterations`, counted on the ps holding
-        each shard's row steps (copying them here moved 80 MB per backup
-        over gRPC at 10M rows, which slowed the writes going on)."""
+        each shard's row steps: only a scalar comes here (copying the row
+        steps moved 80 MB per backup over gRPC at 10M rows)."""
         count = 0
         for steps in sizes["row_steps"]:
             steps = steps.value  # the tf.Variable of the Keras variable
