@@ -136,7 +136,6 @@ def _cached_pages(path):
         vector = ctypes.create_string_buffer(pages)
         assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
         resident = sum(byte & 1 for byte in vector.raw)
-        del address  # the buffer export must end before the map closes
     return resident, pages
 
 
