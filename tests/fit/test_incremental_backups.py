@@ -115,6 +115,18 @@ def test_full_plus_deltas_restore_bit_for_bit_into_other_shards(
     check_equivalence(case, equivalence[case])
 
 
+@pytest.mark.timeout(1600)
+def test_row_files_written_past_the_page_cache_restore_bit_for_bit(
+        tmp_path_factory, monkeypatch):
+    # KERAS_PS_DIRECT_IO=1: the ps write their row files with O_DIRECT
+    # (tests/sharding/test_native_kernels.py checks that no page of them is
+    # cached on ext4, XFS or Btrfs); full + background deltas restore bit
+    # for bit into another number of shards all the same.
+    monkeypatch.setenv("KERAS_PS_DIRECT_IO", "1")
+    case = "lazy_adam_background-2-to-3"
+    check_equivalence(case, equivalence_of([case], tmp_path_factory)[case])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1600)
 def test_every_case_restores_bit_for_bit(tmp_path_factory):
