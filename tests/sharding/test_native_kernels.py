@@ -179,6 +179,21 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
         assert resident >= pages // 2, seen  # the check sees cached pages
 
 
+@pytest.mark.parametrize("direct_io", ["1", "0"], ids=["direct", "buffered"])
+def test_the_row_file_writer_names_a_path_that_is_a_folder(
+        direct_io, tmp_path, monkeypatch):
+    # The file cannot be opened (a folder has its name): the error names
+    # it, with O_DIRECT as through TF's Env, and the folder is untouched.
+    monkeypatch.setenv("KERAS_PS_DIRECT_IO", direct_io)
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    folder = tmp_path / "rows.0"
+    folder.mkdir()
+    with pytest.raises(tf.errors.OpError, match=str(folder)):
+        lib.keras_ps_write_tensors(str(folder), [tf.range(3, dtype=tf.int64)])
+    assert folder.is_dir() and not any(folder.iterdir())
+
+
 def test_the_row_file_writer_names_a_file_it_cannot_write(tmp_path):
     lib = _native.library()
     assert lib is not None, "the kernels could not be built on this machine"
