@@ -126,12 +126,12 @@ struct AlignedBuffer {
   }
 };
 
-bool DirectIoAllowed(const std::string& path) {
+// Whether a file at `path`, in `folder`, is written with O_DIRECT.
+bool DirectIoAllowed(const std::string& path, const std::string& folder) {
   const char* setting = std::getenv("KERAS_PS_DIRECT_IO");
   if (setting == nullptr || std::string(setting) != "1") return false;
   if (path.find("://") != std::string::npos) return false;  // not a local path
   struct statfs fs;
-  const std::string folder(tensorflow::io::Dirname(path));
   if (statfs(folder.empty() ? "." : folder.c_str(), &fs) != 0) return false;
   constexpr long kExt4 = 0xEF53, kXfs = 0x58465342, kBtrfs = 0x9123683E;
   return fs.f_type == kExt4 || fs.f_type == kXfs || fs.f_type == kBtrfs;
@@ -236,10 +236,10 @@ class WriteTensorsOp : public OpKernel {
     const uint64_t print = farmhashna::Hash64(content.data, total);
 
     tensorflow::Env* env = ctx->env();
-    OP_REQUIRES_OK(ctx, env->RecursivelyCreateDir(
-                            std::string(tensorflow::io::Dirname(path))));
+    const std::string folder(tensorflow::io::Dirname(path));
+    OP_REQUIRES_OK(ctx, env->RecursivelyCreateDir(folder));
     bool written = false;
-    if (DirectIoAllowed(path)) {
+    if (DirectIoAllowed(path, folder)) {
       OP_REQUIRES_OK(ctx, WriteDirect(path, content.data, total, &written));
     }
     if (!written) {
