@@ -51,6 +51,11 @@ SKIP = {("tf_native_adam", 10_000_000): "OOM-killed at 21.6 GB (dense Adam "
 # deciding a ratio. TF native's dense Adam is slow: 40 measured steps.
 # keras_ps' dense Adam (the accuracy reference for LazyAdam at 1M) takes as
 # many steps as LazyAdam.
+# At the rates of 2026-11-29 (160-190 steps/s in-process), 900 steps pass in
+# 5 s: `--steps-per-epoch 1200` measures 3,600 steps (20-30 s) and puts the
+# switch to 5 steps an iteration (after 100 executions, KERAS_PS_UNROLL_AFTER)
+# inside the warm-up epoch. The accuracy row keeps 300 (dense Adam at 1M runs
+# at 7-20 steps/s).
 SCHEDULE = {"tf_native_adam": (3, 20)}
 DEFAULT_SCHEDULE = (4, 300)
 
@@ -198,8 +203,10 @@ def run_one(system, rows, epochs, steps_per_epoch):
 QUICK_SCHEDULE = (2, 10)
 
 
-def run_child(system, rows, timeout=1800, quick=False):
+def run_child(system, rows, timeout=1800, quick=False, steps_per_epoch=None):
     epochs, steps = QUICK_SCHEDULE if quick else SCHEDULE.get(system, DEFAULT_SCHEDULE)
+    if steps_per_epoch and not quick and system not in SCHEDULE:
+        steps = steps_per_epoch
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_USE_LEGACY_KERAS", None)
     out = subprocess.run(
@@ -213,10 +220,11 @@ def run_child(system, rows, timeout=1800, quick=False):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print, quick=False):
+def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print, quick=False,
+            steps_per_epoch=None):
     """Every (system, rows) `repeats` times, systems side by side per repeat,
     their order turned by one each repeat (quick: 2 epochs of 10 steps, a
-    smoke run)."""
+    smoke run; `steps_per_epoch` replaces the default schedule's 300)."""
     runs = []
     for r in range(repeats):
         # Each repeat starts one system later, so no system always runs first
@@ -229,7 +237,8 @@ def measure(rows_list=ROWS, systems=SYSTEMS, repeats=3, log=print, quick=False):
                     continue
                 if system == "keras_ps_adam" and rows != min(rows_list):
                     continue
-                result = run_child(system, rows, quick=quick)
+                result = run_child(system, rows, quick=quick,
+                                   steps_per_epoch=steps_per_epoch)
                 result["repeat"] = r
                 runs.append(result)
                 if "error" in result:
@@ -335,6 +344,9 @@ def main():
     parser.add_argument("--rows", default=",".join(str(r) for r in ROWS))
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--steps-per-epoch", type=int, default=None,
+                        help="steps of each of the 4 epochs (default 300; "
+                        "TF native's dense Adam keeps 20)")
     parser.add_argument("--from-json", help="format a saved --json summary "
                         "(markdown section; --plot PNG) instead of measuring")
     parser.add_argument("--plot", help="write the plot to this PNG")
@@ -355,7 +367,8 @@ def main():
     log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else \
         (lambda *a: print(*a, flush=True))
     summary = measure([int(r) for r in args.rows.split(",")],
-                      args.systems.split(","), args.repeats, log)
+                      args.systems.split(","), args.repeats, log,
+                      steps_per_epoch=args.steps_per_epoch)
     if args.json:
         print(json.dumps(summary))
     else:
