@@ -230,6 +230,24 @@ def rebind_variable(variable, donor):
     variable._cached_value = None
 
 
+def traced_once_each(function):
+    """Marks `function` (a `tf.function`) as one of many made from one Python
+    function on purpose, each traced for its own inputs (a dataset function
+    per `fit` call, a backup function per group of variables, a hand-over per
+    worker); returns it.
+
+    TF warns "N out of the last M calls to <function> triggered tf.function
+    retracing ... creating @tf.function repeatedly in a loop" when one
+    Python function's code is traced 5 times within a few calls, counting
+    every `tf.function` made from it. For these that is the design, and the
+    warning would send a user looking for a mistake they did not make.
+    Missing public API: `tf.function` has no option to say so; the warning
+    is skipped for a function whose `_omit_frequent_tracing_warning` is set.
+    """
+    function._omit_frequent_tracing_warning = True
+    return function
+
+
 # tf.functions that capture no variable (they take them as arguments): their
 # traces stay valid whatever retrace_all_functions is called for.
 _captures_nothing = weakref.WeakSet()

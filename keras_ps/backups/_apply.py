@@ -220,7 +220,7 @@ def _apply_function(device, specs, contained):
                                            contained=contained[i])
 
         function = _apply_functions[key] = _tf_adapter.keep_traces(
-            tf.function(apply, autograph=False))
+            _tf_adapter.traced_once_each(tf.function(apply, autograph=False)))
         return function
 
 

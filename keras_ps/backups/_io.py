@@ -114,9 +114,9 @@ class Writer:
                             buffer.assign(tf.zeros(
                                 [0] + buffer.shape[1:].as_list(), buffer.dtype))
 
-            self._functions[key] = (tf.function(snapshot, autograph=False),
-                                    tf.function(write, autograph=False),
-                                    tf.function(free, autograph=False))
+            self._functions[key] = tuple(
+                _tf_adapter.traced_once_each(tf.function(f, autograph=False))
+                for f in (snapshot, write, free))
         return self._functions[key]
 
     def forget_snapshots(self):
@@ -201,19 +201,19 @@ class Writer:
                         group.variables, block_rows, first_block=number,
                         kernels=kernels)
 
-            self._functions[key] = (tf.function(write, autograph=False),
-                                    block_rows)
+            self._functions[key] = (_tf_adapter.traced_once_each(
+                tf.function(write, autograph=False)), block_rows)
         return self._functions[key]
 
     def _bundle_function(self, group):
         key = (id(group), "bundle")
         if key not in self._functions:
             kernels = self._kernels
-            self._functions[key] = tf.function(
+            self._functions[key] = _tf_adapter.traced_once_each(tf.function(
                 lambda prefix: _write_groups(prefix, [group], [None],
                                              [group.variables],
                                              kernels=kernels)[0],
-                autograph=False)
+                autograph=False))
         return self._functions[key]
 
     def write_in_blocks(self, prefix, stopped, before_block=None,
@@ -353,7 +353,7 @@ def _write_function(device, full, specs, kernels):
                                  offsets, kernels)
 
         function = _write_functions[key] = _tf_adapter.keep_traces(
-            tf.function(write, autograph=False))
+            _tf_adapter.traced_once_each(tf.function(write, autograph=False)))
         return function
 
 

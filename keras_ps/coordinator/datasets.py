@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ps import _constants
+from keras_ps import _tf_adapter
 from keras_ps.strategy._per_worker import IndexWatch
 from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
@@ -160,9 +161,10 @@ class PerWorkerDataset:
                 function = shared
             elif self._with_context:
                 context = self._strategy.input_context()
-                function = tf.function(lambda: self._fn(context))
+                function = _tf_adapter.traced_once_each(
+                    tf.function(lambda: self._fn(context)))
             else:
-                function = tf.function(self._fn)
+                function = _tf_adapter.traced_once_each(tf.function(self._fn))
             drawn_before = None if shared is not None else _python_random_state()
             try:
                 dataset = function()

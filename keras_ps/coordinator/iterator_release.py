@@ -94,9 +94,12 @@ def _holding_dataset(queue):
     return dataset.with_options(options)
 
 
-@tf.function
-def _hand_over(queue, handle):
+def _enqueue(queue, handle):
     tf.raw_ops.QueueEnqueueV2(handle=queue, components=[handle])
+
+
+# Traced once per worker (the device is part of a trace's key).
+_hand_over = _tf_adapter.traced_once_each(tf.function(_enqueue))
 
 
 class _ReleaseLine:

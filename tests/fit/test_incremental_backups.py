@@ -73,14 +73,27 @@ def crashed(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def shared(crashed, tmp_path_factory):
-    """Every part of the `shared` job, the equivalence part with the
-    default suite's cases, the crash_restore part on crash_write's
+def shared_output(crashed, tmp_path_factory):
+    """The output of the `shared` job: its equivalence part with the
+    default suite's cases, its crash_restore part on crash_write's
     backup."""
     code, output = run("shared", tmp_path_factory.mktemp("shared"),
                        crashed[2], timeout=1500, cases=SHORT)
     assert code == 0, output[-4000:]
-    return by_part(output)
+    return output
+
+
+@pytest.fixture(scope="module")
+def shared(shared_output):
+    """Every part of the `shared` job, by part."""
+    return by_part(shared_output)
+
+
+def test_backups_and_restores_do_not_warn_of_retracing(shared_output):
+    """Each ps' group of variables has its own write, snapshot and restore
+    functions, made from one Python function and traced once each: TF would
+    warn the user to stop "creating @tf.function repeatedly in a loop"."""
+    assert "triggered tf.function retracing" not in shared_output
 
 
 CASES = [f"{opt}-{saved}-to-{restored}"
