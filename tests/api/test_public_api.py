@@ -57,45 +57,33 @@ def test_tf_internals_still_exist():
     assert tape.gradient(y, x).numpy() == 5.0
 
 
-def _retracing_warnings(make):
+def _retracing_warnings(make, caplog):
     """TF's "triggered tf.function retracing" warnings while 7 functions
     made by `make` from one Python function are each traced once."""
     import logging
 
     import tensorflow as tf
 
-    class Catch(logging.Handler):
-        def __init__(self):
-            super().__init__()
-            self.messages = []
-
-        def emit(self, record):
-            self.messages.append(record.getMessage())
-
     def add_one(x):
         return x + 1
 
-    catch = Catch()
-    logger = logging.getLogger("tensorflow")
-    logger.addHandler(catch)
-    try:
-        for i in range(7):
-            assert make(tf.function(add_one))(tf.constant(i)).numpy() == i + 1
-    finally:
-        logger.removeHandler(catch)
-    return [m for m in catch.messages if "retracing" in m]
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    caplog.clear()
+    for i in range(7):
+        assert make(tf.function(add_one))(tf.constant(i)).numpy() == i + 1
+    return [r for r in caplog.records if "retracing" in r.getMessage()]
 
 
-def test_functions_traced_once_each_do_not_warn_of_retracing():
+def test_functions_traced_once_each_do_not_warn_of_retracing(caplog):
     """keras_ps makes a tf.function per fit call's dataset and per backup
     group from one Python function; TF would warn the user to stop creating
     tf.functions in a loop. The control (untagged) shows the warning is
     real, so a TF upgrade that renames the attribute fails here."""
     from keras_ps import _tf_adapter
 
-    assert _retracing_warnings(lambda function: function), (
+    assert _retracing_warnings(lambda function: function, caplog), (
         "TF no longer warns of one Python function traced 7 times")
-    assert _retracing_warnings(_tf_adapter.traced_once_each) == []
+    assert _retracing_warnings(_tf_adapter.traced_once_each, caplog) == []
 
 
 def test_tf_internals_of_ps_recovery_still_exist():

@@ -174,33 +174,27 @@ def test_a_dataset_fn_that_reads_the_worker_is_traced_per_worker(
     assert all(element == index for element, index in pairs), pairs
 
 
-def test_datasets_made_call_after_call_do_not_warn_of_retracing(coordinator):
+def test_datasets_made_call_after_call_do_not_warn_of_retracing(
+        coordinator, caplog):
     """A per-worker dataset is made for every fit call, its dataset_fn
     traced per worker when it reads the worker: by the 5th trace TF would
     warn the user to stop creating tf.functions in a loop."""
     import logging
-    traces, messages = [], []
-
-    class Catch(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
+    traces = []
 
     def dataset_fn(context):
         traces.append(context.input_pipeline_id)
         return tf.data.Dataset.from_tensors(
             tf.constant(context.input_pipeline_id, tf.int64)).repeat()
 
-    catch = Catch()
-    logging.getLogger("tensorflow").addHandler(catch)
-    try:
-        for _ in range(4):
-            pairs = _worker_of_each_element(
-                coordinator, coordinator.create_per_worker_dataset(dataset_fn))
-            assert all(element == index for element, index in pairs), pairs
-    finally:
-        logging.getLogger("tensorflow").removeHandler(catch)
+    caplog.set_level(logging.WARNING, logger="tensorflow")
+    for _ in range(4):
+        pairs = _worker_of_each_element(
+            coordinator, coordinator.create_per_worker_dataset(dataset_fn))
+        assert all(element == index for element, index in pairs), pairs
     assert sorted(traces) == [0, 0, 0, 0, 1, 1, 1, 1]
-    assert [m for m in messages if "retracing" in m] == []
+    assert [r.getMessage() for r in caplog.records
+            if "retracing" in r.getMessage()] == []
 
 
 @pytest.mark.parametrize("generator", ["random", "numpy"])
