@@ -19,13 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import fit_calls  # noqa: E402
-
-
-def cpu_seconds(pid):
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+from step_breakdown import _cpu_s as cpu_seconds  # noqa: E402
 
 
 def main():
