@@ -7,7 +7,10 @@ gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
 pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
 its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
-backup's row file with one copy of its bytes (TF's ops make three). They
+backup's row file with one copy of its bytes (TF's ops make three).
+`KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
+the same floats in the same order as TF's UnsortedSegmentSum, about ten
+times faster for rows of 64 floats. They
 are compiled into one library
 with the machine's C++ compiler (`$CXX`, else `c++`) against the headers
 that ship in the tensorflow wheel, into a cache directory
@@ -28,6 +31,7 @@ it (servers started otherwise, e.g. a plain `tf.distribute.Server`, get the
 update made of TF's ops).
 """
 
+import contextlib
 import ctypes
 import fcntl
 import hashlib
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
            for name in ("row_updates.cc", "row_files.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 3
+VERSION = 4
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine.
 _FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC", "-w")
@@ -221,6 +225,27 @@ def library():
 
 
 _answers = weakref.WeakKeyDictionary()
+_trace = threading.local()
+
+
+@contextlib.contextmanager
+def tracing_for(strategy):
+    """Within: the graphs this thread traces run on `strategy`'s cluster (see
+    kernels_in_trace). The coordinator's worker threads trace the scheduled
+    functions under it."""
+    previous = getattr(_trace, "strategy", None)
+    _trace.strategy = strategy
+    try:
+        yield
+    finally:
+        _trace.strategy = previous
+
+
+def kernels_in_trace():
+    """The kernels' module if every task of the cluster this thread traces for
+    (see tracing_for) has loaded them; None outside such a trace."""
+    strategy = getattr(_trace, "strategy", None)
+    return None if strategy is None else kernels_for(strategy)
 
 
 def kernels_for(strategy):
@@ -270,8 +295,10 @@ def _answer(lib, device):
     try:
         # Asked now, also from inside a trace (the first apply of a train
         # function asks).
+        # `.numpy()`: AutoGraph, converting a user's tf.function, turns
+        # `int(tensor)` into a tensor, and the comparison below into one.
         with tf.init_scope(), tf.device(device):
-            version = int(lib.keras_ps_native_version())
+            version = int(lib.keras_ps_native_version().numpy())
     except tf.errors.UnavailableError as error:
         logger.info("[native] %s did not answer (%s); not counted", task,
                     str(error).splitlines()[0])
@@ -279,15 +306,15 @@ def _answer(lib, device):
     except tf.errors.OpError as error:
         logger.warning(
             "[native] %s has not loaded keras_ps' C++ kernels (%s): LazyAdam's "
-            "and Adagrad's row updates and the backups' row files are made "
-            "of TF's ops (slower, same results). Start tasks with `python -m "
+            "and Adagrad's row updates, the lookups' gradient sums and the "
+            "backups' row files are made of TF's ops (slower, same results). Start tasks with `python -m "
             "keras_ps.server` to use them.", task, str(error).splitlines()[0])
         return False
     if version != VERSION:
         logger.warning(
             "[native] %s has keras_ps' C++ kernels version %d, this process "
-            "%d: LazyAdam's and Adagrad's row updates and the backups' row "
-            "files are made of TF's ops. Run one keras_ps version on every "
+            "%d: LazyAdam's and Adagrad's row updates, the lookups' gradient "
+            "sums and the backups' row files are made of TF's ops. Run one keras_ps version on every "
             "task.", task, version, VERSION)
         return False
     return True

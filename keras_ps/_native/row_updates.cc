@@ -11,6 +11,13 @@
 // elementwise ops and a scatter-sub into the table; TF's scatters update one
 // row at a time through an Eigen expression each.
 //
+// KerasPsSumRows: the rows of a gradient added up by the row each came from
+// (a lookup's ids repeat within a batch; their rows' gradients are summed
+// into one row per distinct id on the worker). TF's UnsortedSegmentSum does
+// the same through one Eigen expression per row, about ten times slower for
+// a batch's 64-float rows; the sums here are the same floats in the same
+// order, so the results are bit for bit TF's.
+//
 // KerasPsNativeVersion: the library's version; a coordinator runs it on every
 // task to learn whether that task has loaded this library.
 
@@ -36,7 +43,7 @@ using tensorflow::Tensor;
 using tensorflow::Var;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-constexpr int kVersion = 3;
+constexpr int kVersion = 4;
 
 // The checks both row kernels make before writing a row: `grad` holds one
 // row of `dim` values per index, and every index names a row of the table.
@@ -178,6 +185,83 @@ class NativeVersionOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("KerasPsNativeVersion").Device(tensorflow::DEVICE_CPU),
                         NativeVersionOp);
+
+REGISTER_OP("KerasPsSumRows")
+    .Input("data: float")
+    .Input("segment_ids: int32")
+    .Input("num_segments: int32")
+    .Output("output: float")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      tensorflow::shape_inference::ShapeHandle data, inner;
+      tensorflow::shape_inference::DimensionHandle rows;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &data));
+      TF_RETURN_IF_ERROR(c->Subshape(data, 1, &inner));
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &rows));
+      tensorflow::shape_inference::ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(c->Vector(rows), inner, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    });
+
+// data: [n, ...]; segment_ids: [n], each in [0, num_segments); output:
+// [num_segments, ...], row j the sum of the rows i of data whose id is j,
+// added in ascending i onto 0.0f (an id no row has: zeros), as TF's
+// UnsortedSegmentSum on a CPU adds them.
+class SumRowsOp : public OpKernel {
+ public:
+  explicit SumRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& data = ctx->input(0);
+    const Tensor& segment_ids = ctx->input(1);
+    const Tensor& num_segments = ctx->input(2);
+    OP_REQUIRES(ctx, data.dims() >= 1,
+                tensorflow::errors::InvalidArgument(
+                    "data must have rank 1 or more. Received: ",
+                    data.shape().DebugString()));
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsVector(segment_ids.shape()) &&
+                         segment_ids.dim_size(0) == data.dim_size(0),
+                tensorflow::errors::InvalidArgument(
+                    "segment_ids must hold one id per row of data (",
+                    data.dim_size(0), "). Received: ",
+                    segment_ids.shape().DebugString()));
+    OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(num_segments.shape()),
+                tensorflow::errors::InvalidArgument(
+                    "num_segments must be a scalar. Received: ",
+                    num_segments.shape().DebugString()));
+    const int64_t segments = num_segments.scalar<int32_t>()();
+    OP_REQUIRES(ctx, segments >= 0,
+                tensorflow::errors::InvalidArgument(
+                    "num_segments must be 0 or more. Received: ", segments));
+    const int64_t n = data.dim_size(0);
+    const int64_t dim = n ? data.NumElements() / n : 0;
+    const auto ids = segment_ids.flat<int32_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, ids(i) >= 0 && ids(i) < segments,
+                  tensorflow::errors::InvalidArgument(
+                      "segment_ids[", i, "] = ", ids(i), " is not in [0, ",
+                      segments, ")"));
+    }
+    tensorflow::TensorShape shape = data.shape();
+    shape.set_dim(0, segments);
+    Tensor* output = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &output));
+    float* out = output->flat<float>().data();
+    std::fill(out, out + output->NumElements(), 0.0f);
+    const float* in = data.flat<float>().data();
+    for (int64_t i = 0; i < n; ++i) {
+      AddRow(out + ids(i) * dim, in + i * dim, dim);
+    }
+  }
+
+ private:
+  static void AddRow(float* __restrict sum, const float* __restrict row,
+                     int64_t dim) {
+    for (int64_t j = 0; j < dim; ++j) sum[j] += row[j];
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("KerasPsSumRows").Device(tensorflow::DEVICE_CPU),
+                        SumRowsOp);
 
 REGISTER_OP("KerasPsLazyAdamRows")
     .Input("var: resource")

@@ -103,7 +103,7 @@ class ClusterCoordinator:
         spec = strategy.cluster_spec
         self._ps_addresses = list(spec["ps"])
         self._queue = ClosureQueue()
-        self._packing = PackedFunctions()
+        self._packing = PackedFunctions(strategy)
         self._gate = SharedExclusiveLock()
         # Per-worker datasets, alive while the user or an iterator holds them.
         self._datasets = weakref.WeakSet()

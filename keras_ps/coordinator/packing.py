@@ -24,6 +24,8 @@ import weakref
 
 import tensorflow as tf
 
+from keras_ps import _native
+
 # Functions whose closures may run in a loop (see `loop_packable`).
 _LOOP_PACKABLE = weakref.WeakSet()
 _LOOP = "loop"  # the key of a looped pack among a function's pack sizes
@@ -71,9 +73,12 @@ class PackedFunctions:
     packed functions are released with them.
     """
 
-    def __init__(self):
+    def __init__(self, strategy=None):
+        """`strategy`: the cluster the functions run on; they are traced for
+        it (keras_ps._native.tracing_for: its tasks' C++ kernels)."""
         self._by_fn = weakref.WeakKeyDictionary()  # fn -> {count: packed}
         self._lock = threading.Lock()
+        self._strategy = strategy
 
     def _get(self, fn, key):
         """The packed function of `fn` for `key`: a pack size (unrolled) or
@@ -89,14 +94,15 @@ class PackedFunctions:
         """The Pack running `calls` (each `(args, kwargs)`) of `fn`, traced:
         in a loop when `fn` is loop-packable and the calls share their
         arguments, else unrolled."""
-        if fn in _LOOP_PACKABLE and _same_call(calls):
-            count = tf.constant(len(calls))
-            function = self._get(fn, _LOOP).get_concrete_function(
-                calls[0], count)
-            return Pack(function, (calls[0], count),
-                        lambda stacked: _unstack(stacked, len(calls)))
-        function = self._get(fn, len(calls)).get_concrete_function(calls)
-        return Pack(function, (calls,), list)
+        with _native.tracing_for(self._strategy):
+            if fn in _LOOP_PACKABLE and _same_call(calls):
+                count = tf.constant(len(calls))
+                function = self._get(fn, _LOOP).get_concrete_function(
+                    calls[0], count)
+                return Pack(function, (calls[0], count),
+                            lambda stacked: _unstack(stacked, len(calls)))
+            function = self._get(fn, len(calls)).get_concrete_function(calls)
+            return Pack(function, (calls,), list)
 
     def is_traced(self, fn, count):
         with self._lock:

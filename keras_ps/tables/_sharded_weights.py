@@ -26,6 +26,7 @@ import keras
 import tensorflow as tf
 
 from keras_ps.tables import _grouped_transfers
+from keras_ps.tables import _rowwise
 from keras_ps.tables import partitioners as partitioners_lib
 from keras_ps.tables.sharded_variable import ShardedVariable
 
@@ -354,8 +355,8 @@ def take_rows(table, indices):
         return table.embedding_lookup(indices)
     flat = tf.reshape(indices, [-1])
     unique, position = tf.unique(flat)
-    gathered = _grouped_transfers.gather_rows(table, unique)
-    gathered = tf.gather(gathered, position)
+    gathered = _rowwise.expand(
+        _grouped_transfers.gather_rows(table, unique), position)
     return tf.reshape(gathered, tf.concat(
         [tf.shape(indices), tf.shape(gathered)[1:]], 0))
 

@@ -314,7 +314,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             # Each shard's rows are distinct: its gradient needs no summing.
             _rowwise.mark_distinct(rows)
             parts.append(_grouped_transfers.gather_rows(v, rows))
-        gathered = tf.gather(tf.dynamic_stitch(positions, parts), position)
+        gathered = _rowwise.expand(tf.dynamic_stitch(positions, parts), position)
         return tf.reshape(gathered, tf.concat(
             [tf.shape(ids), tf.shape(gathered)[1:]], 0))
 

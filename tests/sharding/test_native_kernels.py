@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import keras_ps
 from keras_ps import _native
+from keras_ps.tables import _sharded_weights
 from _paths import TESTS
 from _results import last_report, run_child
 
@@ -77,6 +79,104 @@ def test_a_slot_that_is_its_variable_is_refused():
             var=var.handle, accumulator=var.handle, grad=tf.ones((1, 2)),
             indices=tf.constant([1], tf.int64), lr=0.1, epsilon=1e-7)
     assert (var.numpy() == 1).all() and not last.numpy().any()
+
+
+def _same_floats(a, b):
+    """Equal bit for bit, NaNs aside (only where they are is compared: which
+    NaN an add returns is the CPU's choice)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    nan = np.isnan(a)
+    np.testing.assert_array_equal(nan, np.isnan(b))
+    np.testing.assert_array_equal(a[~nan].view(np.uint32),
+                                  b[~nan].view(np.uint32))
+
+
+def _repeated_ids(rng, n, distinct):
+    """n ids of [0, distinct) that repeat, as tf.unique's positions of a
+    batch of Zipf ids are: a few ids very often, most once."""
+    return (np.minimum(rng.zipf(1.3, n), distinct) - 1).astype(np.int32)
+
+
+@pytest.mark.parametrize("case", [
+    # A batch of 256 x 16 ids of 64 floats (the benchmarks' step), with a
+    # -0.0, an inf and a NaN among the gradient's values.
+    lambda rng: (rng.standard_normal((4096, 64)).astype(np.float32),
+                 _repeated_ids(rng, 4096, 1500), 1500),
+    # Rows of rank 2, and segments no row names (zeros).
+    lambda rng: (rng.standard_normal((300, 3, 5)).astype(np.float32),
+                 _repeated_ids(rng, 300, 40) * 2, 90),
+    lambda rng: (np.zeros((0, 4), np.float32), np.zeros((0,), np.int32), 3),
+], ids=["batch", "rank3_empty_segments", "no_rows"])
+def test_the_sum_of_rows_is_tfs_unsorted_segment_sum_bit_for_bit(case):
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    data, ids, segments = case(np.random.default_rng(11))
+    if data.size:
+        data.flat[:3] = [-0.0, np.inf, np.nan]
+    expected = tf.math.unsorted_segment_sum(data, ids, segments).numpy()
+    got = lib.keras_ps_sum_rows(data, ids, segments).numpy()
+    _same_floats(got, expected)
+    if data.size:
+        assert np.isnan(got).any() and np.isinf(got).any()
+
+
+def test_the_sum_of_rows_names_an_id_out_of_range():
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    for bad in (5, -1):
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=rf"segment_ids\[1\] = {bad} is not in \[0, 3\)"):
+            lib.keras_ps_sum_rows(tf.ones((2, 4)), tf.constant([0, bad]), 3)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"segment_ids must hold one id per row of data \(2\)"):
+        lib.keras_ps_sum_rows(tf.ones((2, 4)), tf.constant([0]), 3)
+
+
+def _lookup_gradient(table, ids, weights):
+    """The gradient, per variable of `table`, of a loss over its rows `ids`
+    (keras_ps' lookup: each distinct id read once): (values, indices)."""
+    variables = getattr(table, "variables", [table])
+    with tf.GradientTape() as tape:
+        rows = _sharded_weights.take_rows(table, ids)
+        loss = tf.reduce_sum(rows * weights)
+    grads = tape.gradient(loss, variables)
+    return [g.values for g in grads], [g.indices for g in grads]
+
+
+@pytest.mark.parametrize("sharded", [True, False], ids=["two_shards", "one_ps"])
+def test_a_lookups_gradient_is_summed_by_the_kernel_on_the_workers(
+        sharded, two_shards, strategy, coordinator):
+    # Traced by the coordinator, the repeats of a lookup's ids have their
+    # gradients summed by KerasPsSumRows on the worker; the result is bit
+    # for bit that of TF's UnsortedSegmentSum (the same function traced
+    # outside the coordinator, run from this process).
+    rng = np.random.default_rng(5)
+    with (two_shards if sharded else strategy).scope():
+        table = tf.Variable(rng.standard_normal((50, 8)).astype(np.float32))
+    assert isinstance(table, keras_ps.ShardedVariable) == sharded
+    ids = tf.constant(_repeated_ids(rng, 512, 50).reshape(64, 8), tf.int64)
+    weights = tf.constant(rng.standard_normal((64, 8, 8)).astype(np.float32))
+
+    def op_types(fn):
+        graph = fn.get_concrete_function(ids, weights).graph
+        return {op.type for op in graph.get_operations()}
+
+    on_worker = tf.function(lambda i, w: _lookup_gradient(table, i, w))
+    with _native.tracing_for(strategy):  # as the coordinator traces it
+        assert "KerasPsSumRows" in op_types(on_worker)
+    with_tf_ops = tf.function(lambda i, w: _lookup_gradient(table, i, w))
+    assert "KerasPsSumRows" not in op_types(with_tf_ops)
+    assert "UnsortedSegmentSum" in op_types(with_tf_ops)
+
+    got = coordinator.schedule(on_worker, args=(ids, weights)).fetch()
+    expected = with_tf_ops(ids, weights)
+    for g, e in zip(tf.nest.flatten(got), tf.nest.flatten(expected)):
+        if e.dtype == tf.float32:
+            _same_floats(g, e)
+        else:
+            np.testing.assert_array_equal(g, e)
+    assert sum(v.shape[0] for v in got[0]) == len(np.unique(ids))
 
 
 @pytest.mark.parametrize("tensors", [
