@@ -57,18 +57,21 @@ DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 # metrics' results writes out all of them when they are at most K, else
 # loops; a model with a DynamicEmbedding always loops. Written out, a
 # function costs more once: the coordinator traces K copies of the step and
-# each worker sets up a larger graph (about 3 s more for the benchmarks'
-# model, 2 ps and 2 workers in separate processes), and then runs each
-# execution faster (1.05-1.57x the loop's steady rate there, about 2x TF's
-# own path where the loop gives 1.4-1.9x).
+# each worker sets up a larger graph (for the benchmarks' model, 2 ps and 2
+# workers in separate processes, at 10M rows: the execution that switches
+# takes about 1.7 s more with K = 5, 3.3 s with K = 10), and then runs each
+# execution faster (1.05-1.57x the loop's steady rate with K = 5, about 2x
+# TF's own path where the loop gives 1.4-1.9x; K = 10 another 4-10% over
+# K = 5, 6% less CPU per step).
 UNROLL_STEPS_ENV_VAR = "KERAS_PS_UNROLL_STEPS"
-DEFAULT_UNROLL_STEPS = 5
+DEFAULT_UNROLL_STEPS = 10
 
 # ...and after how many executions of one function in the loop form it is
 # traced again with K steps an iteration (0: from the first). The extra set-up
-# pays for itself after about 100 executions in the benchmarks (3 s against
-# about 30 ms saved per execution of 10 steps), so short jobs (a few hundred
-# steps, most tests) never pay it and a long training run pays it once.
+# (3.3 s at 10M rows in the benchmarks) pays for itself after a few hundred
+# executions (the loop against K = 10: about 30-50 ms saved per execution of
+# 10 steps), so short jobs (a few hundred steps, most tests) never pay it and
+# a long training run pays it once.
 # Counted per model, step (train or test) and step count, across fit and
 # evaluate calls, until the next compile().
 UNROLL_AFTER_ENV_VAR = "KERAS_PS_UNROLL_AFTER"
