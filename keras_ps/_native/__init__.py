@@ -307,14 +307,15 @@ def _answer(lib, device):
         logger.warning(
             "[native] %s has not loaded keras_ps' C++ kernels (%s): LazyAdam's "
             "and Adagrad's row updates, the lookups' gradient sums and the "
-            "backups' row files are made of TF's ops (slower, same results). Start tasks with `python -m "
-            "keras_ps.server` to use them.", task, str(error).splitlines()[0])
+            "backups' row files are made of TF's ops (slower, same results). "
+            "Start tasks with `python -m keras_ps.server` to use them.", task,
+            str(error).splitlines()[0])
         return False
     if version != VERSION:
         logger.warning(
             "[native] %s has keras_ps' C++ kernels version %d, this process "
             "%d: LazyAdam's and Adagrad's row updates, the lookups' gradient "
-            "sums and the backups' row files are made of TF's ops. Run one keras_ps version on every "
-            "task.", task, version, VERSION)
+            "sums and the backups' row files are made of TF's ops. Run one "
+            "keras_ps version on every task.", task, version, VERSION)
         return False
     return True
