@@ -35,9 +35,10 @@ def expand(rows, position):
     coordinator traces for has loaded it (keras_ps._native.kernels_in_trace);
     elsewhere TF's op does it.
     """
-    kernels = _native.kernels_in_trace()
-    if (kernels is None or tf.executing_eagerly() or rows.dtype != tf.float32
-            or position.dtype != tf.int32):
+    # The cheap checks first: the kernels' question asks every task once.
+    kernels = (None if tf.executing_eagerly() or rows.dtype != tf.float32
+               or position.dtype != tf.int32 else _native.kernels_in_trace())
+    if kernels is None:
         return tf.gather(rows, position)
 
     @tf.custom_gradient
