@@ -68,7 +68,7 @@ DEFAULT_UNROLL_STEPS = 10
 
 # ...and after how many executions of one function in the loop form it is
 # traced again with K steps an iteration (0: from the first). The extra set-up
-# (3.3 s at 10M rows in the benchmarks) pays for itself after a few hundred
+# (3.3 s at 10M rows in the benchmarks) pays for itself after about 100
 # executions (the loop against K = 10: about 30-50 ms saved per execution of
 # 10 steps), so short jobs (a few hundred steps, most tests) never pay it and
 # a long training run pays it once.
