@@ -38,6 +38,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import threading
@@ -52,8 +53,14 @@ SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
 VERSION = 4
 # Optimized, and free to vectorize sqrt (errno is never read); no
-# -march=native, so a cache on a shared home directory serves every machine.
-_FLAGS = ("-O3", "-fno-math-errno", "-shared", "-fPIC", "-w")
+# -march=native, so a cache on a shared home directory serves every machine
+# (row_updates.cc compiles its row functions once per vector width and picks
+# one at load). No fused multiply-adds: a row's arithmetic stays the
+# operations of the update made of TF's ops, one rounding each. On x86-64 the
+# AVX-512 version uses all 16 lanes (GCC's default tuning stops at 8).
+_FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
+          "-w") + (("-mprefer-vector-width=512",)
+                   if platform.machine() in ("x86_64", "AMD64") else ())
 _BUILD_TIMEOUT_S = 900
 
 
@@ -102,7 +109,9 @@ def library_path():
     return os.path.join(cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
 
 
-def _compile(path):
+def _compile(path, extra_flags=()):
+    """Builds the library into `path`; `extra_flags` go to the compiler after
+    keras_ps' own (a test builds a variant with a -D)."""
     include = os.path.join(_tf_dir(), "include")
     if not os.path.exists(os.path.join(include, "tensorflow", "core",
                                        "framework", "op_kernel.h")):
@@ -117,7 +126,8 @@ def _compile(path):
     import tensorflow as tf  # the flags TF was built with (C++ ABI, Eigen)
 
     tmp = f"{path}.{os.getpid()}.tmp"
-    command = [compiler, *_FLAGS, *tf.sysconfig.get_compile_flags(), *SOURCES,
+    command = [compiler, *_FLAGS, *extra_flags,
+               *tf.sysconfig.get_compile_flags(), *SOURCES,
                "-o", tmp, *tf.sysconfig.get_link_flags(),
                f"-Wl,-rpath,{_tf_dir()}"]
     logger.warning("[native] building keras_ps' C++ kernels once for this "

@@ -179,6 +179,68 @@ def test_a_lookups_gradient_is_summed_by_the_kernel_on_the_workers(
     assert sum(v.shape[0] for v in got[0]) == len(np.unique(ids))
 
 
+# Runs LazyAdam's and Adagrad's row kernels of the library at argv[1] on
+# fixed rows and writes the results to argv[2] (one library per process: a
+# second one's ops would clash with the first's names).
+_ROW_KERNEL_RESULTS = """
+import sys
+import numpy as np
+import tensorflow as tf
+lib = tf.load_op_library(sys.argv[1])
+rng = np.random.default_rng(7)
+rows, dim, step = 40, 67, 200  # 67: every vector width leaves a remainder
+start = [rng.normal(size=(rows, dim)).astype(np.float32),
+         (0.1 * rng.normal(size=(rows, dim))).astype(np.float32),
+         rng.uniform(0.001, 0.3, size=(rows, dim)).astype(np.float32)]
+# Gaps of 1 (no drift), up to 64 (looked up) and beyond (computed).
+last = rng.choice([0, 1, 100, 136, 150, 199, 200], size=rows).astype(np.int64)
+ids = rng.permutation(rows)[:30].astype(np.int64)
+grad = rng.normal(size=(30, dim)).astype(np.float32)
+grad[0, :5] = [0.0, -0.0, 1e-30, 3e4, -3e4]
+var, m, v = (tf.Variable(x) for x in start)
+steps = tf.Variable(last)
+lib.keras_ps_lazy_adam_rows(
+    var=var.handle, m=m.handle, v=v.handle, last_step=steps.handle, grad=grad,
+    indices=ids, step=tf.constant(step, tf.int64), lr=0.05, beta_1=0.9,
+    beta_2=0.999, epsilon=1e-7)
+table, accumulator = tf.Variable(start[0]), tf.Variable(start[2])
+lib.keras_ps_adagrad_rows(var=table.handle, accumulator=accumulator.handle,
+                          grad=grad, indices=ids, lr=0.3, epsilon=1e-7)
+np.savez(sys.argv[2], start=start[0], ids=ids, lazy_var=var.numpy(), lazy_m=m.numpy(),
+         lazy_v=v.numpy(), lazy_steps=steps.numpy(), adagrad_var=table.numpy(),
+         adagrad_accumulator=accumulator.numpy())
+"""
+
+
+def test_every_vector_width_of_the_row_kernels_gives_the_baselines_bits(
+        tmp_path):
+    # The row functions are built for AVX-512, AVX2 and the baseline and run
+    # in the widest this CPU has; against a build of the baseline alone,
+    # every float is the same.
+    baseline = str(tmp_path / "baseline.so")
+    _native._compile(baseline,
+                     extra_flags=("-DKERAS_PS_VECTOR_VERSIONS=inline",))
+    results = {}
+    for name, library in (("baseline", baseline), ("versions", _native.build())):
+        out = str(tmp_path / f"{name}.npz")
+        code, output = run_child(
+            [sys.executable, "-c", _ROW_KERNEL_RESULTS, library, out], 240)
+        assert code == 0, output[-4000:]
+        results[name] = np.load(out)
+    for key in results["baseline"].files:
+        if key in ("lazy_steps", "ids"):
+            np.testing.assert_array_equal(results["versions"][key],
+                                          results["baseline"][key])
+        else:
+            _same_floats(results["versions"][key], results["baseline"][key])
+    # Both updates moved every row they name, and no other.
+    base = results["baseline"]
+    named = np.isin(np.arange(len(base["start"])), base["ids"])
+    for key in ("lazy_var", "adagrad_var"):
+        moved = (base[key] != base["start"]).any(axis=1)
+        np.testing.assert_array_equal(moved, named)
+
+
 @pytest.mark.parametrize("tensors", [
     lambda: [tf.range(5, dtype=tf.int64), tf.random.normal((5, 64)),
              tf.cast(tf.random.uniform((5, 3), 0, 9, tf.int32), tf.int64)],
