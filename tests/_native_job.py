@@ -1,9 +1,11 @@
 """A coordinator process for tests of keras_ps' C++ kernels (keras_ps/_native)
 where they cannot be used; prints RESULT lines the test reads.
 
-Usage: python tests/_native_job.py no_compiler|tasks_without_kernels
+Usage: python tests/_native_job.py no_compiler|tasks_without_kernels|
+       worker_stopped_when_asked
 """
 
+import logging
 import os
 import sys
 
@@ -72,6 +74,31 @@ def tasks_without_kernels():
             loss=float(history.history["loss"][-1]), ps_log=ps_log)
 
 
+def worker_stopped_when_asked():
+    """Worker 1 is stopped (SIGSTOP) when the coordinator asks every task
+    whether it loaded the kernels: the stopped one does not answer, is not
+    counted, and the question returns after ASK_TIMEOUT_S."""
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("keras_ps._native").addHandler(handler)
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        stopped = "/job:worker/replica:0/task:1/device:CPU:0"
+        # Every op sent so far has run (none waits on worker 1 when it stops).
+        with tf.device(stopped):
+            tf.constant(0).numpy()
+        cluster.pause("worker", 1)
+        try:
+            for_strategy = _native.kernels_for(strategy) is not None
+            on_stopped = _native.kernels_on([stopped]) is not None
+        finally:
+            cluster.resume("worker", 1)
+        say(for_strategy=for_strategy, on_stopped=on_stopped,
+            not_answered=[w for w in warnings if "did not answer within" in w])
+
+
 if __name__ == "__main__":
     {"no_compiler": no_compiler,
-     "tasks_without_kernels": tasks_without_kernels}[sys.argv[1]]()
+     "tasks_without_kernels": tasks_without_kernels,
+     "worker_stopped_when_asked": worker_stopped_when_asked}[sys.argv[1]]()

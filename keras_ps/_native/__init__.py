@@ -42,6 +42,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import time
 import weakref
 
 from keras_ps import _constants
@@ -62,6 +63,9 @@ _FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
           "-w") + (("-mprefer-vector-width=512",)
                    if platform.machine() in ("x86_64", "AMD64") else ())
 _BUILD_TIMEOUT_S = 900
+# Seconds each task has to say whether it loaded the library (one op run on
+# it; milliseconds on a live task, even a busy one).
+ASK_TIMEOUT_S = 10.0
 
 
 class NativeBuildError(RuntimeError):
@@ -235,6 +239,7 @@ def library():
 
 
 _answers = weakref.WeakKeyDictionary()
+_answers_lock = threading.Lock()
 _trace = threading.local()
 
 
@@ -263,8 +268,9 @@ def kernels_for(strategy):
     has loaded them, else None.
 
     For a keras_ps ParameterServerStrategy, each ps and worker is asked once
-    (an op run on it); a task that cannot be reached is not counted against
-    them. Any other strategy runs in this process alone.
+    (an op run on it, every task at once); a task that cannot be reached, or
+    does not answer within ASK_TIMEOUT_S, is not counted against them. Any
+    other strategy runs in this process alone.
     """
     lib = library()
     if lib is None:
@@ -272,9 +278,11 @@ def kernels_for(strategy):
     spec = getattr(strategy, "cluster_spec", None)
     if not isinstance(spec, dict) or "ps" not in spec:
         return lib
-    if strategy not in _answers:
-        _answers[strategy] = _ask_tasks(lib, spec)
-    return lib if _answers[strategy] else None
+    with _answers_lock:  # the coordinator's threads trace at once: ask once
+        if strategy not in _answers:
+            _answers[strategy] = _ask_tasks(lib, spec)
+        answer = _answers[strategy]
+    return lib if answer else None
 
 
 def kernels_on(devices):
@@ -283,14 +291,49 @@ def kernels_on(devices):
     lib = library()
     if lib is None:
         return None
-    return lib if all(_answer(lib, d) is not False for d in devices) else None
+    answers = _answers_of(lib, list(devices))
+    return lib if all(answer is not False for answer in answers) else None
 
 
 def _ask_tasks(lib, spec):
-    return all(
-        _answer(lib, f"/job:{job}/replica:0/task:{index}/device:CPU:0")
-        is not False for job in ("ps", "worker")
-        for index in range(len(spec[job])))
+    devices = [f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+               for job in ("ps", "worker") for index in range(len(spec[job]))]
+    return all(answer is not False for answer in _answers_of(lib, devices))
+
+
+def _answers_of(lib, devices, timeout=ASK_TIMEOUT_S):
+    """_answer for each of `devices`, asked at once; a task that has not
+    answered after `timeout` seconds (a stopped or hung process: TF's remote
+    call has no deadline) is not counted (None), and its question is left
+    to finish on a daemon thread."""
+    answers = [None] * len(devices)
+
+    def ask(i):
+        answers[i] = _answer(lib, devices[i])
+
+    threads = [threading.Thread(target=ask, args=(i,), daemon=True,
+                                name=f"keras_ps-native-ask-{i}")
+               for i in range(len(devices))]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout
+    result = []
+    for i, (device, thread) in enumerate(zip(devices, threads)):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        result.append(None if thread.is_alive() else answers[i])
+        if thread.is_alive():
+            logger.warning(
+                "[native] %s did not answer within %.0f s whether it has "
+                "loaded keras_ps' C++ kernels (stopped or hung?); not counted",
+                _task_of(device), timeout)
+    return result
+
+
+def _task_of(device):
+    import tensorflow as tf
+
+    spec = tf.DeviceSpec.from_string(device)
+    return f"{spec.job}:{spec.task}"
 
 
 def _answer(lib, device):
@@ -300,11 +343,11 @@ def _answer(lib, device):
 
     if "/job:" not in (device or ""):
         return True  # this process, which loaded it
-    spec = tf.DeviceSpec.from_string(device)
-    task = f"{spec.job}:{spec.task}"
+    task = _task_of(device)
     try:
         # Asked now, also from inside a trace (the first apply of a train
-        # function asks).
+        # function asks): init_scope leaves the graph being traced, and a
+        # thread of _answers_of has none.
         # `.numpy()`: AutoGraph, converting a user's tf.function, turns
         # `int(tensor)` into a tensor, and the comparison below into one.
         with tf.init_scope(), tf.device(device):

@@ -390,6 +390,18 @@ def test_tasks_without_the_kernels_get_lazy_adam_made_of_tf_ops():
     assert result["iterations"] == 4 and np.isfinite(result["loss"])
 
 
+def test_a_stopped_task_asked_for_the_kernels_is_named_not_waited_for():
+    # TF's remote call has no deadline: asked whether it loaded the kernels,
+    # a stopped worker would never answer. Every task is asked at once and
+    # given ASK_TIMEOUT_S; the stopped one is named and not counted.
+    _, result = run_job("worker_stopped_when_asked", {})
+    assert result["for_strategy"] is True
+    assert result["on_stopped"] is True
+    assert len(result["not_answered"]) == 2, result["not_answered"]
+    for line in result["not_answered"]:
+        assert line.startswith("[native] worker:1 did not answer within 10 s")
+
+
 def test_an_unwritable_cache_directory_is_named_with_the_fix(tmp_path,
                                                                monkeypatch):
     # A file where the directory should be: no process can write there.
