@@ -152,11 +152,11 @@ absl::Status CheckDistinct(std::initializer_list<NamedBuffer> buffers) {
 // drift_scale == 0, which saves a square root and a division), then the
 // step's own update. Every value is computed in the order of the update made
 // of TF's ops (keras_ps.tables._rowwise.lazy_adam).
-KERAS_PS_VECTOR_VERSIONS void LazyAdamRow(float* __restrict w, float* __restrict mr,
-                        float* __restrict vr, const float* __restrict g,
-                        int64_t dim, float drift_scale, float b1k, float b2k,
-                        float one_minus_b1, float one_minus_b2, float alpha,
-                        float eps) {
+KERAS_PS_VECTOR_VERSIONS void LazyAdamRow(
+    float* __restrict w, float* __restrict mr, float* __restrict vr,
+    const float* __restrict g, int64_t dim, float drift_scale, float b1k,
+    float b2k, float one_minus_b1, float one_minus_b2, float alpha,
+    float eps) {
   if (drift_scale == 0) {
     for (int64_t j = 0; j < dim; ++j) {
       const float m1 = b1k * mr[j] + one_minus_b1 * g[j];
@@ -181,9 +181,10 @@ KERAS_PS_VECTOR_VERSIONS void LazyAdamRow(float* __restrict w, float* __restrict
 
 // One row of Keras' Adagrad: a = accumulator + g * g;
 // var -= (lr * g) / sqrt(a + epsilon).
-KERAS_PS_VECTOR_VERSIONS void AdagradRow(float* __restrict w, float* __restrict a,
-                       const float* __restrict g, int64_t dim, float lr,
-                       float eps) {
+KERAS_PS_VECTOR_VERSIONS void AdagradRow(float* __restrict w,
+                                         float* __restrict a,
+                                         const float* __restrict g,
+                                         int64_t dim, float lr, float eps) {
   for (int64_t j = 0; j < dim; ++j) {
     const float a1 = a[j] + g[j] * g[j];
     a[j] = a1;

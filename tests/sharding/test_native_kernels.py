@@ -206,9 +206,9 @@ lib.keras_ps_lazy_adam_rows(
 table, accumulator = tf.Variable(start[0]), tf.Variable(start[2])
 lib.keras_ps_adagrad_rows(var=table.handle, accumulator=accumulator.handle,
                           grad=grad, indices=ids, lr=0.3, epsilon=1e-7)
-np.savez(sys.argv[2], start=start[0], ids=ids, lazy_var=var.numpy(), lazy_m=m.numpy(),
-         lazy_v=v.numpy(), lazy_steps=steps.numpy(), adagrad_var=table.numpy(),
-         adagrad_accumulator=accumulator.numpy())
+np.savez(sys.argv[2], start=start[0], ids=ids, lazy_var=var.numpy(),
+         lazy_m=m.numpy(), lazy_v=v.numpy(), lazy_steps=steps.numpy(),
+         adagrad_var=table.numpy(), adagrad_accumulator=accumulator.numpy())
 """
 
 
