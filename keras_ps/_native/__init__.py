@@ -291,13 +291,18 @@ def kernels_on(devices):
     lib = library()
     if lib is None:
         return None
-    answers = _answers_of(lib, list(devices))
-    return lib if all(answer is not False for answer in answers) else None
+    return lib if _all_loaded(lib, list(devices)) else None
 
 
 def _ask_tasks(lib, spec):
-    devices = [f"/job:{job}/replica:0/task:{index}/device:CPU:0"
-               for job in ("ps", "worker") for index in range(len(spec[job]))]
+    return _all_loaded(lib, [
+        f"/job:{job}/replica:0/task:{index}/device:CPU:0"
+        for job in ("ps", "worker") for index in range(len(spec[job]))])
+
+
+def _all_loaded(lib, devices):
+    """No task of `devices` answered that it lacks this library's version
+    (one that did not answer is not counted against them)."""
     return all(answer is not False for answer in _answers_of(lib, devices))
 
 
@@ -320,8 +325,9 @@ def _answers_of(lib, devices, timeout=ASK_TIMEOUT_S):
     result = []
     for i, (device, thread) in enumerate(zip(devices, threads)):
         thread.join(max(0.0, deadline - time.monotonic()))
-        result.append(None if thread.is_alive() else answers[i])
-        if thread.is_alive():
+        silent = thread.is_alive()
+        result.append(None if silent else answers[i])
+        if silent:
             logger.warning(
                 "[native] %s did not answer within %.0f s whether it has "
                 "loaded keras_ps' C++ kernels (stopped or hung?); not counted",
