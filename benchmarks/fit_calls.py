@@ -26,6 +26,10 @@ Calls, in this order, in one process:
 Peak RSS: each process' high-water mark (VmHWM) at the end: the coordinator
 and each ps and worker task.
 
+Under the table, the ratios of the runs of each repeat (keras_ps against TF
+native; LazyAdam against Adagrad, also as the ratio of the systems' medians).
+`--from-json a.json,b.json` formats saved runs, pooled.
+
     .venv/bin/python benchmarks/fit_calls.py --rows 1000000 --repeats 3
 """
 
@@ -271,6 +275,72 @@ def markdown(runs, label=""):
     return lines
 
 
+TF_NATIVE = "tf_native_adagrad"
+
+
+def _pairs(runs, first, second):
+    """[(run of `first`, run of `second`)] for each repeat where both ran."""
+    by_repeat = {}
+    for run in runs:
+        if "error" not in run:
+            by_repeat.setdefault(run["repeat"], {})[run["system"]] = run
+    return [(both[first], both[second]) for _, both in sorted(by_repeat.items())
+            if first in both and second in both]
+
+
+def _twin(system):
+    """The Adagrad system run like LazyAdam system `system`, or None."""
+    if "_lazyadam" not in system:
+        return None
+    return system.replace("_lazyadam", "_adagrad")
+
+
+def ratios(runs):
+    """Bullet lines of the ratios a repeat's runs give (each system ran in its
+    own process, the systems of a repeat one after the other): every keras_ps
+    system against TF native, and each LazyAdam system against its Adagrad
+    twin, as min / **median** / max over the pairs; for the twins also the
+    ratio of the two systems' medians, which a noisy pair moves less."""
+    ran = {run["system"] for run in runs if "error" not in run}
+    lines = []
+    for system in (s for s in SYSTEMS if s in ran and s != TF_NATIVE):
+        pairs = _pairs(runs, system, TF_NATIVE)
+        if not pairs:
+            continue
+        steady = [ours["steady_steps_per_s"] / tf["steady_steps_per_s"]
+                  for ours, tf in pairs]
+        whole = [tf["whole_call_s"][0] / ours["whole_call_s"][0]
+                 for ours, tf in pairs]
+        shorter = sum(ours["startup_s"] < tf["startup_s"] for ours, tf in pairs)
+        lines.append(
+            f"- {system} / {TF_NATIVE}, {len(pairs)} pairs: steady steps/s "
+            f"{spread(steady)}x; whole call 2, TF's time / ours {spread(whole)}x; "
+            f"start-up of call 3 shorter than TF's in {shorter} of {len(pairs)}")
+    for system in (s for s in SYSTEMS if s in ran and _twin(s) in ran):
+        pairs = _pairs(runs, system, _twin(system))
+        if not pairs:
+            continue
+        steady = [lazy["steady_steps_per_s"] / ada["steady_steps_per_s"]
+                  for lazy, ada in pairs]
+        medians = (statistics.median(lazy["steady_steps_per_s"] for lazy, _ in pairs)
+                   / statistics.median(ada["steady_steps_per_s"] for _, ada in pairs))
+        lines.append(
+            f"- {system} / {_twin(system)}, {len(pairs)} pairs: steady steps/s "
+            f"{spread(steady)}x; the systems' medians {medians:.2f}x; "
+            f"{sum(r < 0.9 for r in steady)} pairs under 0.9x")
+    return lines
+
+
+def load_runs(paths):
+    """The runs saved by --json in each of `paths`, pooled: a repeat is named
+    by its file and its number there, so pairs stay within one run."""
+    runs = []
+    for i, path in enumerate(paths):
+        with open(path) as f:
+            runs += [dict(run, repeat=(i, run["repeat"])) for run in json.load(f)]
+    return runs
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -279,7 +349,9 @@ def main():
     parser.add_argument("--ids", choices=ID_DISTRIBUTIONS, default="zipf",
                         help="how a batch's ids are drawn")
     parser.add_argument("--json", help="also write the raw runs here")
-    parser.add_argument("--from-json", help="format saved runs instead")
+    parser.add_argument("--from-json",
+                        help="format saved runs instead: a --json file, or "
+                             "several separated by commas, pooled")
     parser.add_argument("--first-call-steps", type=int, default=EPOCH_STEPS,
                         help="steps of the first fit call (warm-up)")
     parser.add_argument("--intra-op-threads", type=int, default=None,
@@ -297,15 +369,14 @@ def main():
     if args.intra_op_threads is not None:
         os.environ[INTRA_ENV_VAR] = str(args.intra_op_threads)
     if args.from_json:
-        with open(args.from_json) as f:
-            runs = json.load(f)
+        runs = load_runs(args.from_json.split(","))
     else:
         runs = measure(args.rows, args.systems.split(","), args.repeats,
                        lambda *a: print(*a, file=sys.stderr, flush=True))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(runs, f)
-    print("\n".join(markdown(runs)))
+    print("\n".join(markdown(runs) + [""] + ratios(runs)))
 
 
 if __name__ == "__main__":
