@@ -9,8 +9,16 @@ of an apply are mostly not in a cache. Prints microseconds per apply, min and
 median over the rounds, for Adagrad and LazyAdam, each as TF's ops
 (keras_ps.tables._rowwise with kernels=None) and with keras_ps' kernel.
 
+--after-lookup times what a ps does for a step instead: each apply's rows
+gathered from the table first (a lookup), then the kernel's update, and the
+lookup alone; an update's own cost is then (lookup + update) - lookup, with
+the table's rows cached by the lookup and the slots' rows not, as in
+training.
+
     .venv/bin/python benchmarks/row_updates.py --rows 5000000 --rounds 7
     .venv/bin/python benchmarks/row_updates.py --rows 1000000 --ids uniform
+    .venv/bin/python benchmarks/row_updates.py --rows 500000 --ids uniform \
+        --after-lookup
 """
 
 import argparse
@@ -27,6 +35,9 @@ def main():
     parser.add_argument("--rows", type=int, default=5_000_000)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--ids", choices=("zipf", "uniform"), default="zipf")
+    parser.add_argument("--after-lookup", action="store_true",
+                        help="each update after a gather of its rows, and "
+                        "the gather alone (the kernels only)")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -71,7 +82,31 @@ def main():
                 update(tf.IndexedSlices(values, ids))
         return applies
 
-    functions = {
+    # A lookup's rows go somewhere (an unused gather would be pruned):
+    # one float of them into `sink`, in both the lookup alone and before an
+    # update, so the two differ by the update only.
+    sink = tf.Variable(0.0)
+
+    def lookup(g):
+        return sink.assign(tf.reduce_sum(tf.gather(table, g.indices)[:, 0]))
+
+    def looked_up(update):
+        def after_lookup(g):
+            with tf.control_dependencies([lookup(g)]):
+                update(g)
+        return after_lookup
+
+    adagrad = lambda g: _rowwise.adagrad(  # noqa: E731
+        table, accumulator, g, 0.1, 1e-7, kernels=kernels)
+    lazy_adam = lambda g: _rowwise.lazy_adam(  # noqa: E731
+        table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
+        1e-7, kernels=kernels)
+    lookup_functions = {
+        "lookup alone": timed(lookup),
+        "lookup, adagrad": timed(looked_up(adagrad)),
+        "lookup, lazy_adam": timed(looked_up(lazy_adam)),
+    }
+    functions = lookup_functions if args.after_lookup else {
         "adagrad, TF's ops": timed(lambda g: _rowwise.adagrad(
             table, accumulator, g, 0.1, 1e-7)),
         "adagrad, kernel": timed(lambda g: _rowwise.adagrad(
@@ -99,6 +134,13 @@ def main():
     for name, xs in times.items():
         print(f"{name:22s} us per apply: min {min(xs):7.1f}, "
               f"median {statistics.median(xs):7.1f}")
+    if args.after_lookup:
+        alone = statistics.median(times["lookup alone"])
+        own = {name: statistics.median(times[f"lookup, {name}"]) - alone
+               for name in ("adagrad", "lazy_adam")}
+        print(f"the update after the lookup, medians: adagrad "
+              f"{own['adagrad']:.1f} us, lazy_adam {own['lazy_adam']:.1f} us, "
+              f"lazy_adam / adagrad {own['lazy_adam'] / own['adagrad']:.2f}x")
 
 
 if __name__ == "__main__":
