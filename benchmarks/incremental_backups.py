@@ -3,7 +3,7 @@
 The model and data of fit_large_tables.py: Embedding(R, 64) sharded over 2 ps
 (FixedShardsPartitioner(2)), 2 workers, in-process cluster, batch 256 x 16
 Zipf-like ids over the whole table, MLP 128-64-1, steps_per_execution=10,
-keras_ps.optimizers.LazyAdam. A backup every 100 steps (after
+keras_ps.optimizers.LazyAdam. A backup every 100 steps (--every) (after
 `coordinator.join()`, as BackupAndRestore does), in runs of these modes,
 each in its own process:
 
@@ -67,7 +67,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import fit_large_tables as large  # noqa: E402  (the model's data)
 
-EVERY = 100  # steps between backups
+EVERY = 100  # steps between backups (--every)
 MODES = ("none", "join", "track", "incremental", "blocking", "background",
          "background_full", "background_blocking", "keras_h5")
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
@@ -274,13 +274,15 @@ def _complete(backup, record):
                     if r["keys"][0] == "model/0")
 
 
-def run(mode, rows, epochs, steps, parent, max_deltas, timeout=7200):
+def run(mode, rows, epochs, steps, parent, max_deltas, timeout=7200,
+        every=EVERY):
     directory = tempfile.mkdtemp(prefix=f"incremental-{mode}-", dir=parent)
     try:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_child", mode,
-             str(rows), str(epochs), str(steps), directory, str(max_deltas)],
+             str(rows), str(epochs), str(steps), directory, str(max_deltas),
+             str(every)],
             capture_output=True, text=True, env=env, timeout=timeout)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -406,6 +408,7 @@ def _mb(value):
 
 
 def main():
+    global EVERY
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -418,10 +421,14 @@ def main():
                         help="each mode this many times, interleaved")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--max-deltas", type=int, default=20)
-    parser.add_argument("--_child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--every", type=int, default=EVERY,
+                        help="steps between backups (and joins)")
+    parser.add_argument("--_child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    EVERY = args.every
     if args._child:
-        mode, rows, epochs, steps, directory, max_deltas = args._child
+        mode, rows, epochs, steps, directory, max_deltas, every = args._child
+        EVERY = int(every)
         result = run_child(mode, int(rows), int(epochs), int(steps), directory,
                            int(max_deltas))
         print("RESULT " + json.dumps(result), flush=True)
@@ -431,7 +438,7 @@ def main():
         for mode in args.modes.split(","):
             started = time.perf_counter()
             result = run(mode, args.rows, args.epochs, args.steps, args.dir,
-                         args.max_deltas)
+                         args.max_deltas, every=args.every)
             result["repeat"] = repeat
             print(f"{mode} run {repeat}: {time.perf_counter() - started:.0f} s"
                   + (f" FAILED {result['error'][-800:]}" if "error" in result
