@@ -82,42 +82,41 @@ def main():
                 update(tf.IndexedSlices(values, ids))
         return applies
 
-    # A lookup's rows go somewhere (an unused gather would be pruned):
-    # one float of them into `sink`, in both the lookup alone and before an
-    # update, so the two differ by the update only.
-    sink = tf.Variable(0.0)
-
-    def lookup(g):
-        return sink.assign(tf.reduce_sum(tf.gather(table, g.indices)[:, 0]))
-
-    def looked_up(update):
-        def after_lookup(g):
-            with tf.control_dependencies([lookup(g)]):
-                update(g)
-        return after_lookup
-
     adagrad = lambda g: _rowwise.adagrad(  # noqa: E731
         table, accumulator, g, 0.1, 1e-7, kernels=kernels)
     lazy_adam = lambda g: _rowwise.lazy_adam(  # noqa: E731
         table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
         1e-7, kernels=kernels)
-    lookup_functions = {
-        "lookup alone": timed(lookup),
-        "lookup, adagrad": timed(looked_up(adagrad)),
-        "lookup, lazy_adam": timed(looked_up(lazy_adam)),
-    }
-    functions = lookup_functions if args.after_lookup else {
-        "adagrad, TF's ops": timed(lambda g: _rowwise.adagrad(
-            table, accumulator, g, 0.1, 1e-7)),
-        "adagrad, kernel": timed(lambda g: _rowwise.adagrad(
-            table, accumulator, g, 0.1, 1e-7, kernels=kernels)),
-        "lazy_adam, TF's ops": timed(lambda g: _rowwise.lazy_adam(
-            table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
-            1e-7)),
-        "lazy_adam, kernel": timed(lambda g: _rowwise.lazy_adam(
-            table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9, 0.999,
-            1e-7, kernels=kernels)),
-    }
+    if args.after_lookup:
+        # A lookup's rows go somewhere (an unused gather would be pruned):
+        # one float of them into `sink`, in both the lookup alone and
+        # before an update, so the two differ by the update only.
+        sink = tf.Variable(0.0)
+
+        def lookup(g):
+            return sink.assign(tf.reduce_sum(tf.gather(table, g.indices)[:, 0]))
+
+        def looked_up(update):
+            def after_lookup(g):
+                with tf.control_dependencies([lookup(g)]):
+                    update(g)
+            return after_lookup
+
+        functions = {
+            "lookup alone": timed(lookup),
+            "lookup, adagrad": timed(looked_up(adagrad)),
+            "lookup, lazy_adam": timed(looked_up(lazy_adam)),
+        }
+    else:
+        functions = {
+            "adagrad, TF's ops": timed(lambda g: _rowwise.adagrad(
+                table, accumulator, g, 0.1, 1e-7)),
+            "adagrad, kernel": timed(adagrad),
+            "lazy_adam, TF's ops": timed(lambda g: _rowwise.lazy_adam(
+                table, m, v, last_step, g, step.assign_add(1), 1e-3, 0.9,
+                0.999, 1e-7)),
+            "lazy_adam, kernel": timed(lazy_adam),
+        }
     for function in functions.values():  # trace (one signature for every call)
         function(batches[0])
     times = {name: [] for name in functions}
