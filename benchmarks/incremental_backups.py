@@ -88,7 +88,7 @@ def _model(keras, keras_ps, strategy, rows, dim, ids):
     return model
 
 
-def run_child(mode, rows, epochs, steps, directory, max_deltas):
+def run_child(mode, rows, epochs, steps, directory, max_deltas, every):
     import keras
     import numpy as np
     import tensorflow as tf
@@ -155,7 +155,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
 
         def on_train_batch_end(self, batch, logs=None):
             step = self.epoch * steps + batch + 1
-            if step // EVERY == state["step"] // EVERY:
+            if step // every == state["step"] // every:
                 state["step"] = step
                 return
             state["step"] = step
@@ -212,7 +212,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas):
               epochs=epochs, steps_per_epoch=steps, verbose=0,
               callbacks=[Backups()])
     (t0, o0), (t1, o1) = ends[0], ends[-1]
-    result = dict(mode=mode, rows=rows, every=EVERY, records=records,
+    result = dict(mode=mode, rows=rows, every=every, records=records,
                   compactions=compactions,
                   steps_per_s=(epochs - 1) * steps / (t1 - t0 - (o1 - o0)),
                   dense_bytes=sizes["dense_bytes"], row_bytes=ROW_BYTES)
@@ -274,8 +274,8 @@ def _complete(backup, record):
                     if r["keys"][0] == "model/0")
 
 
-def run(mode, rows, epochs, steps, parent, max_deltas, timeout=7200,
-        every=EVERY):
+def run(mode, rows, epochs, steps, parent, max_deltas, every,
+        timeout=7200):
     directory = tempfile.mkdtemp(prefix=f"incremental-{mode}-", dir=parent)
     try:
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
@@ -314,6 +314,7 @@ def summary(results):
     ok = [r for r in results if "error" not in r]
     runs = {m: [r for r in ok if r["mode"] == m] for m in MODES}
     rows = results[0]["rows"]
+    every = results[0].get("every", EVERY)  # a failed run has none
     base = {r["repeat"]: r["steps_per_s"] for r in runs["none"]}
 
     def speed(mode):
@@ -330,10 +331,10 @@ def summary(results):
     if runs["none"]:
         lines.append(f"| no backup | | | | {speed('none')} |")
     if runs["join"]:
-        lines.append(f"| no backup, a join every {EVERY} steps | | | | "
+        lines.append(f"| no backup, a join every {every} steps | | | | "
                      f"{speed('join')} |")
     if runs["track"]:
-        lines.append(f"| no backup, a join every {EVERY} steps, rows "
+        lines.append(f"| no backup, a join every {every} steps, rows "
                      f"marked | | | | {speed('track')} |")
     for mode, label in (("incremental", "incremental"),
                         ("blocking", "incremental, compaction blocking"),
@@ -408,7 +409,6 @@ def _mb(value):
 
 
 def main():
-    global EVERY
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--modes", default=",".join(MODES))
@@ -425,12 +425,10 @@ def main():
                         help="steps between backups (and joins)")
     parser.add_argument("--_child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    EVERY = args.every
     if args._child:
         mode, rows, epochs, steps, directory, max_deltas, every = args._child
-        EVERY = int(every)
         result = run_child(mode, int(rows), int(epochs), int(steps), directory,
-                           int(max_deltas))
+                           int(max_deltas), int(every))
         print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
@@ -438,7 +436,7 @@ def main():
         for mode in args.modes.split(","):
             started = time.perf_counter()
             result = run(mode, args.rows, args.epochs, args.steps, args.dir,
-                         args.max_deltas, every=args.every)
+                         args.max_deltas, args.every)
             result["repeat"] = repeat
             print(f"{mode} run {repeat}: {time.perf_counter() - started:.0f} s"
                   + (f" FAILED {result['error'][-800:]}" if "error" in result
