@@ -86,7 +86,10 @@ class BackupAndRestore(ResumableCallback):
             on (see `keras_ps.IncrementalBackup`). Off by default: with a ps
             lost while a delta is written, a recovery in the same `fit`
             once ended with `optimizer.iterations` short of the planned
-            steps, a case not yet understood.
+            steps, a case not yet understood; and where the ps share their
+            cores with the workers it trained slower than waiting for each
+            delta, at every backup interval measured (100 to 1,000 steps,
+            docs/incremental_backups.md).
         recover_ps: True (default): when a parameter server is lost during
             `fit` (killed and brought back on its address by a restart
             policy, or replaced), `fit` waits for it to answer again, gives
