@@ -288,7 +288,7 @@ def run(mode, rows, epochs, steps, parent, max_deltas, every,
         shutil.rmtree(directory, ignore_errors=True)
     lines = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
-        return {"mode": mode, "rows": rows,
+        return {"mode": mode, "rows": rows, "every": every,
                 "error": f"exit {out.returncode}: {out.stderr[-2000:]}"}
     return json.loads(lines[-1][len("RESULT "):])
 
@@ -314,7 +314,7 @@ def summary(results):
     ok = [r for r in results if "error" not in r]
     runs = {m: [r for r in ok if r["mode"] == m] for m in MODES}
     rows = results[0]["rows"]
-    every = results[0].get("every", EVERY)  # a failed run has none
+    every = results[0]["every"]
     base = {r["repeat"]: r["steps_per_s"] for r in runs["none"]}
 
     def speed(mode):
