@@ -421,7 +421,7 @@ def test_adagrad_kernel_agrees_with_tf_ops(sharded, strategy, two_shards,
     # the CPU: on one with AVX-512 it differs from x / sqrt(y) in 45% of
     # random floats), where the kernel divides by an IEEE square root. A row
     # the updates move to near zero keeps that absolute error: on such a CPU
-    # one value came out -0.01057547 against the kernel's -0.01057545 (the
+    # one value came out -0.01057545 against the kernel's -0.01057547 (the
     # IEEE result), 1.4e-6 apart relatively. So each value is compared within
     # four units in the last place of the magnitudes that made it: the
     # initial value and the updates' sum. The table's value then makes the
