@@ -380,8 +380,8 @@ def test_lazy_adam_kernel_agrees_with_tf_ops_after_long_gaps():
 def test_adagrad_kernel_agrees_with_tf_ops(sharded, strategy, two_shards,
                                            coordinator, monkeypatch):
     """Keras' Adagrad on a ps table: keras_ps' C++ kernel and the update made
-    of TF's ops (KERAS_PS_NATIVE=0) leave the same accumulator, and the same
-    table to float rounding.
+    of TF's ops (KERAS_PS_NATIVE=0) leave the same table and accumulator to
+    float rounding.
     (test_rowwise_equals_keras_dense_result checks the kernel against Keras'
     own dense update.)"""
     rng = np.random.default_rng(1)
