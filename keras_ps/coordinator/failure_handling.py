@@ -2,9 +2,10 @@
 watchdog and the re-admission of a worker that answers again.
 
 Decide apart from act: `decide` is a pure function of what was observed (the
-error's type, probes of the worker and the ps tasks, keras_ps.cluster._network.probe); the worker thread acts
-on its `Decision` and logs why. Failures are classified by exception type
-only, never by message text.
+error's type, whether the function had run to its end when the call failed,
+probes of the worker and the ps tasks, keras_ps.cluster._network.probe); the
+worker thread acts on its `Decision` and logs why. Failures are classified
+by exception type and by that point of the call, never by message text.
 """
 
 import enum
@@ -35,6 +36,13 @@ MAX_TRANSIENT_RETRIES = 3
 # with an error that is not about connectivity: the same failure on every
 # fresh start of a worker comes from outside it, and retrying cannot end.
 MAX_FAILED_READMISSIONS = 3
+# Calls in a row whose function ran to its end on the worker but whose
+# outputs could not be copied back: the first is retried (a worker stopped or
+# killed at that moment breaks the copy with errors of any type: an
+# InternalError "Unable to parse request" was seen under SIGKILLs and
+# SIGSTOPs of workers), a second in a row is the outputs themselves (a
+# dataset or resource returned) and is raised.
+MAX_LOST_OUTPUT_RETRIES = 1
 
 
 class Decision(enum.Enum):
@@ -51,7 +59,7 @@ def is_connectivity_error(error):
 
 
 def decide(error, worker_alive, dead_ps, context_lost=False,
-           consecutive_failures=1, failed_readmissions=0):
+           consecutive_failures=1, failed_readmissions=0, outputs_lost=0):
     """Returns the Decision for a closure that raised `error`.
 
     Args:
@@ -65,6 +73,9 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
         failed_readmissions: failures of this worker in a row that came
             right after a (re)admission with an error that is not about
             connectivity, this one included.
+        outputs_lost: calls of this worker in a row, this one included, that
+            ran their function to its end and failed copying its outputs to
+            the coordinator; 0 when this call failed before that.
     """
     if dead_ps:
         return Decision.RAISE_PS_FAILURE
@@ -79,6 +90,11 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
         # lost our context. Retry a few times, then rebuild its context.
         if consecutive_failures > MAX_TRANSIENT_RETRIES:
             return Decision.RETRY_ELSEWHERE
+        return Decision.RETRY
+    if outputs_lost:
+        # The user's function finished; moving its results failed.
+        if outputs_lost > MAX_LOST_OUTPUT_RETRIES:
+            return Decision.RAISE
         return Decision.RETRY
     return Decision.RAISE
 

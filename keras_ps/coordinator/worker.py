@@ -105,6 +105,9 @@ class _Call:
         self.gate_hold = None
         self.settled = False  # its outcome was handled, or it was given up
         self.abandoned = False  # given up by the watchdog
+        # Its function ran to its end on the worker; what is left is copying
+        # the outputs to the coordinator.
+        self.ran = False
 
 
 class Worker:
@@ -118,6 +121,8 @@ class Worker:
         self.closures_run = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
+        # Calls in a row that ran but lost their outputs on the way back.
+        self._lost_outputs = 0
         # The last call failed on the connection while the worker answered,
         # and was retried here: a restart policy may have brought it back.
         self._retried_on_answering = False
@@ -246,11 +251,11 @@ class Worker:
                 self._in_flight = call
                 # Read under the gate: a re-admission cannot start mid-call.
                 generation = services.readmission.generation
-                outputs = self._execute(batch)
+                outputs = self._execute(batch, call)
         except Exception as error:  # decided below, never swallowed
             if self._finish_call(call):
                 stale = generation != services.readmission.generation
-                self._on_failure(batch, error, stale)
+                self._on_failure(batch, error, stale, ran=call.ran)
             return
         if not self._finish_call(call):
             return
@@ -266,6 +271,7 @@ class Worker:
         self.closures_run += len(batch)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
+        self._lost_outputs = 0
         self._retried_on_answering = False
         services.queue.mark_finished(len(batch))
 
@@ -280,7 +286,7 @@ class Worker:
             call.settled = True
             return True
 
-    def _execute(self, batch):
+    def _execute(self, batch, call):
         packing = self._services.packing
         fn = batch[0].fn
         calls = [self._select(c) for c in batch]
@@ -298,6 +304,7 @@ class Worker:
         # A remote call returns once it is enqueued; fetching the token (an
         # output of the same function) waits until every step has run.
         token.numpy()
+        call.ran = True
         # Copy results to the coordinator now: the worker may be gone later.
         return pack.split(self._to_local(results))
 
@@ -317,7 +324,7 @@ class Worker:
                 result)
 
     # -- failures ------------------------------------------------------------------
-    def _on_failure(self, batch, error, stale=False):
+    def _on_failure(self, batch, error, stale=False, ran=False):
         services = self._services
         queue = services.queue
         if self.state in _GONE:
@@ -346,25 +353,32 @@ class Worker:
         # connectivity errors first, then, once workers are rebuilt, with
         # others (its variables are gone), so the ps are always looked at.
         dead_ps = services.dead_ps()
-        # After a connection failure on a worker that answers, a failure of
-        # another kind means the worker was restarted at once (a restart
-        # policy): the retry ran against the eager context it lost, which
-        # fails with errors such as "Primary device is not remote".
+        connectivity = failure_handling.is_connectivity_error(error)
+        # After a retry on a worker that answers, a failure of another kind
+        # before the function ended means the worker was restarted at once
+        # (a restart policy): the retry ran against the eager context it
+        # lost, which fails with errors such as "Primary device is not
+        # remote".
         restarted_at_once = self._retried_on_answering and \
-            not failure_handling.is_connectivity_error(error)
+            not connectivity and not ran
         self._retried_on_answering = False
         context_lost = self.state is WorkerState.READMITTED or stale or \
             restarted_at_once
         self._consecutive_failures += 1
-        if context_lost and worker_alive and \
-                not failure_handling.is_connectivity_error(error):
+        if context_lost and worker_alive and not connectivity:
             self._failed_readmissions += 1
+        # The function ran to its end and its outputs were lost on the way
+        # back: not an error of the function.
+        self._lost_outputs = self._lost_outputs + 1 \
+            if ran and not connectivity else 0
         decision = failure_handling.decide(
             error, worker_alive, dead_ps, context_lost=context_lost,
             consecutive_failures=self._consecutive_failures,
-            failed_readmissions=self._failed_readmissions)
-        logger.info("[worker:%d] closure failed with %s; worker %s, dead ps %s "
-                    "-> %s", self.index, type(error).__name__,
+            failed_readmissions=self._failed_readmissions,
+            outputs_lost=self._lost_outputs)
+        logger.info("[worker:%d] closure failed with %s%s; worker %s, dead ps "
+                    "%s -> %s", self.index, type(error).__name__,
+                    " copying its outputs back" if ran else "",
                     "answers" if worker_alive else "unreachable", sorted(dead_ps),
                     decision.value)
         if decision is Decision.RETRY:
@@ -402,6 +416,14 @@ class Worker:
                 c.remote_value._set_error(fatal)
             queue.mark_fatal(len(batch), fatal)
         else:
+            if self._lost_outputs:
+                error.add_note(
+                    f"keras_ps: the function ran to its end on worker "
+                    f"{self.index} in {self._lost_outputs} calls in a row, "
+                    "and each time its outputs could not be copied to the "
+                    "coordinator. Return tensors of numbers, booleans or "
+                    "strings from a scheduled function, not datasets, "
+                    "iterators or resource handles.")
             listener = batch[0].listener
             if listener is not None:
                 # Dynamic data shards: a shard that fails to read is retried

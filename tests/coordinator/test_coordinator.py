@@ -283,6 +283,35 @@ def test_application_error_raised_once_then_usable(strategy, coordinator):
     assert again.fetch() == 2.0
 
 
+def test_outputs_that_cannot_be_copied_back_are_raised_after_one_retry(
+        strategy, coordinator):
+    # A dataset returned from a scheduled function runs on its worker, but
+    # its variant cannot be copied to the coordinator (TF fails the copy
+    # with InternalError). After a function ran to its end, a failed copy
+    # is retried once (a worker lost at that moment fails it with errors of
+    # any type); the same failure again is raised with what to do, the
+    # function having run exactly twice.
+    with strategy.scope():
+        runs = tf.Variable(0)
+
+    @tf.function
+    def returns_a_dataset():
+        runs.assign_add(1)
+        return tf.data.experimental.to_variant(tf.data.Dataset.range(3))
+
+    result = coordinator.schedule(returns_a_dataset)
+    with pytest.raises(tf.errors.InternalError) as raised:
+        coordinator.join()
+    notes = "\n".join(getattr(raised.value, "__notes__", ()))
+    assert "could not be copied to the coordinator" in notes, notes
+    assert "in 2 calls in a row" in notes, notes
+    assert runs.numpy() == 2
+    with pytest.raises(tf.errors.InternalError):
+        result.fetch()
+    # The coordinator goes on.
+    assert coordinator.schedule(tf.function(lambda: runs + 1)).fetch() == 3
+
+
 def test_a_dropped_per_worker_dataset_is_freed_at_once(coordinator):
     # Without the garbage collector: a per-worker dataset and its iterator
     # go as soon as the user drops them, so a later re-admission does not

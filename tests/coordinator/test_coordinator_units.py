@@ -30,6 +30,25 @@ def test_decide(error, alive, dead_ps, failures, expected):
                                  consecutive_failures=failures) is expected
 
 
+def test_outputs_lost_after_the_function_ran_are_retried_once():
+    # The function ran to its end; copying its outputs back failed with an
+    # error that is not about the connection (a worker stopped or killed at
+    # that moment): retried, not raised as the user's error. A second such
+    # failure in a row is the outputs themselves, and raised.
+    assert failure_handling.decide(
+        APP, True, [], outputs_lost=1) is Decision.RETRY
+    assert failure_handling.decide(
+        APP, True, [], consecutive_failures=2, outputs_lost=2) is Decision.RAISE
+    # A lost ps, a lost worker and a lost context still come first.
+    assert failure_handling.decide(
+        APP, True, [0], outputs_lost=1) is Decision.RAISE_PS_FAILURE
+    assert failure_handling.decide(
+        APP, False, [], outputs_lost=2) is Decision.RETRY_ELSEWHERE
+    assert failure_handling.decide(
+        APP, True, [], context_lost=True, outputs_lost=2) \
+        is Decision.RETRY_ELSEWHERE
+
+
 def test_context_lost_is_never_blamed_on_the_user():
     assert failure_handling.decide(APP, True, [], context_lost=True) \
         is Decision.RETRY_ELSEWHERE
