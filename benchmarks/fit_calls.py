@@ -24,7 +24,9 @@ Calls, in this order, in one process:
   5. evaluate(steps=100) twice          the second one's time
 
 Peak RSS: each process' high-water mark (VmHWM) at the end: the coordinator
-and each ps and worker task.
+and each ps and worker task. CPU per step: each process' user and system
+time (/proc/PID/stat) over epochs 2-4 of call 3, per step; a host that
+steals time or changes speed moves it far less than steps/s.
 
 Under the table, the ratios of the runs of each repeat (keras_ps against TF
 native; LazyAdam against Adagrad, also as the ratio of the systems' medians).
@@ -81,6 +83,13 @@ def _hwm_gb(pid):
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 2**20
     return float("nan")
+
+
+def _cpu_s(pid):
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def build(system, rows, metrics=("accuracy",)):
@@ -144,14 +153,18 @@ def build(system, rows, metrics=("accuracy",)):
     return cluster, model, creator, keras
 
 
-def timed_fit(keras, model, creator, epochs, steps):
+def timed_fit(keras, model, creator, epochs, steps, cpu_marks=None):
     """fit(epochs x steps); each epoch's seconds (the first with the call's
-    start-up)."""
+    start-up). With `cpu_marks` ({task: pid} -> [] ), each epoch's end also
+    appends {task: CPU seconds so far} to it."""
     epoch_ends = []
 
     class EpochTimer(keras.callbacks.Callback):
         def on_epoch_end(self, epoch, logs=None):
             epoch_ends.append(time.perf_counter())
+            if cpu_marks is not None:
+                cpu_marks[1].append(
+                    {task: _cpu_s(pid) for task, pid in cpu_marks[0].items()})
 
     start = time.perf_counter()
     model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
@@ -167,7 +180,15 @@ def run_one(system, rows):
     first_call_s = sum(timed(1, int(os.environ.get(FIRST_CALL_ENV_VAR,
                                                    EPOCH_STEPS))))
     whole = [sum(timed(1, WHOLE_CALL_STEPS))]
-    epochs = timed(4, EPOCH_STEPS)
+    pids = {"coordinator": os.getpid()}
+    for job in ("ps", "worker"):
+        for i in range(2):
+            pids[f"{job}{i}"] = cluster.pid(job, i)
+    cpu_marks = (pids, [])
+    epochs = timed_fit(keras, model, creator, 4, EPOCH_STEPS, cpu_marks)
+    cpu_ms_per_step = {
+        task: 1000 * (cpu_marks[1][-1][task] - cpu_marks[1][0][task])
+        / (3 * EPOCH_STEPS) for task in pids}
     whole.append(sum(timed(1, WHOLE_CALL_STEPS)))
     steady = 3 * EPOCH_STEPS / sum(epochs[1:])
     evaluate_s = []
@@ -175,10 +196,7 @@ def run_one(system, rows):
         start = time.perf_counter()
         model.evaluate(creator, steps=EVAL_STEPS, verbose=0)
         evaluate_s.append(time.perf_counter() - start)
-    rss = {"coordinator": _hwm_gb(os.getpid())}
-    for job in ("ps", "worker"):
-        for i in range(2):
-            rss[f"{job}{i}"] = _hwm_gb(cluster.pid(job, i))
+    rss = {task: _hwm_gb(pid) for task, pid in pids.items()}
     iterations = int(model.optimizer.iterations.numpy())
     forms = []
     if not system.startswith("tf_native"):
@@ -191,6 +209,7 @@ def run_one(system, rows):
         "ids": os.environ.get(IDS_ENV_VAR, "zipf"),
         "intra_op_threads": cluster.intra_op_threads,
         "steady_steps_per_s": steady,
+        "steady_cpu_ms_per_step": cpu_ms_per_step,
         "epoch_s": epochs,
         "startup_s": epochs[0] - statistics.median(epochs[1:]),
         "first_call_s": first_call_s,
@@ -254,8 +273,9 @@ def markdown(runs, label=""):
         "| system | steady steps/s | call 2: fit(240), s (steps/s) "
         "| call 4: fit(240), s (steps/s) | start-up of call 3, s "
         "| 2nd evaluate(100 steps), s "
-        "| peak RSS GB (coord / ps0 / ps1 / w0 / w1) | load (1 min) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peak RSS GB (coord / ps0 / ps1 / w0 / w1) | load (1 min) "
+        "| CPU ms a step, all tasks (the two ps) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for system in SYSTEMS:
         ok = [x for x in runs if x["system"] == system and "error" not in x]
@@ -271,8 +291,26 @@ def markdown(runs, label=""):
             f"| {spread([x['startup_s'] for x in ok])} "
             f"| {spread([x['evaluate_s'][1] for x in ok])} "
             f"| {' / '.join(f'{v:.1f}' for v in rss.values())} "
-            f"| {spread([x['load_before'][0] for x in ok], 1)} |")
+            f"| {spread([x['load_before'][0] for x in ok], 1)} "
+            f"| {_cpu_cell(ok)} |")
     return lines
+
+
+def _cpu_ms(run, tasks=None):
+    """CPU ms a step of `run`'s tasks (all of them by default), or None for
+    a run saved before the benchmark measured it."""
+    cpu = run.get("steady_cpu_ms_per_step")
+    if cpu is None:
+        return None
+    return sum(v for task, v in cpu.items() if tasks is None or task in tasks)
+
+
+def _cpu_cell(runs):
+    total = [_cpu_ms(x) for x in runs if _cpu_ms(x) is not None]
+    ps = [_cpu_ms(x, ("ps0", "ps1")) for x in runs if _cpu_ms(x) is not None]
+    if not total:
+        return "-"
+    return f"{spread(total, 1)} ({spread(ps, 1)})"
 
 
 TF_NATIVE = "tf_native_adagrad"
@@ -324,10 +362,17 @@ def ratios(runs):
                   for lazy, ada in pairs]
         medians = (statistics.median(lazy["steady_steps_per_s"] for lazy, _ in pairs)
                    / statistics.median(ada["steady_steps_per_s"] for _, ada in pairs))
-        lines.append(
+        line = (
             f"- {system} / {_twin(system)}, {len(pairs)} pairs: steady steps/s "
             f"{spread(steady)}x; the systems' medians {medians:.2f}x; "
             f"{sum(r < 0.9 for r in steady)} pairs under 0.9x")
+        timed = [(lazy, ada) for lazy, ada in pairs
+                 if _cpu_ms(lazy) is not None and _cpu_ms(ada) is not None]
+        if timed:
+            cpu = [_cpu_ms(lazy) / _cpu_ms(ada) for lazy, ada in timed]
+            line += (f"; CPU a step of all tasks, {system} / {_twin(system)}: "
+                     f"{spread(cpu)}x over {len(timed)} pairs")
+        lines.append(line)
     return lines
 
 
