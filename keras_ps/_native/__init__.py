@@ -113,9 +113,10 @@ def library_path():
     return os.path.join(cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
 
 
-def _compile(path, extra_flags=()):
-    """Builds the library into `path`; `extra_flags` go to the compiler after
-    keras_ps' own (a test builds a variant with a -D)."""
+def _compile(path, extra_flags=(), sources=None):
+    """Builds the library into `path` from `sources` (default: SOURCES);
+    `extra_flags` go to the compiler after keras_ps' own (a test builds a
+    variant of the row kernels alone with a -D)."""
     include = os.path.join(_tf_dir(), "include")
     if not os.path.exists(os.path.join(include, "tensorflow", "core",
                                        "framework", "op_kernel.h")):
@@ -131,7 +132,7 @@ def _compile(path, extra_flags=()):
 
     tmp = f"{path}.{os.getpid()}.tmp"
     command = [compiler, *_FLAGS, *extra_flags,
-               *tf.sysconfig.get_compile_flags(), *SOURCES,
+               *tf.sysconfig.get_compile_flags(), *(sources or SOURCES),
                "-o", tmp, *tf.sysconfig.get_link_flags(),
                f"-Wl,-rpath,{_tf_dir()}"]
     logger.warning("[native] building keras_ps' C++ kernels once for this "

@@ -118,7 +118,12 @@ def _stats(table):
     return np.sum([s.read_stats().numpy() for s in table._table.shards], 0)
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+# LazyAdam's deltas in the background in the suite; Adagrad's in the
+# foreground apart (-m slow; test_backup_and_restore_writes_and_restores_
+# deltas_of_a_dynamic_table restores foreground deltas in the suite).
+@pytest.mark.parametrize("optimizer", [
+    pytest.param(o, marks=pytest.mark.slow) if o == "adagrad" else o
+    for o in sorted(OPTIMIZERS)])
 def test_full_plus_deltas_restore_a_dynamic_table_bit_for_bit(
         optimizer, strategy, coordinator, tmp_path):
     # With LazyAdam the deltas are written in the background while the
