@@ -63,7 +63,7 @@ class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
     __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
-                 "generation", "cancellation", "listener")
+                 "generation", "cancellation", "listener", "outputs_lost")
 
     def __init__(self, fn, args, kwargs, per_worker, listener=None):
         self.fn = fn
@@ -77,6 +77,9 @@ class Closure:
         # told when the closure starts on a worker, finishes, is requeued or
         # fails; None for ordinary closures.
         self.listener = listener
+        # Times its function ran to its end on a worker and the outputs were
+        # lost on the way back to the coordinator.
+        self.outputs_lost = 0
 
     @classmethod
     def of(cls, fn, args, kwargs):

@@ -36,12 +36,12 @@ MAX_TRANSIENT_RETRIES = 3
 # with an error that is not about connectivity: the same failure on every
 # fresh start of a worker comes from outside it, and retrying cannot end.
 MAX_FAILED_READMISSIONS = 3
-# Calls in a row whose function ran to its end on the worker but whose
-# outputs could not be copied back: the first is retried (a worker stopped or
+# Times a closure's function ran to its end on a worker but its outputs
+# could not be copied back: the first is retried (a worker stopped or
 # killed at that moment breaks the copy with errors of any type: an
 # InternalError "Unable to parse request" was seen under SIGKILLs and
-# SIGSTOPs of workers), a second in a row is the outputs themselves (a
-# dataset or resource returned) and is raised.
+# SIGSTOPs of workers), a second is the outputs themselves (a dataset or
+# resource returned) and is raised.
 MAX_LOST_OUTPUT_RETRIES = 1
 
 
@@ -73,9 +73,9 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
         failed_readmissions: failures of this worker in a row that came
             right after a (re)admission with an error that is not about
             connectivity, this one included.
-        outputs_lost: calls of this worker in a row, this one included, that
-            ran their function to its end and failed copying its outputs to
-            the coordinator; 0 when this call failed before that.
+        outputs_lost: times the call's closures ran their function to its
+            end and lost its outputs on the way back to the coordinator,
+            this time included; 0 when this call failed before that.
     """
     if dead_ps:
         return Decision.RAISE_PS_FAILURE

@@ -121,8 +121,6 @@ class Worker:
         self.closures_run = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
-        # Calls in a row that ran but lost their outputs on the way back.
-        self._lost_outputs = 0
         # The last call failed on the connection while the worker answered,
         # and was retried here: a restart policy may have brought it back.
         self._retried_on_answering = False
@@ -271,7 +269,6 @@ class Worker:
         self.closures_run += len(batch)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
-        self._lost_outputs = 0
         self._retried_on_answering = False
         services.queue.mark_finished(len(batch))
 
@@ -368,21 +365,27 @@ class Worker:
         if context_lost and worker_alive and not connectivity:
             self._failed_readmissions += 1
         # The function ran to its end and its outputs were lost on the way
-        # back: not an error of the function.
-        self._lost_outputs = self._lost_outputs + 1 \
-            if ran and not connectivity else 0
+        # back: not an error of the function. Counted on the closures, which
+        # a retry may give to another worker.
+        outputs_lost = 0
+        if ran and not connectivity:
+            for closure in batch:
+                closure.outputs_lost += 1
+            outputs_lost = max(closure.outputs_lost for closure in batch)
         decision = failure_handling.decide(
             error, worker_alive, dead_ps, context_lost=context_lost,
             consecutive_failures=self._consecutive_failures,
             failed_readmissions=self._failed_readmissions,
-            outputs_lost=self._lost_outputs)
+            outputs_lost=outputs_lost)
         logger.info("[worker:%d] closure failed with %s%s; worker %s, dead ps "
                     "%s -> %s", self.index, type(error).__name__,
                     " copying its outputs back" if ran else "",
                     "answers" if worker_alive else "unreachable", sorted(dead_ps),
                     decision.value)
         if decision is Decision.RETRY:
-            self._retried_on_answering = True
+            # After a connection failure only: its retry failing otherwise
+            # means a restart (above). Lost outputs say the worker is fine.
+            self._retried_on_answering = connectivity
             queue.put_back(batch)
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
@@ -416,14 +419,13 @@ class Worker:
                 c.remote_value._set_error(fatal)
             queue.mark_fatal(len(batch), fatal)
         else:
-            if self._lost_outputs:
+            if outputs_lost:
                 error.add_note(
-                    f"keras_ps: the function ran to its end on worker "
-                    f"{self.index} in {self._lost_outputs} calls in a row, "
-                    "and each time its outputs could not be copied to the "
-                    "coordinator. Return tensors of numbers, booleans or "
-                    "strings from a scheduled function, not datasets, "
-                    "iterators or resource handles.")
+                    f"keras_ps: the function ran to its end {outputs_lost} "
+                    "times, and each time its outputs could not be copied "
+                    "from the worker to the coordinator. Return tensors of "
+                    "numbers, booleans or strings from a scheduled function, "
+                    "not datasets, iterators or resource handles.")
             listener = batch[0].listener
             if listener is not None:
                 # Dynamic data shards: a shard that fails to read is retried
