@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import probe
+from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.errors import RepeatedFailureError
 from keras_ps.strategy import strategy as strategy_lib
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,45 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
             return Decision.RAISE
         return Decision.RETRY
     return Decision.RAISE
+
+
+# -- what the user is told ------------------------------------------------------
+def ps_failure(dead_ps, error):
+    """The error of a job whose ps `dead_ps` ({index: address}) are gone."""
+    return ParameterServerUnavailableError(
+        f"Parameter server(s) {sorted(dead_ps)} at "
+        f"{[dead_ps[i] for i in sorted(dead_ps)]} cannot be reached; the "
+        "model's variables there are lost. Restart the job (ps tasks "
+        "included) and resume from the last checkpoint, e.g. with "
+        "keras_ps.callbacks.BackupAndRestore. Cause: "
+        f"{type(error).__name__}")
+
+
+def repeated_failure(index, address, readmissions, error):
+    """The error of worker `index` failing with `error` right after each of
+    its last `readmissions` re-admissions."""
+    first_line = (str(error).strip().splitlines() or [""])[0][:300]
+    fatal = RepeatedFailureError(
+        f"Scheduled functions failed on worker {index} ({address}) right "
+        f"after each of its last {readmissions} re-admissions, with "
+        f"{type(error).__name__}: {first_line}. The same failure on "
+        "every fresh start of a worker comes from outside it; the "
+        "likely cause is a parameter server that was restarted and "
+        "lost the variables this job placed there, or a function "
+        "that needs state only the first run of the worker had. "
+        "Restart the job and resume from the last checkpoint (e.g. "
+        "keras_ps.callbacks.BackupAndRestore).")
+    fatal.__cause__ = error
+    return fatal
+
+
+def note_lost_outputs(error, outputs_lost):
+    """Says on `error` that the function ran and its outputs were lost."""
+    error.add_note(
+        f"keras_ps: the function ran to its end {outputs_lost} times, and "
+        "each time its outputs could not be copied from the worker to the "
+        "coordinator. Return tensors of numbers, booleans or strings from a "
+        "scheduled function, not datasets, iterators or resource handles.")
 
 
 # -- the hang watchdog --------------------------------------------------------------

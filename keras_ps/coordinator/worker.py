@@ -26,8 +26,6 @@ from keras_ps.coordinator.failure_handling import Decision
 from keras_ps.coordinator.failure_handling import Readmission
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
-from keras_ps.errors import ParameterServerUnavailableError
-from keras_ps.errors import RepeatedFailureError
 
 logger = logging.getLogger(__name__)
 
@@ -391,41 +389,13 @@ class Worker:
             self.transition(WorkerState.FAILED, type(error).__name__)
             queue.put_back(batch)
         elif decision is Decision.RAISE_PS_FAILURE:
-            fatal = ParameterServerUnavailableError(
-                f"Parameter server(s) {sorted(dead_ps)} at "
-                f"{[dead_ps[i] for i in sorted(dead_ps)]} cannot be reached; the "
-                "model's variables there are lost. Restart the job (ps tasks "
-                "included) and resume from the last checkpoint, e.g. with "
-                "keras_ps.callbacks.BackupAndRestore. Cause: "
-                f"{type(error).__name__}")
-            for c in batch:
-                c.remote_value._set_error(fatal)
-            queue.mark_fatal(len(batch), fatal)
+            self._fail_job(batch, failure_handling.ps_failure(dead_ps, error))
         elif decision is Decision.RAISE_REPEATED:
-            first_line = (str(error).strip().splitlines() or [""])[0][:300]
-            fatal = RepeatedFailureError(
-                f"Scheduled functions failed on worker {self.index} "
-                f"({self.address}) right after each of its last "
-                f"{self._failed_readmissions} re-admissions, with "
-                f"{type(error).__name__}: {first_line}. The same failure on "
-                "every fresh start of a worker comes from outside it; the "
-                "likely cause is a parameter server that was restarted and "
-                "lost the variables this job placed there, or a function "
-                "that needs state only the first run of the worker had. "
-                "Restart the job and resume from the last checkpoint (e.g. "
-                "keras_ps.callbacks.BackupAndRestore).")
-            fatal.__cause__ = error
-            for c in batch:
-                c.remote_value._set_error(fatal)
-            queue.mark_fatal(len(batch), fatal)
+            self._fail_job(batch, failure_handling.repeated_failure(
+                self.index, self.address, self._failed_readmissions, error))
         else:
             if outputs_lost:
-                error.add_note(
-                    f"keras_ps: the function ran to its end {outputs_lost} "
-                    "times, and each time its outputs could not be copied "
-                    "from the worker to the coordinator. Return tensors of "
-                    "numbers, booleans or strings from a scheduled function, "
-                    "not datasets, iterators or resource handles.")
+                failure_handling.note_lost_outputs(error, outputs_lost)
             listener = batch[0].listener
             if listener is not None:
                 # Dynamic data shards: a shard that fails to read is retried
@@ -438,6 +408,11 @@ class Worker:
             for c in batch[1:]:
                 c.cancel()
             queue.mark_failed(len(batch), error, batch[0].generation)
+
+    def _fail_job(self, batch, fatal):
+        for closure in batch:
+            closure.remote_value._set_error(fatal)
+        self._services.queue.mark_fatal(len(batch), fatal)
 
     def _recover(self):
         """Waits until the worker answers, then has it re-admitted."""
