@@ -349,8 +349,8 @@ class Worker:
         # others (its variables are gone), so the ps are always looked at.
         dead_ps = services.dead_ps()
         connectivity = failure_handling.is_connectivity_error(error)
-        # After a retry on a worker that answers, a failure of another kind
-        # before the function ended means the worker was restarted at once
+        # After a connection failure on a worker that answers, a failure of
+        # another kind before the function ended means it was restarted at once
         # (a restart policy): the retry ran against the eager context it
         # lost, which fails with errors such as "Primary device is not
         # remote".
