@@ -155,8 +155,8 @@ def build(system, rows, metrics=("accuracy",)):
 
 def timed_fit(keras, model, creator, epochs, steps, cpu_marks=None):
     """fit(epochs x steps); each epoch's seconds (the first with the call's
-    start-up). With `cpu_marks` ({task: pid} -> [] ), each epoch's end also
-    appends {task: CPU seconds so far} to it."""
+    start-up). `cpu_marks`: None, or a pair ({task: pid}, marks) where each
+    epoch's end appends {task: CPU seconds so far} to the list `marks`."""
     epoch_ends = []
 
     class EpochTimer(keras.callbacks.Callback):
