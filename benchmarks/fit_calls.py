@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
 from fit_large_tables import dataset_fn_for  # noqa: E402
 from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
+from step_breakdown import _cpu_s as cpu_seconds  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_unrolled", "keras_ps_lazyadam_unrolled",
@@ -85,11 +86,14 @@ def _hwm_gb(pid):
     return float("nan")
 
 
-def _cpu_s(pid):
-    """User + system CPU seconds of process `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def task_pids(cluster):
+    """{task: pid} of this process (the coordinator) and of `cluster`'s two
+    ps and two workers."""
+    pids = {"coordinator": os.getpid()}
+    for job in ("ps", "worker"):
+        for i in range(2):
+            pids[f"{job}{i}"] = cluster.pid(job, i)
+    return pids
 
 
 def build(system, rows, metrics=("accuracy",)):
@@ -164,7 +168,8 @@ def timed_fit(keras, model, creator, epochs, steps, cpu_marks=None):
             epoch_ends.append(time.perf_counter())
             if cpu_marks is not None:
                 cpu_marks[1].append(
-                    {task: _cpu_s(pid) for task, pid in cpu_marks[0].items()})
+                    {task: cpu_seconds(pid)
+                     for task, pid in cpu_marks[0].items()})
 
     start = time.perf_counter()
     model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
@@ -180,10 +185,7 @@ def run_one(system, rows):
     first_call_s = sum(timed(1, int(os.environ.get(FIRST_CALL_ENV_VAR,
                                                    EPOCH_STEPS))))
     whole = [sum(timed(1, WHOLE_CALL_STEPS))]
-    pids = {"coordinator": os.getpid()}
-    for job in ("ps", "worker"):
-        for i in range(2):
-            pids[f"{job}{i}"] = cluster.pid(job, i)
+    pids = task_pids(cluster)
     cpu_marks = (pids, [])
     epochs = timed_fit(keras, model, creator, 4, EPOCH_STEPS, cpu_marks)
     cpu_ms_per_step = {

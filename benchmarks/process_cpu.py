@@ -31,10 +31,7 @@ def main():
     args = parser.parse_args()
     cluster, model, creator, keras = fit_calls.build(args.system, args.rows)
     fit_calls.timed_fit(keras, model, creator, 1, args.warmup)
-    pids = {"coordinator": os.getpid()}
-    for job in ("ps", "worker"):
-        for i in range(2):
-            pids[f"{job}{i}"] = cluster.pid(job, i)
+    pids = fit_calls.task_pids(cluster)
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     start = time.perf_counter()
     fit_calls.timed_fit(keras, model, creator, 1, args.steps)
