@@ -69,3 +69,29 @@ def test_from_json_prints_the_table_and_the_ratios_of_pooled_files():
         capture_output=True, text=True, timeout=120, check=True).stdout
     assert f"| {ADAGRAD} |" in out
     assert f"- {LAZY} / {ADAGRAD}, 18 pairs: steady steps/s " in out
+
+
+def test_cpu_a_step_by_the_pairs_where_both_runs_measured_it():
+    def with_cpu(run, ps, workers):
+        return dict(run, steady_cpu_ms_per_step={
+            "coordinator": 1.0, "ps0": ps, "ps1": ps,
+            "worker0": workers, "worker1": workers})
+
+    runs = [with_cpu(_run(ADAGRAD, 0, 100.0, 2.0, 0.5), 3.0, 4.0),
+            with_cpu(_run(LAZY, 0, 90.0, 2.0, 0.5), 4.0, 4.0),
+            with_cpu(_run(ADAGRAD, 1, 100.0, 2.0, 0.5), 3.0, 4.5),
+            with_cpu(_run(LAZY, 1, 100.0, 2.0, 0.5), 3.0, 4.5),
+            # Saved before the benchmark read CPU times: no CPU ratio.
+            _run(ADAGRAD, 2, 100.0, 2.0, 0.5), _run(LAZY, 2, 80.0, 2.0, 0.5)]
+    # All tasks: 17 against 15 ms in repeat 0, 16 against 16 in repeat 1.
+    assert fit_calls.ratios(runs) == [
+        f"- {LAZY} / {ADAGRAD}, 3 pairs: steady steps/s 0.80 / **0.90** / "
+        "1.00x; the systems' medians 0.90x; 1 pairs under 0.9x; CPU a step "
+        f"of all tasks, {LAZY} / {ADAGRAD}: 1.00 / **1.07** / 1.13x over 2 "
+        "pairs"]
+    # The table's cell: all tasks, then the two ps; runs without CPU times
+    # left out.
+    adagrad = [run for run in runs if run["system"] == ADAGRAD]
+    assert fit_calls._cpu_cell(adagrad) == \
+        "15.0 / **15.5** / 16.0 (6.0 / **6.0** / 6.0)"
+    assert fit_calls._cpu_cell(adagrad[2:]) == "-"
