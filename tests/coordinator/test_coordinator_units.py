@@ -34,7 +34,7 @@ def test_outputs_lost_after_the_function_ran_are_retried_once():
     # The function ran to its end; copying its outputs back failed with an
     # error that is not about the connection (a worker stopped or killed at
     # that moment): retried, not raised as the user's error. A second such
-    # failure in a row is the outputs themselves, and raised.
+    # failure of the same closures is the outputs themselves, and raised.
     assert failure_handling.decide(
         APP, True, [], outputs_lost=1) is Decision.RETRY
     assert failure_handling.decide(

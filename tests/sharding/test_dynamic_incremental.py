@@ -119,8 +119,8 @@ def _stats(table):
 
 
 # LazyAdam's deltas in the background in the suite; Adagrad's in the
-# foreground apart (-m slow; test_backup_and_restore_writes_and_restores_
-# deltas_of_a_dynamic_table restores foreground deltas in the suite).
+# foreground apart (-m slow). Foreground deltas of a dynamic table are
+# restored in the suite by the BackupAndRestore test below.
 @pytest.mark.parametrize("optimizer", [
     pytest.param(o, marks=pytest.mark.slow) if o == "adagrad" else o
     for o in sorted(OPTIMIZERS)])
