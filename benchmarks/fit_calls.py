@@ -44,8 +44,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fit_large_tables import DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
-from fit_large_tables import dataset_fn_for  # noqa: E402
+from fit_large_tables import STEPS_PER_EXECUTION  # noqa: E402
+from fit_large_tables import dataset_fn_for, table_model  # noqa: E402
 from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
 from step_breakdown import _cpu_s as cpu_seconds  # noqa: E402
 
@@ -144,16 +144,7 @@ def build(system, rows, metrics=("accuracy",)):
             optimizer = keras_ps.optimizers.LazyAdam(0.01)
         else:
             optimizer = keras.optimizers.Adagrad(0.1)
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int64"),
-            keras.layers.Embedding(rows, DIM),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
-        model.compile(optimizer, "binary_crossentropy", metrics=list(metrics),
-                      steps_per_execution=STEPS_PER_EXECUTION)
+        model = table_model(keras, rows, optimizer, list(metrics))
     return cluster, model, creator, keras
 
 

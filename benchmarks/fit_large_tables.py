@@ -95,6 +95,24 @@ def dataset_fn_for(tf, rows):
     return dataset_fn
 
 
+def table_model(keras, rows, optimizer, metrics):
+    """The benchmarks' model, compiled (under the caller's strategy scope):
+    Embedding(rows, DIM) over a batch's IDS ids a row, then Dense layers of
+    128, 64 and 1 units. `keras` is Keras 3 or, for TF's native path,
+    tf_keras."""
+    model = keras.Sequential([
+        keras.Input((IDS,), dtype="int64"),
+        keras.layers.Embedding(rows, DIM),
+        keras.layers.Flatten(),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(1, activation="sigmoid"),
+    ])
+    model.compile(optimizer, "binary_crossentropy", metrics=metrics,
+                  steps_per_execution=STEPS_PER_EXECUTION)
+    return model
+
+
 def held_out_accuracy(tf, model, rows, lookup):
     """Accuracy on TEST_BATCHES batches, reading only the rows they use."""
     import numpy as np
@@ -159,16 +177,7 @@ def run_one(system, rows, epochs, steps_per_epoch):
             optimizer = keras.optimizers.Adam(0.01)
         else:
             optimizer = keras.optimizers.Adagrad(0.1)
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int64"),
-            keras.layers.Embedding(rows, DIM),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
-        model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
-                      steps_per_execution=STEPS_PER_EXECUTION)
+        model = table_model(keras, rows, optimizer, ["accuracy"])
     build_s = time.perf_counter() - build_start
     rss_after_build = psutil.Process().memory_info().rss
 

@@ -73,19 +73,10 @@ MODES = ("none", "join", "track", "incremental", "blocking", "background",
 ROW_BYTES = 64 * 4 * 3 + 8  # a row, its two moments and its row step
 
 
-def _model(keras, keras_ps, strategy, rows, dim, ids):
+def _model(keras, keras_ps, strategy, rows):
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((ids,), dtype="int64"),
-            keras.layers.Embedding(rows, dim),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
-        model.compile(keras_ps.optimizers.LazyAdam(0.01), "binary_crossentropy",
-                      steps_per_execution=large.STEPS_PER_EXECUTION)
-    return model
+        return large.table_model(keras, rows,
+                                 keras_ps.optimizers.LazyAdam(0.01), None)
 
 
 def run_child(mode, rows, epochs, steps, directory, max_deltas, every):
@@ -101,7 +92,7 @@ def run_child(mode, rows, epochs, steps, directory, max_deltas, every):
     strategy = keras_ps.ParameterServerStrategy(
         resolver, variable_partitioner=FixedShardsPartitioner(2))
     keras.utils.set_random_seed(0)
-    model = _model(keras, keras_ps, strategy, rows, large.DIM, large.IDS)
+    model = _model(keras, keras_ps, strategy, rows)
     coordinator = keras_ps.ClusterCoordinator(strategy)
     table = model.layers[0].embeddings
     optimizer = model.optimizer

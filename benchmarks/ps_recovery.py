@@ -59,7 +59,6 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROWS = (1_000_000, 10_000_000)
 SAVE_FREQ = 100
-STEPS_PER_EXECUTION = 10
 PLAIN_EPOCHS, PLAIN_STEPS = 2, 400
 # Phase B plans. full: epochs of 500 steps; the throughput window is steps
 # 100..500 of epoch 0; one kill per later epoch at the end of step 250.
@@ -143,7 +142,7 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
     from keras_ps.coordinator import ClusterCoordinator
     from keras_ps.partitioners import FixedShardsPartitioner
     sys.path.insert(0, HERE)
-    from fit_large_tables import DIM, IDS, dataset_fn_for
+    from fit_large_tables import DIM, dataset_fn_for, table_model
 
     cluster = keras_ps.LocalCluster(num_workers=2, num_ps=2)
     backup_dir = tempfile.mkdtemp(prefix="ps_recovery_backup_")
@@ -155,17 +154,8 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
         keras.utils.set_random_seed(0)
         build_start = time.monotonic()
         with strategy.scope():
-            model = keras.Sequential([
-                keras.Input((IDS,), dtype="int64"),
-                keras.layers.Embedding(rows, DIM),
-                keras.layers.Flatten(),
-                keras.layers.Dense(128, activation="relu"),
-                keras.layers.Dense(64, activation="relu"),
-                keras.layers.Dense(1, activation="sigmoid"),
-            ])
-            model.compile(keras_ps.optimizers.LazyAdam(0.01),
-                          "binary_crossentropy", metrics=["accuracy"],
-                          steps_per_execution=STEPS_PER_EXECUTION)
+            model = table_model(keras, rows,
+                                keras_ps.optimizers.LazyAdam(0.01), ["accuracy"])
         build_s = time.monotonic() - build_start
         data = keras_ps.DatasetCreator(dataset_fn_for(tf, rows))
 

@@ -64,7 +64,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fit_large_tables import BATCH, DIM, IDS, STEPS_PER_EXECUTION  # noqa: E402
-from fit_large_tables import dataset_fn_for  # noqa: E402
+from fit_large_tables import dataset_fn_for, table_model  # noqa: E402
 
 FIT_STEPS = 300
 ROUNDS = 5
@@ -103,16 +103,7 @@ def run_one(rows):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         optimizer = keras.optimizers.Adagrad(0.1)
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int64"),
-            keras.layers.Embedding(rows, DIM),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(1, activation="sigmoid"),
-        ])
-        model.compile(optimizer, "binary_crossentropy", metrics=["accuracy"],
-                      steps_per_execution=STEPS_PER_EXECUTION)
+        model = table_model(keras, rows, optimizer, ["accuracy"])
     creator = keras_ps.DatasetCreator(dataset_fn_for(tf, rows))
 
     pids = {"coordinator": os.getpid()}
