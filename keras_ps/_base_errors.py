@@ -32,9 +32,10 @@ class ScheduleUsageError(KerasPSError, TypeError, ValueError):
 
 
 class RepeatedFailureError(KerasPSError, RuntimeError):
-    """Scheduled functions fail on a worker right after each of its
-    re-admissions with the same kind of error: retrying cannot help, so the
-    failure is raised instead of retried forever."""
+    """A worker was restarted again right after each of its last
+    re-admissions (this job's context on it was gone at its first call):
+    re-admitting it cannot help, so the failure is raised instead of
+    retried forever."""
 
 
 class SidecarTimeoutError(KerasPSError, TimeoutError):

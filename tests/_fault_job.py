@@ -6,6 +6,7 @@ Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
                                    ps_loss_mid_read
 """
 
+import logging
 import sys
 import time
 
@@ -28,6 +29,23 @@ def schedule_until_worker_ran(coordinator, step, iterator, steps, index=1):
         if time.monotonic() > deadline:
             raise RuntimeError(f"worker {index} never ran")
         time.sleep(0.01)
+
+
+class count_readmissions(logging.Handler):
+    """Counts the re-admissions of worker `index` from here on (the line
+    the coordinator logs for each)."""
+
+    def __init__(self, index):
+        super().__init__(logging.INFO)
+        self.count = 0
+        self._prefix = f"[worker:{index}] rebuilt in"
+        log = logging.getLogger("keras_ps.coordinator.failure_handling")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record):
+        if record.getMessage().startswith(self._prefix):
+            self.count += 1
 
 
 def restart_at_once(cluster, job, index):
@@ -156,8 +174,9 @@ def main(mode):
                 states=[w.state.value for w in coordinator.workers])
         elif mode == "worker_state_lost":
             # Each closure reads a variable the user placed on its worker:
-            # a restarted worker has lost it, so every call after its
-            # re-admission fails the same way. That must end in an error.
+            # a restarted worker has lost it, so its first call after its
+            # re-admission fails. That is the function's error, raised at
+            # once with what to do, never retried in a loop.
             from keras_ps.strategy._per_worker import PerWorkerValues
             scales = []
             for i in range(2):
@@ -172,6 +191,7 @@ def main(mode):
             for _ in range(200):
                 coordinator.schedule(scaled_step, args=(iterator, scale))
             coordinator.join()
+            readmissions = count_readmissions(1)
             cluster.kill("worker", 1)
             worker = coordinator.workers[1]
             start = time.monotonic()
@@ -190,8 +210,9 @@ def main(mode):
                 say(error=None)
             except Exception as e:  # what the user sees
                 say(error=type(e).__name__, seconds=time.monotonic() - start,
-                    message=str(e), is_keras_ps=isinstance(
-                        e, keras_ps.errors.KerasPSError))
+                    message=str(e), notes=getattr(e, "__notes__", []),
+                    is_keras_ps=isinstance(e, keras_ps.errors.KerasPSError),
+                    readmissions=readmissions.count)
         else:
             for _ in range(20):
                 coordinator.schedule(step, args=(iterator,))

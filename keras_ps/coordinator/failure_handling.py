@@ -3,9 +3,11 @@ watchdog and the re-admission of a worker that answers again.
 
 Decide apart from act: `decide` is a pure function of what was observed (the
 error's type, whether the function had run to its end when the call failed,
-probes of the worker and the ps tasks, keras_ps.cluster._network.probe); the
+probes of the worker and the ps tasks, keras_ps.cluster._network.probe, and
+whether the worker still holds this job's context, `WorkerMarkers`); the
 worker thread acts on its `Decision` and logs why. Failures are classified
-by exception type and by that point of the call, never by message text.
+by exception type, that point of the call and those checks, never by
+message text.
 """
 
 import enum
@@ -34,9 +36,10 @@ _CONNECTIVITY_ERRORS = (
 )
 
 MAX_TRANSIENT_RETRIES = 3
-# Failures in a row, each on the first call after the worker was (re)admitted,
-# with an error that is not about connectivity: the same failure on every
-# fresh start of a worker comes from outside it, and retrying cannot end.
+# Failures in a row, with no call done in between, of a worker that answers
+# but has lost this job's context (its marker): a worker restarted again
+# right after every re-admission (one that crashes at every call) is raised,
+# not re-admitted forever.
 MAX_FAILED_READMISSIONS = 3
 # Times a closure's function ran to its end on a worker but its outputs
 # could not be copied back: the first is retried (a worker stopped or
@@ -72,9 +75,9 @@ def decide(error, worker_alive, dead_ps, context_lost=False,
             restarted); its state must be rebuilt before it runs again.
         consecutive_failures: failures of this worker in a row, this one
             included.
-        failed_readmissions: failures of this worker in a row that came
-            right after a (re)admission with an error that is not about
-            connectivity, this one included.
+        failed_readmissions: failures of this worker in a row, with no
+            call done in between, that found its context lost while it
+            answered, this one included.
         outputs_lost: times the call's closures ran their function to its
             end and lost its outputs on the way back to the coordinator,
             this time included; 0 when this call failed before that.
@@ -113,22 +116,33 @@ def ps_failure(dead_ps, error):
         f"{type(error).__name__}")
 
 
-def repeated_failure(index, address, readmissions, error):
-    """The error of worker `index` failing with `error` right after each of
-    its last `readmissions` re-admissions."""
+def repeated_failure(index, address, losses, error):
+    """The error of worker `index` found restarted `losses` times in a row
+    with no call done in between, the last time failing with `error`."""
     first_line = (str(error).strip().splitlines() or [""])[0][:300]
     fatal = RepeatedFailureError(
-        f"Scheduled functions failed on worker {index} ({address}) right "
-        f"after each of its last {readmissions} re-admissions, with "
-        f"{type(error).__name__}: {first_line}. The same failure on "
-        "every fresh start of a worker comes from outside it; the "
-        "likely cause is a parameter server that was restarted and "
-        "lost the variables this job placed there, or a function "
-        "that needs state only the first run of the worker had. "
-        "Restart the job and resume from the last checkpoint (e.g. "
-        "keras_ps.callbacks.BackupAndRestore).")
+        f"Worker {index} ({address}) was found restarted {losses} times in "
+        "a row (the context this job made on it was gone), each time before "
+        "a call could run on it after its re-admission; the last call "
+        f"failed with {type(error).__name__}: {first_line}. A worker process that "
+        "restarts at every call is most likely crashing or killed there: "
+        "read its log (a crash in an op, an out-of-memory kill, a restart "
+        "policy's health check), fix that, and resume from the last "
+        "checkpoint (e.g. keras_ps.callbacks.BackupAndRestore).")
     fatal.__cause__ = error
     return fatal
+
+
+def note_after_readmission(error, index):
+    """Says on `error`, raised by the first call of worker `index` after its
+    re-admission, what a re-admission does not rebuild."""
+    error.add_note(
+        f"keras_ps: this came from worker {index}'s first call since it was "
+        "re-admitted (its process had restarted, or it joined). keras_ps "
+        "made its per-worker datasets again; anything else your function "
+        "used on that worker (a variable or table placed there with "
+        "tf.device) is gone. Make such state in the dataset_fn, or place it "
+        "on the parameter servers (create it under strategy.scope()).")
 
 
 def note_lost_outputs(error, outputs_lost):
@@ -173,6 +187,54 @@ class HangWatchdog:
                         f"call running {age:.0f}s and the worker does not answer")
 
 
+# -- whether a worker still holds this job's context ------------------------------------
+class WorkerMarkers:
+    """A small variable this job places on each worker before the worker's
+    first call after it was (re)admitted. A worker brought back on its
+    address by a restart policy answers every probe, and its calls then fail
+    with errors that need not name a connection ("Primary device is not
+    remote"); so whether a failure on a worker that answers is a restart or
+    the function's own error is asked of its marker: reading it fails (in
+    milliseconds, `AbortedError` "Unable to find a context_id") once the
+    worker's process is not the one the marker was made on."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._markers = {}  # worker index -> its marker variable
+
+    def place(self, index, device):
+        """Makes worker `index`'s marker on `device`, unless it has one."""
+        with self._lock:
+            if index in self._markers:
+                return
+        with tf.device(device):
+            marker = _tf_adapter.plain_variable(
+                initial_value=index, dtype=tf.int64, trainable=False,
+                name=f"keras_ps_marker_worker{index}")
+        with self._lock:
+            self._markers.setdefault(index, marker)
+
+    def forget(self, index):
+        """Drops worker `index`'s marker (its context is made anew)."""
+        with self._lock:
+            self._markers.pop(index, None)
+
+    def holds_context(self, index):
+        """Whether worker `index` still runs the context its marker was
+        made in: False when it has no marker or the marker cannot be read."""
+        with self._lock:
+            marker = self._markers.get(index)
+        if marker is None:
+            return False
+        try:
+            marker.read_value().numpy()
+            return True
+        except tf.errors.OpError as error:
+            logger.info("[worker:%d] its marker variable cannot be read (%s): "
+                        "the worker was restarted", index, type(error).__name__)
+            return False
+
+
 # -- re-admission -------------------------------------------------------------------
 class Readmission:
     """Makes a restarted (or new) worker usable: pushes the cluster definition
@@ -195,11 +257,13 @@ class Readmission:
         # Bumped by every push: a call that started before a push and failed
         # after it lost its context, whatever its error says.
         self.generation = 0
+        self.markers = WorkerMarkers()
 
     def readmit(self, index):
         started = time.monotonic()
         with self._gate.exclusive():
             gate = time.monotonic()
+            self.markers.forget(index)
             self.reconnect()
             connected = time.monotonic()
             self.restart_iterators([index])

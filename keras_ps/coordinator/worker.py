@@ -33,8 +33,8 @@ logger = logging.getLogger(__name__)
 class WorkerState(enum.Enum):
     JOINING = "joining"  # new member; admitted once it answers
     HEALTHY = "healthy"  # runs closures
-    # Runs closures; (re)admitted and its first call not done yet: an error
-    # now is blamed on the re-admission, not on the user's function.
+    # Runs closures; (re)admitted and its first call not done yet (an error
+    # of the function now gets a note on what a re-admission rebuilds).
     READMITTED = "readmitted"
     FAILED = "failed"  # unreachable; its closures go to other workers
     HUNG = "hung"  # a call was given up (no answer); no new trace until it is back
@@ -119,9 +119,6 @@ class Worker:
         self.closures_run = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
-        # The last call failed on the connection while the worker answered,
-        # and was retried here: a restart policy may have brought it back.
-        self._retried_on_answering = False
         self._in_flight = None  # the _Call running now
         self._services = services
         self._state_lock = threading.Lock()
@@ -247,6 +244,8 @@ class Worker:
                 self._in_flight = call
                 # Read under the gate: a re-admission cannot start mid-call.
                 generation = services.readmission.generation
+                # What a failure on a worker that answers is asked of.
+                services.readmission.markers.place(self.index, self.device)
                 outputs = self._execute(batch, call)
         except Exception as error:  # decided below, never swallowed
             if self._finish_call(call):
@@ -267,7 +266,6 @@ class Worker:
         self.closures_run += len(batch)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
-        self._retried_on_answering = False
         services.queue.mark_finished(len(batch))
 
     def _finish_call(self, call):
@@ -349,16 +347,11 @@ class Worker:
         # others (its variables are gone), so the ps are always looked at.
         dead_ps = services.dead_ps()
         connectivity = failure_handling.is_connectivity_error(error)
-        # After a connection failure on a worker that answers, a failure of
-        # another kind before the function ended means it was restarted at once
-        # (a restart policy): the retry ran against the eager context it
-        # lost, which fails with errors such as "Primary device is not
-        # remote".
-        restarted_at_once = self._retried_on_answering and \
-            not connectivity and not ran
-        self._retried_on_answering = False
-        context_lost = self.state is WorkerState.READMITTED or stale or \
-            restarted_at_once
+        # A worker that answers and fails otherwise than on the connection
+        # was restarted (a restart policy brings it back before anyone sees
+        # it gone) or ran into the function's own error: its marker says.
+        context_lost = stale or (worker_alive and not connectivity
+                                 and not self._holds_context())
         self._consecutive_failures += 1
         if context_lost and worker_alive and not connectivity:
             self._failed_readmissions += 1
@@ -381,9 +374,6 @@ class Worker:
                     "answers" if worker_alive else "unreachable", sorted(dead_ps),
                     decision.value)
         if decision is Decision.RETRY:
-            # After a connection failure only: its retry failing otherwise
-            # means a restart (above). Lost outputs say the worker is fine.
-            self._retried_on_answering = connectivity
             queue.put_back(batch)
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
@@ -396,6 +386,8 @@ class Worker:
         else:
             if outputs_lost:
                 failure_handling.note_lost_outputs(error, outputs_lost)
+            if self.state is WorkerState.READMITTED:
+                failure_handling.note_after_readmission(error, self.index)
             listener = batch[0].listener
             if listener is not None:
                 # Dynamic data shards: a shard that fails to read is retried
@@ -408,6 +400,10 @@ class Worker:
             for c in batch[1:]:
                 c.cancel()
             queue.mark_failed(len(batch), error, batch[0].generation)
+
+    def _holds_context(self):
+        with self._services.gate.shared():
+            return self._services.readmission.markers.holds_context(self.index)
 
     def _fail_job(self, batch, fatal):
         for closure in batch:

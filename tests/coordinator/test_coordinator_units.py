@@ -55,9 +55,9 @@ def test_context_lost_is_never_blamed_on_the_user():
 
 
 def test_a_failure_after_every_readmission_is_bounded():
-    # A restarted ps that lost its variables (or any state outside the
-    # worker) fails the first call after each re-admission: after a few
-    # rounds that is raised, never retried forever.
+    # A worker found restarted again and again before any call could run
+    # on it (a process that crashes at every call, brought back each time):
+    # after a few re-admissions that is raised, never retried forever.
     limit = failure_handling.MAX_FAILED_READMISSIONS
     decisions = [failure_handling.decide(APP, True, [], context_lost=True,
                                          consecutive_failures=n,

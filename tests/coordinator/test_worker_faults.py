@@ -94,16 +94,19 @@ def test_custom_loop_recovers_a_killed_ps_from_its_checkpoint():
 
 
 @pytest.mark.timeout(240)
-def test_failure_after_every_readmission_is_raised_not_retried_forever():
+def test_state_a_restarted_worker_lost_is_raised_at_once_with_the_fix():
     # Closures read a variable the user placed on their worker; a restarted
-    # worker lost it, so each call after its re-admission fails the same
-    # way. A few rounds, then a clear error, never an endless retry.
+    # worker lost it. Its marker is readable after the re-admission, so the
+    # failure of its first call is the function's own: raised at the first
+    # time, with a note on what a re-admission rebuilds, never retried in a
+    # loop of re-admissions.
     result = run_job("worker_state_lost", timeout=220)
-    assert result["error"] == "RepeatedFailureError", result
-    assert result["is_keras_ps"] is True
-    assert "worker 1" in result["message"]
-    assert "re-admissions" in result["message"]
-    assert "parameter server that was restarted" in result["message"]
+    assert result["error"] == "InvalidArgumentError", result
+    assert result["is_keras_ps"] is False
+    assert result["readmissions"] == 1, result
+    note = " ".join(result["notes"])
+    assert "worker 1's first call since it was re-admitted" in note, result
+    assert "strategy.scope()" in note
 
 
 @pytest.mark.timeout(240)
