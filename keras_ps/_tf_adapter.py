@@ -95,6 +95,30 @@ def server_modules():
     return server_lib, config_pb2
 
 
+def device_incarnations(get_status_response):
+    """The incarnation of each device in the bytes of a task's answer to
+    its WorkerService's GetStatus RPC (a GetStatusResponse: repeated
+    DeviceAttributes, field 1). A task's devices get a new random
+    incarnation each time its process starts. TF has no public API to read
+    a remote task's incarnation; the DeviceAttributes proto is TF's own."""
+    from tensorflow.core.framework import device_attributes_pb2
+    incarnations, i, data = [], 0, get_status_response
+    while i < len(data):
+        if data[i] != 0x0A:  # field 1, length-delimited
+            raise ValueError(f"unexpected GetStatus field tag {data[i]}")
+        i, size, shift = i + 1, 0, 0
+        while True:  # a varint
+            byte = data[i]
+            i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
+            if not byte & 0x80:
+                break
+        device = device_attributes_pb2.DeviceAttributes.FromString(
+            data[i:i + size])
+        incarnations.append(device.incarnation)
+        i += size
+    return incarnations
+
+
 def update_server_def(server_def):
     """Pushes a new cluster to every task without restarting anyone.
 

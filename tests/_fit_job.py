@@ -24,6 +24,11 @@ Usage:
       restart policy does; [] runs undisturbed. With IN_RESTORE (a ps
       index), that ps is killed and restarted while the first recovery
       reads the backup. Reports iterations, accuracy and the recovery logs.
+  python tests/_fit_job.py worker_stop_unroll
+      fit on its own 2-worker LocalCluster; worker 1 is SIGSTOPped after
+      the first execution of epoch 1, before the step function is due to
+      switch to steps written out (KERAS_PS_UNROLL_AFTER=24), and continued
+      once worker 0 ran 12 executions alone (or after 90 s).
   python tests/_fit_job.py grow_shrink
       fit starts on 2 of 3 running workers; the third joins in epoch 0 and
       leaves in epoch 2 (coordinator.update_workers), nobody restarts.
@@ -152,6 +157,90 @@ def worker_kill(kill):
         coordinator = keras_ps.ClusterCoordinator(strategy)
         say(epochs=history.epoch, accuracy=accuracy,
             iterations=int(model.optimizer.iterations.numpy()),
+            states=[w.state.value for w in coordinator.workers])
+
+
+class _StopWorker(keras.callbacks.Callback):
+    """SIGSTOPs worker 1 after the first execution of epoch 1 is scheduled
+    (both workers have run the loop form in epoch 0), before the form with
+    steps written out is due (after 24 executions with
+    KERAS_PS_UNROLL_AFTER=24); continues it once worker 0 has run
+    `while_stopped` executions alone, or after 90 s."""
+
+    def __init__(self, cluster, coordinator, while_stopped):
+        super().__init__()
+        self.cluster, self.coordinator = cluster, coordinator
+        self.while_stopped = while_stopped
+        self.report = {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        import threading
+
+        if (self._epoch, batch) != (1, PER_EXECUTION - 1):
+            return
+        workers = self.coordinator.workers
+        deadline = time.monotonic() + 60
+        while min(w.closures_run for w in workers) == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError("a worker never ran an execution")
+            time.sleep(0.01)
+        self.cluster.pause("worker", 1)
+        ran = self.coordinator.workers[0].closures_run
+
+        def watch():
+            deadline = time.monotonic() + 90
+            while (self.coordinator.workers[0].closures_run - ran
+                   < self.while_stopped and time.monotonic() < deadline):
+                time.sleep(0.05)
+            self.report["ran_while_stopped"] = (
+                self.coordinator.workers[0].closures_run - ran)
+            self.report["resumed_at"] = time.monotonic()
+            self.cluster.resume("worker", 1)
+        self._watch = threading.Thread(target=watch, daemon=True)
+        self._watch.start()
+
+
+class _Switches(logging.Handler):
+    """When fit's step function switched to steps written out."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.at = []
+        log = logging.getLogger("keras_ps.training._step_functions")
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+
+    def emit(self, record):
+        if "steps an iteration from now on" in record.getMessage():
+            self.at.append(time.monotonic())
+
+
+def worker_stop_unroll():
+    # KERAS_PS_UNROLL_AFTER (small) and KERAS_PS_HANG_TIMEOUT come from the
+    # test's environment.
+    switches = _Switches()
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        model = build(strategy)
+        stop = _StopWorker(cluster, coordinator, while_stopped=12)
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, callbacks=[stop],
+                            verbose=0)
+        stop._watch.join()
+        if not coordinator.workers[1].wait_until_runnable(120):
+            raise RuntimeError("worker 1 was not re-admitted")
+        # Then with every worker running: the form with steps written out.
+        model.fit(dataset_creator(), epochs=1, steps_per_epoch=5 * STEPS,
+                  verbose=0)
+        say(epochs=history.epoch, planned=EPOCHS * STEPS + 5 * STEPS,
+            iterations=int(model.optimizer.iterations.numpy()),
+            ran_while_stopped=stop.report["ran_while_stopped"],
+            switched_after_resume=[t > stop.report["resumed_at"]
+                                   for t in switches.at],
             states=[w.state.value for w in coordinator.workers])
 
 
@@ -378,6 +467,8 @@ if __name__ == "__main__":
                    else None, *sys.argv[5:6])
     elif sys.argv[1] == "lost_shards_restore":
         lost_shards_restore(sys.argv[2], json.loads(sys.argv[3]))
+    elif sys.argv[1] == "worker_stop_unroll":
+        worker_stop_unroll()
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

@@ -1,7 +1,10 @@
-"""Addresses and whether a task's gRPC server answers. No TensorFlow needed."""
+"""Addresses, whether a task's gRPC server answers, and which process it is.
+No TensorFlow needed at import."""
 
 import socket
 import time
+
+from keras_ps import _tf_adapter
 
 # An HTTP/2 client connection preface and an empty SETTINGS frame.
 _HTTP2_PREFACE = (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -48,6 +51,25 @@ def probe(address, timeout):
             return header[3] == _SETTINGS_FRAME
     except (OSError, ValueError):
         return False
+
+
+def incarnation(address, timeout):
+    """The incarnation of the TF server at `address` (its first device's: a
+    random number drawn when the process started, so a task restarted on
+    the same address has another), or None when it does not answer within
+    `timeout` seconds (a stopped process) or cannot be asked."""
+    import grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            get_status = channel.unary_unary(
+                "/tensorflow.WorkerService/GetStatus",
+                request_serializer=lambda _: b"",  # an empty GetStatusRequest
+                response_deserializer=_tf_adapter.device_incarnations)
+            incarnations = get_status(None, timeout=timeout)
+    except (grpc.RpcError, ValueError, IndexError):
+        return None
+    return incarnations[0] if incarnations else None
 
 
 def wait_until_answers(address, timeout, process=None):

@@ -120,12 +120,14 @@ class ClusterCoordinator:
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
             num_workers=lambda: self.num_workers, num_healthy=self.num_healthy,
-            dead_ps=self._dead_ps, trace_is_safe=self._trace_is_safe,
+            dead_ps=self._dead_ps, trace_is_safe=self.trace_is_safe,
             on_admitted=self._on_worker_admitted,
             local_device=f"/job:{strategy_lib.COORDINATOR_JOB}/replica:0/"
                          "task:0/device:CPU:0")
         self._workers = [worker_lib.Worker(self._services, i, address)
                          for i, address in enumerate(spec["worker"])]
+        for i, address in enumerate(spec["worker"]):
+            self._readmission.record_incarnation(i, address)
         for w in self._workers:
             w.start()
         # A resolver that watches membership (the elastic one) moves workers
@@ -435,11 +437,10 @@ class ClusterCoordinator:
                 f"(workers: {[w.address for w in self._workers]}). Restart the "
                 "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
 
-    def _trace_is_safe(self):
-        """False while a worker may be hung (see packing.PackedFunctions.
-        without_new_trace): one given up as hung, or a member that does not
-        answer a probe now (a busy worker answers). Runs only before a new
-        trace."""
+    def trace_is_safe(self):
+        """False while a worker may be hung (given up as hung, or a member
+        not answering a probe now): a function run for the first time is
+        registered on every worker, and waits for a hung one."""
         for w in list(self._workers):
             if w.state is worker_lib.WorkerState.HUNG:
                 return False

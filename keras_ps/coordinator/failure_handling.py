@@ -4,10 +4,10 @@ watchdog and the re-admission of a worker that answers again.
 Decide apart from act: `decide` is a pure function of what was observed (the
 error's type, whether the function had run to its end when the call failed,
 probes of the worker and the ps tasks, keras_ps.cluster._network.probe, and
-whether the worker still holds this job's context, `WorkerMarkers`); the
-worker thread acts on its `Decision` and logs why. Failures are classified
-by exception type, that point of the call and those checks, never by
-message text.
+whether the worker still runs the process this job's context was made on,
+`Readmission.holds_context`); the worker thread acts on its `Decision` and
+logs why. Failures are classified by exception type, that point of the call
+and those checks, never by message text.
 """
 
 import enum
@@ -18,6 +18,7 @@ import time
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
+from keras_ps.cluster._network import incarnation
 from keras_ps.cluster._network import probe
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import RepeatedFailureError
@@ -48,6 +49,8 @@ MAX_FAILED_READMISSIONS = 3
 # SIGSTOPs of workers), a second is the outputs themselves (a dataset or
 # resource returned) and is raised.
 MAX_LOST_OUTPUT_RETRIES = 1
+# Seconds a worker has to say which process it is when it is re-admitted.
+_ASK_TIMEOUT_S = 10.0
 
 
 class Decision(enum.Enum):
@@ -187,54 +190,6 @@ class HangWatchdog:
                         f"call running {age:.0f}s and the worker does not answer")
 
 
-# -- whether a worker still holds this job's context ------------------------------------
-class WorkerMarkers:
-    """A small variable this job places on each worker before the worker's
-    first call after it was (re)admitted. A worker brought back on its
-    address by a restart policy answers every probe, and its calls then fail
-    with errors that need not name a connection ("Primary device is not
-    remote"); so whether a failure on a worker that answers is a restart or
-    the function's own error is asked of its marker: reading it fails (in
-    milliseconds, `AbortedError` "Unable to find a context_id") once the
-    worker's process is not the one the marker was made on."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._markers = {}  # worker index -> its marker variable
-
-    def place(self, index, device):
-        """Makes worker `index`'s marker on `device`, unless it has one."""
-        with self._lock:
-            if index in self._markers:
-                return
-        with tf.device(device):
-            marker = _tf_adapter.plain_variable(
-                initial_value=index, dtype=tf.int64, trainable=False,
-                name=f"keras_ps_marker_worker{index}")
-        with self._lock:
-            self._markers.setdefault(index, marker)
-
-    def forget(self, index):
-        """Drops worker `index`'s marker (its context is made anew)."""
-        with self._lock:
-            self._markers.pop(index, None)
-
-    def holds_context(self, index):
-        """Whether worker `index` still runs the context its marker was
-        made in: False when it has no marker or the marker cannot be read."""
-        with self._lock:
-            marker = self._markers.get(index)
-        if marker is None:
-            return False
-        try:
-            marker.read_value().numpy()
-            return True
-        except tf.errors.OpError as error:
-            logger.info("[worker:%d] its marker variable cannot be read (%s): "
-                        "the worker was restarted", index, type(error).__name__)
-            return False
-
-
 # -- re-admission -------------------------------------------------------------------
 class Readmission:
     """Makes a restarted (or new) worker usable: pushes the cluster definition
@@ -257,13 +212,16 @@ class Readmission:
         # Bumped by every push: a call that started before a push and failed
         # after it lost its context, whatever its error says.
         self.generation = 0
-        self.markers = WorkerMarkers()
+        # Worker index -> the incarnation of its process when this job's
+        # context was made there (keras_ps.cluster._network.incarnation).
+        self._incarnations = {}
 
     def readmit(self, index):
         started = time.monotonic()
         with self._gate.exclusive():
             gate = time.monotonic()
-            self.markers.forget(index)
+            # Asked before the push: a restart after it is then seen.
+            self.record_incarnation(index, self._members().get(index))
             self.reconnect()
             connected = time.monotonic()
             self.restart_iterators([index])
@@ -272,6 +230,28 @@ class Readmission:
             "%.2fs server def, %.2fs datasets", index,
             time.monotonic() - started, gate - started, connected - gate,
             time.monotonic() - connected)
+
+    def record_incarnation(self, index, address):
+        """Notes which process worker `index` runs now, before this job's
+        context is made on it (None: it left the cluster)."""
+        self._incarnations[index] = (
+            None if address is None else incarnation(address, _ASK_TIMEOUT_S))
+
+    def holds_context(self, index, address, timeout):
+        """Whether worker `index` still runs the process this job's context
+        was made on. A worker brought back on its address by a restart
+        policy answers every probe, and its calls then fail with errors
+        that need not name a connection ("Primary device is not remote"):
+        its incarnation tells. False when it does not answer in `timeout`
+        seconds, or was never recorded."""
+        recorded = self._incarnations.get(index)
+        now = incarnation(address, timeout)
+        if recorded is not None and now == recorded:
+            return True
+        logger.info("[worker:%d] runs another process than this job's "
+                    "context was made on (incarnation %s, recorded %s)",
+                    index, now, recorded)
+        return False
 
     def restart_iterators(self, indices):
         """Makes the datasets and iterators of workers `indices` again, under

@@ -244,8 +244,6 @@ class Worker:
                 self._in_flight = call
                 # Read under the gate: a re-admission cannot start mid-call.
                 generation = services.readmission.generation
-                # What a failure on a worker that answers is asked of.
-                services.readmission.markers.place(self.index, self.device)
                 outputs = self._execute(batch, call)
         except Exception as error:  # decided below, never swallowed
             if self._finish_call(call):
@@ -349,7 +347,8 @@ class Worker:
         connectivity = failure_handling.is_connectivity_error(error)
         # A worker that answers and fails otherwise than on the connection
         # was restarted (a restart policy brings it back before anyone sees
-        # it gone) or ran into the function's own error: its marker says.
+        # it gone) or ran into the function's own error: its incarnation
+        # says.
         context_lost = stale or (worker_alive and not connectivity
                                  and not self._holds_context())
         self._consecutive_failures += 1
@@ -402,8 +401,9 @@ class Worker:
             queue.mark_failed(len(batch), error, batch[0].generation)
 
     def _holds_context(self):
-        with self._services.gate.shared():
-            return self._services.readmission.markers.holds_context(self.index)
+        services = self._services
+        return services.readmission.holds_context(
+            self.index, self.address, services.config.probe_timeout)
 
     def _fail_job(self, batch, fatal):
         for closure in batch:

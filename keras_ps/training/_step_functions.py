@@ -43,11 +43,21 @@ class StepFunctions:
         self._unroll_after = _constants.env_int(
             _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER)
         self._looped = collections.Counter()  # count -> loop form handed out
+        self._deferred = set()  # counts whose written-out form waited
         self._found_traits = None  # see _traits
 
-    def get(self, count):
+    def get(self, count, may_trace=lambda: True):
+        """The function to schedule for `count` steps. Before the form with
+        steps written out is handed out the first time, `may_trace()` is
+        asked: a new function is registered on every worker, a hung one
+        too, and waits for it, so the loop form (traced already) goes on
+        while that is False. (A worker given up as hung is known at once; a
+        stopped worker not given up yet costs each call its probe's
+        timeout, until the hang watchdog gives it up.)"""
         written_out = (self._looped[count] >= self._unroll_after
                        and self._writes_out(count))
+        if written_out and (count, True) not in self._functions:
+            written_out = self._may_trace(count, may_trace)
         if not written_out:
             self._looped[count] += 1
         fn = self._functions.get((count, written_out))
@@ -64,6 +74,16 @@ class StepFunctions:
                             self._step_name, min(self._unroll, count),
                             self._looped[count], count)
         return fn
+
+    def _may_trace(self, count, may_trace):
+        if may_trace():
+            return True
+        if count not in self._deferred:
+            self._deferred.add(count)
+            logger.info("[chief] %s: %d steps written out waits while a "
+                        "worker may be hung (a new function would wait for "
+                        "it)", self._step_name, count)
+        return False
 
     def _traits(self):
         """(whether the model's layers need one step an iteration, whether

@@ -148,8 +148,9 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 if begin + count <= first_step:
                     continue
                 callback_list.on_train_batch_begin(begin)
-                remote = coordinator.schedule(steps_fn.get(count),
-                                              args=(iterator,))
+                remote = coordinator.schedule(
+                    steps_fn.get(count, coordinator.trace_is_safe),
+                    args=(iterator,))
                 progress.reached = progress.at(epoch, begin + count)
                 progress.scheduled(progress.at(epoch, begin),
                                    progress.reached, remote)
@@ -244,7 +245,8 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     tracker = StepLogsTracker()
     for begin, count in _executions(steps, per_execution):
         callback_list.on_test_batch_begin(begin)
-        remote = coordinator.schedule(steps_fn.get(count), args=(iterator,))
+        remote = coordinator.schedule(
+            steps_fn.get(count, coordinator.trace_is_safe), args=(iterator,))
         _batch_end(callback_list, begin + count - 1, StepLogs(remote, tracker),
                    "on_test_batch_end")
     coordinator.join()

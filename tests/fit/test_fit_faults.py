@@ -138,3 +138,26 @@ def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
     assert (epoch, step) == (killed_at["epoch"], killed_at["step"])
     assert result["epochs"] == [1, 2]
     assert result["planned"] <= result["iterations"] <= result["planned"] + 2 * 2
+
+
+@pytest.mark.timeout(300)
+def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_out():
+    # Worker 1 is SIGSTOPped in epoch 1, before the step function's form
+    # with steps written out is due (after 24 executions here). A new
+    # function is registered on every worker and would wait for the stopped
+    # one, so fit keeps the loop form, traced already, and worker 0 trains
+    # alone; the switch comes once worker 1 is continued. One closure a
+    # call: every call runs a function both workers have run in epoch 0.
+    out = subprocess.run([sys.executable, JOB, "worker_stop_unroll"],
+                         env=dict(_env(), KERAS_PS_UNROLL_AFTER="24",
+                                  KERAS_PS_HANG_TIMEOUT="3",
+                                  KERAS_PS_MAX_PACK="1"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:]
+    result = _result(out.stdout)
+    assert result["ran_while_stopped"] >= 12, result
+    assert result["switched_after_resume"] == [True], result
+    assert result["epochs"] == [0, 1, 2]
+    # A call given up as hung may have run some of its steps: at least once.
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 8
