@@ -38,9 +38,9 @@ _CONNECTIVITY_ERRORS = (
 
 MAX_TRANSIENT_RETRIES = 3
 # Failures in a row, with no call done in between, of a worker that answers
-# but has lost this job's context (its marker): a worker restarted again
-# right after every re-admission (one that crashes at every call) is raised,
-# not re-admitted forever.
+# but has lost this job's context (another incarnation): a worker restarted
+# again right after every re-admission (one that crashes at every call) is
+# raised, not re-admitted forever.
 MAX_FAILED_READMISSIONS = 3
 # Times a closure's function ran to its end on a worker but its outputs
 # could not be copied back: the first is retried (a worker stopped or
@@ -127,11 +127,11 @@ def repeated_failure(index, address, losses, error):
         f"Worker {index} ({address}) was found restarted {losses} times in "
         "a row (the context this job made on it was gone), each time before "
         "a call could run on it after its re-admission; the last call "
-        f"failed with {type(error).__name__}: {first_line}. A worker process that "
-        "restarts at every call is most likely crashing or killed there: "
-        "read its log (a crash in an op, an out-of-memory kill, a restart "
-        "policy's health check), fix that, and resume from the last "
-        "checkpoint (e.g. keras_ps.callbacks.BackupAndRestore).")
+        f"failed with {type(error).__name__}: {first_line}. A worker "
+        "process that restarts at every call is most likely crashing or "
+        "killed there: read its log (a crash in an op, an out-of-memory "
+        "kill, a restart policy's health check), fix that, and resume from "
+        "the last checkpoint (e.g. keras_ps.callbacks.BackupAndRestore).")
     fatal.__cause__ = error
     return fatal
 
