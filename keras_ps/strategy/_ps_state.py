@@ -21,6 +21,7 @@ import weakref
 
 import tensorflow as tf
 
+from keras_ps.cluster import _connection
 from keras_ps.tables import _blockwise_init
 from keras_ps import _tf_adapter
 
@@ -72,10 +73,16 @@ class PsMarkers:
         self._markers = [self._create(i) for i in range(num_ps)]
 
     def _create(self, index):
+        # The value is made here and copied: a constant made straight on a
+        # remote device holds the GIL until the task answers, so a stopped
+        # ps would stop every thread of this process.
+        with tf.device(f"/job:{_connection.COORDINATOR_JOB}/replica:0/task:0"
+                       "/device:CPU:0"):
+            value = tf.constant(self._incarnation, tf.int64)
         with tf.device(ps_device(index)):
             return _tf_adapter.plain_variable(
-                initial_value=self._incarnation, dtype=tf.int64,
-                trainable=False, name=f"keras_ps_marker_ps{index}")
+                initial_value=value, trainable=False,
+                name=f"keras_ps_marker_ps{index}")
 
     def holds_state(self, index):
         """Whether ps `index` still holds this job's variables (one read of
