@@ -22,6 +22,9 @@ from keras_ps.errors import ClusterUnreachableError
 logger = logging.getLogger(__name__)
 
 COORDINATOR_JOB = "chief"
+# The coordinator's own device: results are copied to it, and values made on
+# it are copied to a task (not made on the task: see strategy._ps_state).
+COORDINATOR_DEVICE = f"/job:{COORDINATOR_JOB}/replica:0/task:0/device:CPU:0"
 # What a worker task may see: the ps tasks and the coordinator, never another
 # worker, so a dead worker cannot break another worker's context.
 WORKER_DEVICE_FILTERS = ("/job:ps", f"/job:{COORDINATOR_JOB}")

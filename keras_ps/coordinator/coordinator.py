@@ -122,8 +122,7 @@ class ClusterCoordinator:
             num_workers=lambda: self.num_workers, num_healthy=self.num_healthy,
             dead_ps=self._dead_ps, trace_is_safe=self.trace_is_safe,
             on_admitted=self._on_worker_admitted,
-            local_device=f"/job:{strategy_lib.COORDINATOR_JOB}/replica:0/"
-                         "task:0/device:CPU:0")
+            local_device=strategy_lib.COORDINATOR_DEVICE)
         self._workers = [worker_lib.Worker(self._services, i, address)
                          for i, address in enumerate(spec["worker"])]
         for i, address in enumerate(spec["worker"]):

@@ -76,8 +76,7 @@ class PsMarkers:
         # The value is made here and copied: a constant made straight on a
         # remote device holds the GIL until the task answers, so a stopped
         # ps would stop every thread of this process.
-        with tf.device(f"/job:{_connection.COORDINATOR_JOB}/replica:0/task:0"
-                       "/device:CPU:0"):
+        with tf.device(_connection.COORDINATOR_DEVICE):
             value = tf.constant(self._incarnation, tf.int64)
         with tf.device(ps_device(index)):
             return _tf_adapter.plain_variable(

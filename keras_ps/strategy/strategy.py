@@ -42,6 +42,7 @@ from keras_ps.errors import ScheduleUsageError
 logger = logging.getLogger(__name__)
 
 COORDINATOR_JOB = _connection.COORDINATOR_JOB
+COORDINATOR_DEVICE = _connection.COORDINATOR_DEVICE
 WORKER_DEVICE_FILTERS = _connection.WORKER_DEVICE_FILTERS
 
 
