@@ -106,7 +106,6 @@ def run_straggler(mode):
         # One file per dynamic shard; the static split reads the same records as
         # 4 files, one per worker.
         files = _write_files(SHARDS if mode == "dynamic" else STRAGGLER_WORKERS)
-        per_file = RECORDS // len(files)
 
         def read_fn(filename):
             # Slow reads on one worker: the sleep depends on the worker running
@@ -115,11 +114,12 @@ def run_straggler(mode):
             sleep = tf.where(tf.equal(worker, SLOW_WORKER),
                              read_us * SLOW_FACTOR, read_us + 0)
             records = tf.data.FixedLengthRecordDataset(filename, 4)
-            # TF's sleep op also sleeps before reporting the end of its input;
-            # take() ends the file without asking it again: one sleep a record.
-            # The sleep before the map: see _tf_adapter.sleep_dataset.
-            return records.apply(_tf_adapter.sleep_dataset(sleep)).take(
-                per_file).map(lambda r: tf.io.decode_raw(r, tf.float32)[0])
+            # Each record waits for a tick of a sleeping dataset beside it,
+            # never for a sleep over the records: see
+            # _tf_adapter.sleep_dataset.
+            return tf.data.Dataset.zip(
+                (records, _tf_adapter.sleep_ticks(sleep))).map(
+                    lambda r, _: tf.io.decode_raw(r, tf.float32)[0])
 
         data = keras_ps.ShardedInput(files, read_fn=read_fn, batch_size=BATCH,
                                      shuffle=False)

@@ -222,14 +222,28 @@ def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
     (TF's non-public test op; for benchmarks and tests of slow input).
 
-    Apply it before any `map`: it holds its lock while its input makes the
-    next element, and its cancel callback takes that lock, so a step
-    cancelled (a ps lost mid-step cancels the step's other parts) while a
-    mapped function runs under it deadlocks the worker's TF runtime for good.
+    Apply it only to a dataset that runs no function to make its elements
+    (or use `sleep_ticks`): it holds its lock while its input makes the next
+    element, and its cancel callback takes that lock, so a step cancelled
+    while a function runs under it (a ps lost mid-step cancels the step's
+    other parts) deadlocks the worker's TF runtime for good: that worker
+    answers every probe, and each later call of the step waits forever.
+    `map` runs a function, and so does a `TFRecordDataset` or
+    `FixedLengthRecordDataset` of a filename tensor (a `flat_map` inside).
     """
     from tensorflow.python.data.experimental.ops import testing
 
     return testing.sleep(microseconds)
+
+
+def sleep_ticks(microseconds):
+    """An endless dataset of zeros, each after `microseconds`: zip it with
+    records to slow them down (a sleep over nothing that runs a function,
+    so cancelling a step never deadlocks it; see `sleep_dataset`)."""
+    import tensorflow as tf
+
+    return tf.data.Dataset.from_tensors(tf.constant(0, tf.int8)).repeat() \
+        .apply(sleep_dataset(microseconds))
 
 
 def plain_variable(**kwargs):
