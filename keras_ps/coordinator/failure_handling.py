@@ -158,16 +158,24 @@ def note_lost_outputs(error, outputs_lost):
 
 
 # -- the hang watchdog --------------------------------------------------------------
+# A call that has run this long (or 6 hang timeouts, if longer) on a worker
+# that answers probes is logged, then again at each doubling of its age.
+STUCK_WARNING_S = 60.0
+
+
 class HangWatchdog:
     """Declares a worker failed when its call has run `hang_timeout` seconds
     and the worker does not answer a probe: a stopped or hung process never
     returns the call, and would hold its closures forever. A busy worker
-    still answers the probe, so long steps are never cut short."""
+    still answers the probe, so long steps are never cut short; a call that
+    runs on past `STUCK_WARNING_S` there is logged as possibly stuck."""
 
     def __init__(self, workers, config):
         self._workers = workers  # () -> the current Worker objects
         self._config = config
         self._stopping = threading.Event()
+        # Worker index -> the age of its call when last logged as stuck.
+        self._warned = {}
         self._thread = threading.Thread(
             target=self._run, daemon=True, name="keras_ps-hang-watchdog")
 
@@ -178,16 +186,39 @@ class HangWatchdog:
         self._stopping.set()
 
     def _run(self):
-        timeout = self._config.hang_timeout
-        interval = min(1.0, timeout / 2)
+        interval = min(1.0, self._config.hang_timeout / 2)
         while not self._stopping.wait(interval):
-            for w in self._workers():
-                age = w.in_flight_seconds()
-                if age is None or age < timeout:
-                    continue
-                if not probe(w.address, self._config.probe_timeout):
-                    w.abandon_in_flight(
-                        f"call running {age:.0f}s and the worker does not answer")
+            self.check()
+
+    def check(self):
+        """One look at every worker's call in flight."""
+        timeout = self._config.hang_timeout
+        for w in self._workers():
+            age = w.in_flight_seconds()
+            if age is None or age < timeout:
+                continue
+            if not probe(w.address, self._config.probe_timeout):
+                w.abandon_in_flight(
+                    f"call running {age:.0f}s and the worker does not answer")
+            else:
+                self._warn_if_stuck(w, age)
+
+    def _warn_if_stuck(self, worker, age):
+        last = self._warned.get(worker.index)
+        if last is not None and age < last:
+            last = None  # a later call
+        if age < max(STUCK_WARNING_S, 6 * self._config.hang_timeout) or (
+                last is not None and age < 2 * last):
+            return
+        self._warned[worker.index] = age
+        logger.warning(
+            "[worker:%d] a call has run %.0fs on %s, which answers probes: "
+            "keras_ps waits for it (a long step is never cut short). If this "
+            "job's steps are not that long, that worker's TF runtime may be "
+            "stuck (a dump of its threads, e.g. py-spy dump or gdb, shows "
+            "where); restarting its process lets training go on: its "
+            "closures run on the other workers, and it is re-admitted.",
+            worker.index, age, worker.address)
 
 
 # -- re-admission -------------------------------------------------------------------

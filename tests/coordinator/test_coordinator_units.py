@@ -1,5 +1,6 @@
 """Fast unit tests of the pure parts: failure policy and closure queue."""
 
+import concurrent.futures
 import threading
 
 import pytest
@@ -260,3 +261,57 @@ def test_idle_take_returns_when_its_worker_stops_being_runnable():
     # Work queued meanwhile is still handed out when it asks again.
     queue.put(Closure(lambda: None, (), {}, per_worker=False))
     assert len(queue.take(8, 1, interrupted=failed.is_set)) == 1
+
+
+class _CallingWorker:
+    """A worker whose one call has run `age` seconds, at a real address."""
+
+    def __init__(self, index, address, age):
+        self.index, self.address, self.age = index, address, age
+        self.abandoned = []
+
+    def in_flight_seconds(self):
+        return self.age
+
+    def abandon_in_flight(self, reason):
+        self.abandoned.append(reason)
+
+
+def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
+    # Real probes: a gRPC server answers at one address; nothing listens at
+    # the other. The silent worker's call is given up; the answering one's is
+    # waited for, and logged once it is long, again at each doubling.
+    import grpc
+    import portpicker
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    try:
+        answering = _CallingWorker(0, f"localhost:{port}", 5.0)
+        silent = _CallingWorker(
+            1, f"localhost:{portpicker.pick_unused_port()}", 5.0)
+        watchdog = failure_handling.HangWatchdog(
+            lambda: [answering, silent],
+            CoordinatorConfig(hang_timeout=2.0, probe_timeout=2.0))
+        stuck = failure_handling.STUCK_WARNING_S
+        logged = []
+        for age in (5.0, stuck - 1, stuck + 1, stuck + 5, 2 * stuck + 2,
+                    3.0, stuck + 1):
+            answering.age = age
+            caplog.clear()
+            with caplog.at_level("WARNING", logger=failure_handling.__name__):
+                watchdog.check()
+            logged.append(any(f"[worker:0] a call has run {age:.0f}s" in m
+                              and "restarting its process" in m
+                              for m in caplog.messages))
+        # Logged past the threshold, again at twice that age, and for a
+        # later call (its age started over) past the threshold again.
+        assert logged == [False, False, True, False, True, False, True]
+        assert answering.abandoned == []
+        assert len(silent.abandoned) == 7
+        assert "does not answer" in silent.abandoned[0]
+    finally:
+        server.stop(0)
