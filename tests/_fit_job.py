@@ -454,7 +454,11 @@ def grow_shrink():
 
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.WARNING)
+    # FIT_JOB_LOG=1: keras_ps' INFO log too (worker states, function
+    # switches), for a test that shows the output when the job hangs.
+    logging.basicConfig(level=logging.INFO if os.environ.get("FIT_JOB_LOG")
+                        else logging.WARNING,
+                        format="%(asctime)s %(name)s %(message)s")
     if sys.argv[1] == "backup":
         backup(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "ps_restart":

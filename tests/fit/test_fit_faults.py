@@ -15,6 +15,7 @@ import pytest
 from _backups import read_backup_state
 from _paths import TESTS
 from _results import last_report
+from _results import run_child
 
 JOB = os.path.join(TESTS, "_fit_job.py")
 
@@ -148,14 +149,13 @@ def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_
     # one, so fit keeps the loop form, traced already, and worker 0 trains
     # alone; the switch comes once worker 1 is continued. One closure a
     # call: every call runs a function both workers have run in epoch 0.
-    out = subprocess.run([sys.executable, JOB, "worker_stop_unroll"],
-                         env=dict(_env(), KERAS_PS_UNROLL_AFTER="24",
-                                  KERAS_PS_HANG_TIMEOUT="3",
-                                  KERAS_PS_MAX_PACK="1"),
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=280)
-    assert out.returncode == 0, out.stdout[-3000:]
-    result = _result(out.stdout)
+    # A hang fails with the job's log and its threads' stacks.
+    code, output = run_child(
+        [sys.executable, JOB, "worker_stop_unroll"], 280,
+        env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
+                 KERAS_PS_MAX_PACK="1", FIT_JOB_LOG="1"))
+    assert code == 0, output[-6000:]
+    result = _result(output)
     assert result["ran_while_stopped"] >= 12, result
     assert result["switched_after_resume"] == [True], result
     assert result["epochs"] == [0, 1, 2]
