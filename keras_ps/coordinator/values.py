@@ -7,6 +7,31 @@ import tensorflow as tf
 
 from keras_ps.errors import KerasPSError
 
+# Worker threads copy their calls' results to the coordinator one at a time.
+# TF's own coordinator copies results from one thread, when they are fetched;
+# here each worker thread copies its call's results at once, and a
+# coordinator crashed (SIGSEGV, inside TF) in two such copies running
+# together. A copy stuck on a worker stopped mid-copy keeps its turn: the
+# others wait at most `_COPY_TURN_WAIT_S` for it, then copy anyway.
+_copy_turn = threading.Lock()
+_COPY_TURN_WAIT_S = 0.2
+
+
+def copy_to(result, device):
+    """`result`'s tensors copied to `device` (the coordinator's), in turn
+    with the other worker threads' copies; other values as they are."""
+    if result is None:
+        return None
+    turn = _copy_turn.acquire(timeout=_COPY_TURN_WAIT_S)
+    try:
+        with tf.device(device):
+            return tf.nest.map_structure(
+                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
+                result)
+    finally:
+        if turn:
+            _copy_turn.release()
+
 
 class RemoteValueStatus(enum.Enum):
     PENDING = "pending"

@@ -20,6 +20,7 @@ from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
 from keras_ps.coordinator import failure_handling
+from keras_ps.coordinator import values
 from keras_ps.coordinator.closures import ClosureQueue
 from keras_ps.coordinator.config import CoordinatorConfig
 from keras_ps.coordinator.failure_handling import Decision
@@ -307,12 +308,7 @@ class Worker:
                 tf.nest.map_structure(pick, closure.kwargs))
 
     def _to_local(self, result):
-        if result is None:
-            return None
-        with tf.device(self._services.local_device):
-            return tf.nest.map_structure(
-                lambda t: tf.identity(t) if isinstance(t, tf.Tensor) else t,
-                result)
+        return values.copy_to(result, self._services.local_device)
 
     # -- failures ------------------------------------------------------------------
     def _on_failure(self, batch, error, stale=False, ran=False):
