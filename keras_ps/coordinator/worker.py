@@ -298,7 +298,8 @@ class Worker:
         token.numpy()
         call.ran = True
         # Copy results to the coordinator now: the worker may be gone later.
-        return pack.split(self._to_local(results))
+        return pack.split(values.copy_to(results,
+                                         self._services.local_device))
 
     def _select(self, closure):
         if not closure.per_worker:
@@ -306,9 +307,6 @@ class Worker:
         pick = lambda v: v.values[self.index] if isinstance(v, PerWorkerValues) else v
         return (tf.nest.map_structure(pick, closure.args),
                 tf.nest.map_structure(pick, closure.kwargs))
-
-    def _to_local(self, result):
-        return values.copy_to(result, self._services.local_device)
 
     # -- failures ------------------------------------------------------------------
     def _on_failure(self, batch, error, stale=False, ran=False):
