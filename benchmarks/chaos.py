@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import random
-import signal
 import sys
 import threading
 import time
@@ -122,13 +121,12 @@ class Chaos(threading.Thread):
 
     def _one(self, kind, index):
         worker = self.coordinator.workers[index]
-        pid = self.cluster.pid("worker", index)
         event = {"kind": kind, "worker": index}
         start = time.monotonic()
         if kind == "kill":
             self.cluster.kill("worker", index)
         else:
-            os.kill(pid, signal.SIGSTOP)
+            self.cluster.pause("worker", index)
         timeout = 60 + self.hang_timeout
         if _wait(lambda: worker.state is not WorkerState.HEALTHY, timeout):
             event["failed_after_s"] = round(time.monotonic() - start, 2)
@@ -144,7 +142,7 @@ class Chaos(threading.Thread):
             # Stopped beyond the hang timeout, then continued.
             time.sleep(max(0.0, self.hang_timeout + 1 - (time.monotonic() - start)))
             back = time.monotonic()
-            os.kill(pid, signal.SIGCONT)
+            self.cluster.resume("worker", index)
         ran = worker.closures_run
         if _wait(lambda: worker.state is WorkerState.HEALTHY
                  and worker.closures_run > ran, 90):

@@ -236,9 +236,6 @@ def main(mode):
 def worker_stop():
     """SIGSTOP a worker mid-loop for longer than the hang timeout: training
     must not hang; after SIGCONT the worker is re-admitted."""
-    import os
-    import signal
-
     from tensorflow.python.data.experimental.ops import testing
 
     with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
@@ -256,13 +253,12 @@ def worker_stop():
 
         steps = 400
         schedule_until_worker_ran(coordinator, step, iterator, steps)
-        pid = cluster.pid("worker", 1)
-        os.kill(pid, signal.SIGSTOP)
+        cluster.pause("worker", 1)
         stopped = time.monotonic()
         coordinator.join()
         joined_after = time.monotonic() - stopped
         state_while_stopped = coordinator.workers[1].state.value
-        os.kill(pid, signal.SIGCONT)
+        cluster.resume("worker", 1)
         back, ran = run_after_readmission(coordinator, step, iterator)
         say(steps=steps + 300, total=float(total.numpy()),
             joined_after=joined_after, state_while_stopped=state_while_stopped,

@@ -29,6 +29,10 @@ Usage:
       the first execution of epoch 1, before the step function is due to
       switch to steps written out (KERAS_PS_UNROLL_AFTER=24), and continued
       once worker 0 ran 12 executions alone (or after 90 s).
+  python tests/_fit_job.py worker_stop_after_switch
+      the same cluster and model; worker 1 is SIGSTOPped the moment fit
+      makes its step function with steps written out (after 24 executions),
+      so that form is handed out before the stop and runs after it.
   python tests/_fit_job.py grow_shrink
       fit starts on 2 of 3 running workers; the third joins in epoch 0 and
       leaves in epoch 2 (coordinator.update_workers), nobody restarts.
@@ -39,6 +43,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import keras
@@ -177,10 +182,10 @@ class _StopWorker(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        import threading
+        if (self._epoch, batch) == (1, PER_EXECUTION - 1):
+            self.stop_now()
 
-        if (self._epoch, batch) != (1, PER_EXECUTION - 1):
-            return
+    def stop_now(self):
         workers = self.coordinator.workers
         deadline = time.monotonic() + 60
         while min(w.closures_run for w in workers) == 0:
@@ -188,6 +193,7 @@ class _StopWorker(keras.callbacks.Callback):
                 raise RuntimeError("a worker never ran an execution")
             time.sleep(0.01)
         self.cluster.pause("worker", 1)
+        self.report["stopped"] = True
         ran = self.coordinator.workers[0].closures_run
 
         def watch():
@@ -201,6 +207,30 @@ class _StopWorker(keras.callbacks.Callback):
             self.cluster.resume("worker", 1)
         self._watch = threading.Thread(target=watch, daemon=True)
         self._watch.start()
+
+
+class _StopOnSwitch(logging.Handler):
+    """Stops worker 1 the moment fit's step function switches to steps
+    written out (the chief logs it as it makes the function, before that is
+    scheduled): the new form is handed out while both workers answer, and
+    comes to run while one is stopped. Counts the stand-in's log."""
+
+    def __init__(self, stopper):
+        super().__init__(logging.INFO)
+        self.stopper, self.stood_in = stopper, 0
+        for name in ("keras_ps.training._step_functions",
+                     "keras_ps.coordinator.packing"):
+            log = logging.getLogger(name)
+            log.setLevel(logging.INFO)
+            log.addHandler(self)
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "steps an iteration from now on" in message and \
+                "stopped" not in self.stopper.report:
+            self.stopper.stop_now()
+        elif "gives way to its stand-in" in message:
+            self.stood_in += 1
 
 
 class _Switches(logging.Handler):
@@ -244,6 +274,29 @@ def worker_stop_unroll():
             states=[w.state.value for w in coordinator.workers])
 
 
+def worker_stop_after_switch():
+    # KERAS_PS_UNROLL_AFTER (small) and KERAS_PS_HANG_TIMEOUT come from the
+    # test's environment.
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        model = build(strategy)
+        stop = _StopWorker(cluster, coordinator, while_stopped=12)
+        stand_in = _StopOnSwitch(stop)
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, verbose=0)
+        stop._watch.join()
+        if not coordinator.workers[1].wait_until_runnable(120):
+            raise RuntimeError("worker 1 was not re-admitted")
+        model.fit(dataset_creator(), epochs=1, steps_per_epoch=STEPS,
+                  verbose=0)
+        say(epochs=history.epoch, planned=EPOCHS * STEPS + STEPS,
+            iterations=int(model.optimizer.iterations.numpy()),
+            ran_while_stopped=stop.report["ran_while_stopped"],
+            stood_in=stand_in.stood_in,
+            states=[w.state.value for w in coordinator.workers])
+
+
 class _Membership(keras.callbacks.Callback):
     """Grows to 3 workers in epoch 0 and shrinks back to 2 in epoch 2."""
 
@@ -256,8 +309,6 @@ class _Membership(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        import threading
-
         if (self._epoch, batch) == (0, 9):
             start = time.monotonic()
             self.coordinator.update_workers(self.addresses)
@@ -473,6 +524,8 @@ if __name__ == "__main__":
         lost_shards_restore(sys.argv[2], json.loads(sys.argv[3]))
     elif sys.argv[1] == "worker_stop_unroll":
         worker_stop_unroll()
+    elif sys.argv[1] == "worker_stop_after_switch":
+        worker_stop_after_switch()
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

@@ -322,15 +322,14 @@ def on_local_cluster(mode, data_dir):
 
         def stop(index=1, key=""):
             worker = coordinator.workers[index]
-            pid = cluster.pid("worker", index)
-            os.kill(pid, signal.SIGSTOP)
+            cluster.pause("worker", index)
             events[f"stopped{key}"] = True
 
             def resume():
                 wait_for(lambda: worker.state is
                          keras_ps.coordinator.WorkerState.HUNG, 120,
                          "the hang to be noticed")
-                os.kill(pid, signal.SIGCONT)
+                cluster.resume("worker", index)
                 events[f"continued{key}"] = True
             threading.Thread(target=resume, daemon=True).start()
 

@@ -16,9 +16,12 @@ is packed in a loop instead: one traced function runs any number of calls
 with the same arguments (a worker's iterator), its outputs stacked. Its graph
 does not grow with the pack, so it is traced and instantiated on a worker
 once, not once per pack size: an unrolled pack of 16 steps of a large model
-took minutes to instantiate on a worker, each new size again.
+took minutes to instantiate on a worker, each new size again. It may name a
+stand-in (fit's steps in a loop for its steps written out) that runs in its
+place while tracing it would wait for a worker that may be hung.
 """
 
+import logging
 import threading
 import weakref
 
@@ -29,12 +32,27 @@ from keras_ps import _native
 # Functions whose closures may run in a loop (see `loop_packable`).
 _LOOP_PACKABLE = weakref.WeakSet()
 _LOOP = "loop"  # the key of a looped pack among a function's pack sizes
+# Function -> a function computing the same from the same arguments, run in
+# its place while tracing it would wait for a hung worker.
+_STAND_INS = weakref.WeakKeyDictionary()
+_STOOD_IN = weakref.WeakSet()  # functions whose stand-in has run (logged)
+
+logger = logging.getLogger(__name__)
 
 
-def loop_packable(fn):
+def loop_packable(fn, stand_in=None):
     """Marks `fn`, a tf.function whose outputs are all tensors of the same
-    shapes at every call, as packable in a loop; returns it."""
+    shapes at every call, as packable in a loop; returns it.
+
+    `stand_in`: another such function giving the same results from the same
+    arguments (fit's steps in a loop for its steps written out): a worker
+    runs it instead of `fn` while `fn` is not traced and a worker may be
+    hung. Decided when the call runs, not when it was scheduled: a worker
+    may stop in between.
+    """
     _LOOP_PACKABLE.add(fn)
+    if stand_in is not None:
+        _STAND_INS[fn] = stand_in
     return fn
 
 
@@ -129,17 +147,36 @@ class PackedFunctions:
         """(batch to run now, closures to put back).
 
         While some worker may be hung (`trace_is_safe()` is False) and this
-        pack size is not traced yet, the batch shrinks to the largest size
-        already traced; the rest goes back to the queue. With no size traced
-        the whole batch runs (and its trace waits for the hung worker).
+        pack size is not traced yet, a function never traced gives way to
+        its traced stand-in (see `loop_packable`; the closures are changed),
+        and the batch shrinks to the largest size already traced; the rest
+        goes back to the queue. With no size traced the whole batch runs
+        (and its trace waits for the hung worker).
         """
         fn = batch[0].fn
         if self.is_traced(fn, len(batch)) or trace_is_safe():
             return batch, []
+        stand_in = _STAND_INS.get(fn)
+        if stand_in is not None and not self.sizes(fn) and \
+                self.sizes(stand_in):
+            if fn not in _STOOD_IN:  # once per function
+                _STOOD_IN.add(fn)
+                logger.info("[chief] a function not traced yet gives way "
+                            "to its stand-in, traced already, while a "
+                            "worker may be hung (%s)", _name(fn))
+            for closure in batch:
+                closure.fn = stand_in
+            fn = stand_in
+            if self.is_traced(fn, len(batch)):
+                return batch, []
         for size in range(len(batch) - 1, 0, -1):
             if self.is_traced(fn, size):
                 return batch[:size], batch[size:]
         return batch, []
+
+
+def _name(fn):
+    return getattr(fn, "__name__", repr(fn))
 
 
 def _pack(fn):

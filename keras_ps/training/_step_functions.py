@@ -63,10 +63,14 @@ class StepFunctions:
         fn = self._functions.get((count, written_out))
         if fn is None:
             # Its outputs are the step's logs, the same shapes every call:
-            # a worker's queued executions run in one loop.
+            # a worker's queued executions run in one loop. The loop form
+            # stands in for the form written out while a worker stopped
+            # after this was handed out (see packing.loop_packable).
             fn = packing.loop_packable(tf.function(
                 self._multi_step(count, self._unroll if written_out else 1),
-                autograph=False))
+                autograph=False),
+                stand_in=self._functions.get((count, False)) if written_out
+                else None)
             self._functions[(count, written_out)] = fn
             if written_out:
                 logger.info("[chief] %s: %d steps an iteration from now on "

@@ -227,6 +227,43 @@ def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
     assert cache.without_new_trace(batch, lambda: False) == (batch[:2], batch[2:])
 
 
+def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
+    # fit's steps written out, handed out before a worker stopped: when the
+    # call runs, the loop form (traced) runs in its place, never tracing
+    # while a worker may be hung; once it is safe, the form written out.
+    from keras_ps.coordinator import packing
+    cache = packing.PackedFunctions()
+    looped = packing.loop_packable(tf.function(lambda it: tf.constant(1)))
+    written_out = packing.loop_packable(tf.function(lambda it: tf.constant(2)),
+                                        stand_in=looped)
+    it = tf.constant(0)
+
+    def batch(fn, n):
+        return [Closure(fn, (it,), {}, False) for _ in range(n)]
+
+    # The stand-in is not traced either: nothing to gain, run as given.
+    closures = batch(written_out, 2)
+    assert cache.without_new_trace(closures, lambda: False) == (closures, [])
+    assert all(c.fn is written_out for c in closures)
+    cache.prepare(looped, [((it,), {})] * 2)  # traced in a loop: any size
+    # Safe: the function runs as scheduled (and is traced).
+    closures = batch(written_out, 3)
+    assert cache.without_new_trace(closures, lambda: True) == (closures, [])
+    assert all(c.fn is written_out for c in closures)
+    # Unsafe: the whole batch runs the stand-in, which gives the same
+    # results from the same arguments.
+    assert cache.without_new_trace(closures, lambda: False) == (closures, [])
+    assert all(c.fn is looped for c in closures)
+    pack = cache.prepare(looped, [(c.args, c.kwargs) for c in closures])
+    results, _ = pack.function(*pack.args)
+    assert [int(r) for r in pack.split(results)] == [1, 1, 1]
+    # Once the function itself is traced, it runs even while unsafe.
+    cache.prepare(written_out, [((it,), {})])
+    closures = batch(written_out, 2)
+    assert cache.without_new_trace(closures, lambda: False) == (closures, [])
+    assert all(c.fn is written_out for c in closures)
+
+
 # -- settings -------------------------------------------------------------------------
 def test_coordinator_config_validates_and_reads_the_environment(monkeypatch):
     from keras_ps.coordinator.config import CoordinatorConfig

@@ -161,3 +161,24 @@ def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_
     assert result["epochs"] == [0, 1, 2]
     # A call given up as hung may have run some of its steps: at least once.
     assert result["planned"] <= result["iterations"] <= result["planned"] + 8
+
+
+@pytest.mark.timeout(300)
+def test_steps_written_out_handed_out_before_a_worker_stopped_wait_for_it():
+    # Worker 1 is SIGSTOPped the moment fit makes its step function with
+    # steps written out, so that form is scheduled while both workers answer
+    # and comes to run while one is stopped. Its first run would register it
+    # on every worker, the stopped one too, and the whole coordinator would
+    # wait for that worker (TF registers with the GIL held); instead, each
+    # call runs the loop form in its place until the worker is back.
+    code, output = run_child(
+        [sys.executable, JOB, "worker_stop_after_switch"], 280,
+        env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
+                 KERAS_PS_MAX_PACK="1", FIT_JOB_LOG="1"))
+    assert code == 0, output[-6000:]
+    result = _result(output)
+    assert result["stood_in"] == 1, result  # logged once
+    assert result["ran_while_stopped"] >= 12, result
+    assert result["epochs"] == [0, 1, 2]
+    assert result["states"] == ["healthy", "healthy"], result
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 8
