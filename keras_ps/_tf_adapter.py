@@ -46,9 +46,11 @@ def _internals():
     from tensorflow.python.eager import context
     from tensorflow.python.eager import executor
     from tensorflow.python.framework import ops
+    from tensorflow.python import pywrap_tfe
 
     return types.SimpleNamespace(cancellation=cancellation, context=context,
-                                 executor=executor, ops=ops)
+                                 executor=executor, ops=ops,
+                                 pywrap_tfe=pywrap_tfe)
 
 
 def server_modules():
@@ -126,6 +128,23 @@ def update_server_def(server_def):
     updating membership in place needs `context.update_server_def`.
     """
     _internals().context.context().update_server_def(server_def)
+
+
+def eager_ops_as_plain_ops():
+    """Has this process run its eager ops as plain ops. TF 2.21 wraps each
+    eager op of a new kind (op, attributes, shapes) in a function and, when
+    connected to a cluster, registers that function on every task with a
+    synchronous RPC while holding the GIL: the first `tf.unstack` of a new
+    size, or a metric of a new shape, froze the whole coordinator while a
+    worker was stopped (SIGSTOP, a hung host) until it continued. Plain ops
+    are not registered anywhere. Called after each connection (the context
+    is made then). Missing public API: TF's Python turns the wrapping on
+    when it makes the context, with no switch."""
+    internals = _internals()
+    context = internals.context.context()
+    context.ensure_initialized()
+    internals.pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(
+        context._handle, False)
 
 
 def own_executor():

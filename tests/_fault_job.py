@@ -257,12 +257,17 @@ def worker_stop():
         stopped = time.monotonic()
         coordinator.join()
         joined_after = time.monotonic() - stopped
+        # Eager ops of kinds this process has not run yet, while the worker
+        # is stopped: TF's default would register each on every task and
+        # wait for the stopped one, holding the GIL (the job would hang).
+        rows = tf.unstack(tf.reshape(tf.range(21.0), [7, 3]), num=7)
+        new_ops = [float(tf.math.reduce_logsumexp(r)) for r in rows[:2]]
         state_while_stopped = coordinator.workers[1].state.value
         cluster.resume("worker", 1)
         back, ran = run_after_readmission(coordinator, step, iterator)
         say(steps=steps + 300, total=float(total.numpy()),
             joined_after=joined_after, state_while_stopped=state_while_stopped,
-            readmitted=back, after_resume=ran)
+            new_ops_while_stopped=new_ops, readmitted=back, after_resume=ran)
 
 
 def preempted_while_cancelling():

@@ -16,6 +16,7 @@ import time
 import tensorflow as tf
 
 from keras_ps import _constants
+from keras_ps import _tf_adapter
 from keras_ps.cluster import _network
 from keras_ps.errors import ClusterUnreachableError
 
@@ -91,6 +92,8 @@ def connect(spec):
             resolver, job_name=COORDINATOR_JOB, task_index=0,
             make_master_device_default=False,
             cluster_device_filters=cluster_device_filters(jobs))
+        # A new kind of eager op must not wait for a stopped task.
+        _tf_adapter.eager_ops_as_plain_ops()
         _current = Connection(jobs)
         return _current
 

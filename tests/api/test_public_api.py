@@ -36,6 +36,8 @@ def test_tf_internals_still_exist():
 
     assert f().numpy() == 7
     assert callable(_tf_adapter.update_server_def)
+    assert callable(_tf_adapter._internals().pywrap_tfe
+                    .TFE_ContextSetRunEagerOpAsFunction)
     assert callable(_tf_adapter.get_server_def)
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from _paths import TESTS
@@ -115,6 +116,12 @@ def test_worker_stopped_does_not_hang_training():
     # returns. The watchdog gives the call up after the hang timeout.
     result = run_job("worker_stop", timeout=220, KERAS_PS_HANG_TIMEOUT="3")
     assert result["state_while_stopped"] == "hung"
+    # Eager ops of new kinds ran on the coordinator while the worker was
+    # stopped (TF's default wraps each in a function registered on every
+    # task, which waited for the stopped one with the GIL held).
+    expected = [float(np.log(np.exp(np.arange(i * 3, i * 3 + 3.0)).sum()))
+                for i in range(2)]
+    assert np.allclose(result["new_ops_while_stopped"], expected), result
     # join() returned while the worker was still stopped; the given-up call
     # may also have run once the worker continued (at-least-once: at most one
     # packed batch of 16).
