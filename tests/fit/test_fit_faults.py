@@ -147,13 +147,14 @@ def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_
     # with steps written out is due (after 24 executions here). A new
     # function is registered on every worker and would wait for the stopped
     # one, so fit keeps the loop form, traced already, and worker 0 trains
-    # alone; the switch comes once worker 1 is continued. One closure a
-    # call: every call runs a function both workers have run in epoch 0.
-    # A hang fails with the job's log and its threads' stacks.
+    # alone; the switch comes once worker 1 is continued. Calls are packed
+    # as by default: a pack of a new size waits, and the copies of a call's
+    # results run no eager op of a new kind that would wait for the stopped
+    # worker. A hang fails with the job's log and its threads' stacks.
     code, output = run_child(
         [sys.executable, JOB, "worker_stop_unroll"], 280,
         env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
-                 KERAS_PS_MAX_PACK="1", FIT_JOB_LOG="1"))
+                 FIT_JOB_LOG="1"))
     assert code == 0, output[-6000:]
     result = _result(output)
     assert result["ran_while_stopped"] >= 12, result
@@ -174,7 +175,7 @@ def test_steps_written_out_handed_out_before_a_worker_stopped_wait_for_it():
     code, output = run_child(
         [sys.executable, JOB, "worker_stop_after_switch"], 280,
         env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
-                 KERAS_PS_MAX_PACK="1", FIT_JOB_LOG="1"))
+                 FIT_JOB_LOG="1"))
     assert code == 0, output[-6000:]
     result = _result(output)
     assert result["stood_in"] == 1, result  # logged once
