@@ -1,5 +1,6 @@
-"""Which process a task runs: the incarnation a restarted worker is told
-apart by (keras_ps.cluster._network.incarnation), on real servers."""
+"""Which process a task runs, and whether it runs: the incarnation a
+restarted worker is told apart by (keras_ps.cluster._network.incarnation),
+and a paused task's stop, on real servers."""
 
 import contextlib
 import os
