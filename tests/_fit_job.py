@@ -209,15 +209,16 @@ class _StopWorker(keras.callbacks.Callback):
         self._watch.start()
 
 
-class _StopOnSwitch(logging.Handler):
-    """Stops worker 1 the moment fit's step function switches to steps
-    written out (the chief logs it as it makes the function, before that is
-    scheduled): the new form is handed out while both workers answer, and
-    comes to run while one is stopped. Counts the stand-in's log."""
+class _StepLog(logging.Handler):
+    """When fit's step function switched to steps written out, and how often
+    a stand-in ran in its place. With `stop_on_switch`, stops worker 1 the
+    moment of the switch (the chief logs it as it makes the function,
+    before that is scheduled): the new form is handed out while both
+    workers answer, and comes to run while one is stopped."""
 
-    def __init__(self, stopper):
+    def __init__(self, stopper=None):
         super().__init__(logging.INFO)
-        self.stopper, self.stood_in = stopper, 0
+        self.stopper, self.at, self.stood_in = stopper, [], 0
         for name in ("keras_ps.training._step_functions",
                      "keras_ps.coordinator.packing"):
             log = logging.getLogger(name)
@@ -226,40 +227,28 @@ class _StopOnSwitch(logging.Handler):
 
     def emit(self, record):
         message = record.getMessage()
-        if "steps an iteration from now on" in message and \
-                "stopped" not in self.stopper.report:
-            self.stopper.stop_now()
+        if "steps an iteration from now on" in message:
+            self.at.append(time.monotonic())
+            if self.stopper is not None and "stopped" not in self.stopper.report:
+                self.stopper.stop_now()
         elif "gives way to its stand-in" in message:
             self.stood_in += 1
 
 
-class _Switches(logging.Handler):
-    """When fit's step function switched to steps written out."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.at = []
-        log = logging.getLogger("keras_ps.training._step_functions")
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-
-    def emit(self, record):
-        if "steps an iteration from now on" in record.getMessage():
-            self.at.append(time.monotonic())
-
-
-def worker_stop_unroll():
-    # KERAS_PS_UNROLL_AFTER (small) and KERAS_PS_HANG_TIMEOUT come from the
-    # test's environment.
-    switches = _Switches()
+def worker_stop_unroll(at_switch):
+    """Worker 1 stopped in epoch 1, before the form with steps written out
+    is due, or (`at_switch`) the moment fit makes that form.
+    KERAS_PS_UNROLL_AFTER (small) and KERAS_PS_HANG_TIMEOUT come from the
+    test's environment."""
     with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         coordinator = keras_ps.ClusterCoordinator(strategy)
         model = build(strategy)
         stop = _StopWorker(cluster, coordinator, while_stopped=12)
+        steps = _StepLog(stop if at_switch else None)
         history = model.fit(dataset_creator(), epochs=EPOCHS,
-                            steps_per_epoch=STEPS, callbacks=[stop],
-                            verbose=0)
+                            steps_per_epoch=STEPS,
+                            callbacks=[] if at_switch else [stop], verbose=0)
         stop._watch.join()
         if not coordinator.workers[1].wait_until_runnable(120):
             raise RuntimeError("worker 1 was not re-admitted")
@@ -270,30 +259,8 @@ def worker_stop_unroll():
             iterations=int(model.optimizer.iterations.numpy()),
             ran_while_stopped=stop.report["ran_while_stopped"],
             switched_after_resume=[t > stop.report["resumed_at"]
-                                   for t in switches.at],
-            states=[w.state.value for w in coordinator.workers])
-
-
-def worker_stop_after_switch():
-    # KERAS_PS_UNROLL_AFTER (small) and KERAS_PS_HANG_TIMEOUT come from the
-    # test's environment.
-    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
-        model = build(strategy)
-        stop = _StopWorker(cluster, coordinator, while_stopped=12)
-        stand_in = _StopOnSwitch(stop)
-        history = model.fit(dataset_creator(), epochs=EPOCHS,
-                            steps_per_epoch=STEPS, verbose=0)
-        stop._watch.join()
-        if not coordinator.workers[1].wait_until_runnable(120):
-            raise RuntimeError("worker 1 was not re-admitted")
-        model.fit(dataset_creator(), epochs=1, steps_per_epoch=STEPS,
-                  verbose=0)
-        say(epochs=history.epoch, planned=EPOCHS * STEPS + STEPS,
-            iterations=int(model.optimizer.iterations.numpy()),
-            ran_while_stopped=stop.report["ran_while_stopped"],
-            stood_in=stand_in.stood_in,
+                                   for t in steps.at],
+            stood_in=steps.stood_in,
             states=[w.state.value for w in coordinator.workers])
 
 
@@ -523,9 +490,9 @@ if __name__ == "__main__":
     elif sys.argv[1] == "lost_shards_restore":
         lost_shards_restore(sys.argv[2], json.loads(sys.argv[3]))
     elif sys.argv[1] == "worker_stop_unroll":
-        worker_stop_unroll()
+        worker_stop_unroll(at_switch=False)
     elif sys.argv[1] == "worker_stop_after_switch":
-        worker_stop_after_switch()
+        worker_stop_unroll(at_switch=True)
     elif sys.argv[1] == "grow_shrink":
         grow_shrink()
     else:

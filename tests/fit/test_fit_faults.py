@@ -141,6 +141,18 @@ def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
     assert result["planned"] <= result["iterations"] <= result["planned"] + 2 * 2
 
 
+def _stopped_worker_unroll_job(mode):
+    """Runs tests/_fit_job.py `mode` with steps written out due after 24
+    executions and a 3 s hang timeout; a hang fails with the job's log and
+    its threads' stacks."""
+    code, output = run_child(
+        [sys.executable, JOB, mode], 280,
+        env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
+                 FIT_JOB_LOG="1"))
+    assert code == 0, output[-6000:]
+    return _result(output)
+
+
 @pytest.mark.timeout(300)
 def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_out():
     # Worker 1 is SIGSTOPped in epoch 1, before the step function's form
@@ -150,13 +162,8 @@ def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_
     # alone; the switch comes once worker 1 is continued. Calls are packed
     # as by default: a pack of a new size waits, and the copies of a call's
     # results run no eager op of a new kind that would wait for the stopped
-    # worker. A hang fails with the job's log and its threads' stacks.
-    code, output = run_child(
-        [sys.executable, JOB, "worker_stop_unroll"], 280,
-        env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
-                 FIT_JOB_LOG="1"))
-    assert code == 0, output[-6000:]
-    result = _result(output)
+    # worker.
+    result = _stopped_worker_unroll_job("worker_stop_unroll")
     assert result["ran_while_stopped"] >= 12, result
     assert result["switched_after_resume"] == [True], result
     assert result["epochs"] == [0, 1, 2]
@@ -172,12 +179,7 @@ def test_steps_written_out_handed_out_before_a_worker_stopped_wait_for_it():
     # on every worker, the stopped one too, and the whole coordinator would
     # wait for that worker (TF registers with the GIL held); instead, each
     # call runs the loop form in its place until the worker is back.
-    code, output = run_child(
-        [sys.executable, JOB, "worker_stop_after_switch"], 280,
-        env=dict(_env(), KERAS_PS_UNROLL_AFTER="24", KERAS_PS_HANG_TIMEOUT="3",
-                 FIT_JOB_LOG="1"))
-    assert code == 0, output[-6000:]
-    result = _result(output)
+    result = _stopped_worker_unroll_job("worker_stop_after_switch")
     assert result["stood_in"] == 1, result  # logged once
     assert result["ran_while_stopped"] >= 12, result
     assert result["epochs"] == [0, 1, 2]
