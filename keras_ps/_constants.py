@@ -102,6 +102,17 @@ DEFAULT_RELEASE_ITERATORS = 1
 HANG_TIMEOUT_ENV_VAR = "KERAS_PS_HANG_TIMEOUT"
 DEFAULT_HANG_TIMEOUT = 10.0
 
+# Seconds a remote call may run on a worker that answers probes before it is
+# given up as stuck (a read that never returns, a deadlock in TF's runtime):
+# its closures run on the other workers, and the worker is re-admitted once
+# the call returns or its process restarts. Unset or "auto": a call is
+# stuck once it has run STUCK_FACTOR times as long, per closure, as the
+# longest finished call of its function (at least STUCK_FLOOR_S); a
+# function with no finished call yet is never given up. 0: never.
+STUCK_TIMEOUT_ENV_VAR = "KERAS_PS_STUCK_TIMEOUT"
+STUCK_FACTOR = 20
+STUCK_FLOOR_S = 120.0
+
 # Seconds a recovery waits for a lost parameter server to answer again on
 # its address (a restart policy, a replacement machine) before giving up.
 PS_RECOVERY_TIMEOUT_ENV_VAR = "KERAS_PS_PS_RECOVERY_TIMEOUT"
@@ -120,6 +131,20 @@ def env_float(name, default):
             f"Environment variable {name} must be a number. Received: "
             f"{name}={raw!r}. Unset it to use the default {default}."
         ) from None
+
+
+def env_seconds_or_auto(name):
+    """Reads a seconds knob whose default is "auto" (None)."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() in ("", "auto"):
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(
+            f"Environment variable {name} must be a number of seconds or "
+            f"'auto'. Received: {name}={raw!r}. Unset it (or set 'auto') for "
+            "the default, or 0 to turn it off.") from None
 
 
 def env_int(name, default):

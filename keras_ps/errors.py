@@ -75,12 +75,17 @@ class ClosureInputError(_TFErrorMixin, tf.errors.InvalidArgumentError):
         super().__init__(None, None, message)
 
 
+class StuckCallError(_TFErrorMixin, tf.errors.DeadlineExceededError):
+    """A scheduled call was given up as stuck on two workers that answer.
 
+    Each time it ran far longer than calls of its function had (or than
+    `KERAS_PS_STUCK_TIMEOUT`), while its worker and every ps answered: the
+    function itself most likely blocks (a read that never returns). The
+    message names the function, the workers and what to do.
+    """
 
-
-
-
-
+    def __init__(self, message):
+        super().__init__(None, None, message)
 
 
 class BackupCorruptError(_TFErrorMixin, tf.errors.DataLossError):

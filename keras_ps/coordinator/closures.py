@@ -63,7 +63,8 @@ class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
     __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
-                 "generation", "cancellation", "listener", "outputs_lost")
+                 "generation", "cancellation", "listener", "outputs_lost",
+                 "stuck_on")
 
     def __init__(self, fn, args, kwargs, per_worker, listener=None):
         self.fn = fn
@@ -80,6 +81,8 @@ class Closure:
         # Times its function ran to its end on a worker and the outputs were
         # lost on the way back to the coordinator.
         self.outputs_lost = 0
+        # Workers on which a call holding it was given up as stuck.
+        self.stuck_on = set()
 
     @classmethod
     def of(cls, fn, args, kwargs):

@@ -1,6 +1,7 @@
 """The coordinator's settings, validated once, from arguments or the environment."""
 
 import dataclasses
+from typing import Optional
 
 from keras_ps import _constants
 
@@ -20,7 +21,11 @@ class CoordinatorConfig:
         readmit_workers: whether a failed worker that answers again is re-admitted.
         no_worker_timeout: seconds `join` tolerates no healthy worker (0: forever).
         hang_timeout: seconds a call may run before its worker is probed and,
-            if it does not answer, declared failed (0: no hang watchdog).
+            if it does not answer, declared failed (0: no hang watchdog, and
+            no call given up as stuck either).
+        stuck_timeout: seconds a call may run on a worker that answers before
+            it is given up as stuck; None ("auto") compares it with finished
+            calls of its function (see keras_ps/_constants.py); 0: never.
         ps_recovery_timeout: seconds a recovery waits for a lost ps to answer.
     """
 
@@ -31,6 +36,7 @@ class CoordinatorConfig:
     readmit_workers: bool = bool(_constants.DEFAULT_READMIT_WORKERS)
     no_worker_timeout: float = _constants.DEFAULT_NO_WORKER_TIMEOUT
     hang_timeout: float = _constants.DEFAULT_HANG_TIMEOUT
+    stuck_timeout: Optional[float] = None
     ps_recovery_timeout: float = _constants.DEFAULT_PS_RECOVERY_TIMEOUT
     # Where max_pack came from, for error messages.
     max_pack_source: str = dataclasses.field(default="max_pack", compare=False)
@@ -55,6 +61,11 @@ class CoordinatorConfig:
                 raise ValueError(
                     f"{name} must be 0 or a positive number of seconds. "
                     f"Received: {name}={value!r}.")
+        if self.stuck_timeout is not None and not self.stuck_timeout >= 0:
+            raise ValueError(
+                "stuck_timeout must be None (auto), 0 (never) or a positive "
+                f"number of seconds. Received: stuck_timeout="
+                f"{self.stuck_timeout!r}.")
 
     @classmethod
     def from_env(cls, max_pack=None):
@@ -82,6 +93,8 @@ class CoordinatorConfig:
             hang_timeout=_constants.env_float(
                 _constants.HANG_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_HANG_TIMEOUT),
+            stuck_timeout=_constants.env_seconds_or_auto(
+                _constants.STUCK_TIMEOUT_ENV_VAR),
             ps_recovery_timeout=_constants.env_float(
                 _constants.PS_RECOVERY_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_PS_RECOVERY_TIMEOUT),

@@ -138,7 +138,7 @@ class ClusterCoordinator:
         self._watchdog = None
         if config.hang_timeout > 0:
             self._watchdog = failure_handling.HangWatchdog(
-                lambda: list(self._workers), config)
+                lambda: list(self._workers), config, self._dead_ps)
             self._watchdog.start()
 
     # -- public API ------------------------------------------------------------

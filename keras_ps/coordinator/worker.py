@@ -1,15 +1,16 @@
 """One thread per worker task: takes closures, runs them, handles failures.
 
-A worker's lifecycle is the `WorkerState` enum; `Worker.transition` is the
-only place it changes, checks the move against `ALLOWED_TRANSITIONS` and logs
-it. A worker sees the rest of the coordinator only through `WorkerServices`.
+A worker's lifecycle is the `WorkerState` enum (worker_states.py);
+`Worker.transition` is the only place it changes, checks the move against
+`ALLOWED_TRANSITIONS` and logs it. A worker sees the rest of the
+coordinator only through `WorkerServices`.
 """
 
 import dataclasses
-import enum
 import logging
 import threading
 import time
+import weakref
 from typing import Callable
 
 import tensorflow as tf
@@ -27,41 +28,14 @@ from keras_ps.coordinator.failure_handling import Decision
 from keras_ps.coordinator.failure_handling import Readmission
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
+from keras_ps.coordinator.worker_states import ALLOWED_TRANSITIONS
+from keras_ps.coordinator.worker_states import GONE as _GONE
+from keras_ps.coordinator.worker_states import IN_CLUSTER  # noqa: F401 (re-exported)
+from keras_ps.coordinator.worker_states import OUT
+from keras_ps.coordinator.worker_states import RUNNABLE
+from keras_ps.coordinator.worker_states import WorkerState
 
 logger = logging.getLogger(__name__)
-
-
-class WorkerState(enum.Enum):
-    JOINING = "joining"  # new member; admitted once it answers
-    HEALTHY = "healthy"  # runs closures
-    # Runs closures; (re)admitted and its first call not done yet (an error
-    # of the function now gets a note on what a re-admission rebuilds).
-    READMITTED = "readmitted"
-    FAILED = "failed"  # unreachable; its closures go to other workers
-    HUNG = "hung"  # a call was given up (no answer); no new trace until it is back
-    RECOVERING = "recovering"  # answers again; context and datasets being rebuilt
-    LEFT = "left"  # no longer a member; its closures go to other workers
-    STOPPED = "stopped"  # the coordinator shut down
-
-
-_S = WorkerState
-_GONE = (_S.LEFT, _S.STOPPED)
-# Every move a worker may make. LEFT and STOPPED are final (LEFT may still
-# be stopped); a move not listed is ignored with a warning.
-ALLOWED_TRANSITIONS = {
-    _S.JOINING: {_S.RECOVERING, *_GONE},
-    _S.HEALTHY: {_S.FAILED, _S.HUNG, *_GONE},
-    _S.READMITTED: {_S.HEALTHY, _S.FAILED, _S.HUNG, *_GONE},
-    _S.FAILED: {_S.RECOVERING, *_GONE},
-    _S.HUNG: {_S.RECOVERING, *_GONE},
-    _S.RECOVERING: {_S.READMITTED, _S.FAILED, *_GONE},
-    _S.LEFT: {_S.STOPPED},
-    _S.STOPPED: set(),
-}
-# States in which a worker takes closures.
-RUNNABLE = (_S.HEALTHY, _S.READMITTED)
-# States in which a worker is part of the cluster definition TF holds.
-IN_CLUSTER = (_S.HEALTHY, _S.READMITTED, _S.RECOVERING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +95,8 @@ class Worker:
         self._consecutive_failures = 0
         self._failed_readmissions = 0
         self._in_flight = None  # the _Call running now
+        # fn -> the longest a finished call of it took here, per closure.
+        self._call_times = weakref.WeakKeyDictionary()
         self._services = services
         self._state_lock = threading.Lock()
         self._state_changed = threading.Condition(self._state_lock)
@@ -204,25 +180,51 @@ class Worker:
             # dataset's iterators) are freed when the user drops them.
             batch = None
 
-    def in_flight_seconds(self):
-        """How long the current remote call has run (None when idle)."""
+    def in_flight_call(self):
+        """The remote call running now (its `batch` and monotonic `started`
+        time), or None when idle."""
         call = self._in_flight
         if call is None or call.settled or self.state not in RUNNABLE:
             return None
-        return time.monotonic() - call.started
+        return call
 
-    def abandon_in_flight(self, reason):
-        """Gives up on a call that will not return (hung worker): its
-        closures go back to the queue and the worker counts as hung. When
-        the call returns after all, its outcome is dropped."""
+    def in_flight_seconds(self):
+        """How long the current remote call has run (None when idle)."""
+        call = self.in_flight_call()
+        return None if call is None else time.monotonic() - call.started
+
+    def seconds_per_closure(self, fn):
+        """The longest a finished call of `fn` took here, per closure in it
+        (None before the first)."""
+        try:
+            return self._call_times.get(fn)
+        except TypeError:  # no weak reference to it: no history kept
+            return None
+
+    def abandon_in_flight(self, reason, state=WorkerState.HUNG, call=None):
+        """Gives up on a call that will not return (a hung worker, or a call
+        stuck on one that answers): its closures go back to the queue and the
+        worker moves to `state`. When the call returns after all, its outcome
+        is dropped. `call`: give up only that call, if it still runs."""
         with self._state_lock:
-            call = self._in_flight
-            if call is None or call.settled:
+            running = self._in_flight
+            if running is None or running.settled or (
+                    call is not None and running is not call):
                 return
-            call.settled = call.abandoned = True
-        call.gate_hold.release_early()
-        self.transition(WorkerState.HUNG, reason)
-        self._services.queue.put_back(call.batch)
+            running.settled = running.abandoned = True
+        running.gate_hold.release_early()
+        self.transition(state, reason)
+        batch = running.batch
+        if state is WorkerState.STUCK:
+            for closure in batch:
+                closure.stuck_on.add(self.index)
+            stuck_on = max((c.stuck_on for c in batch), key=len)
+            if len(stuck_on) >= failure_handling.STUCK_GIVE_UPS:
+                self._fail_job(batch, failure_handling.stuck_failure(
+                    getattr(batch[0].fn, "__name__", "a scheduled function"),
+                    sorted(stuck_on), reason))
+                return
+        self._services.queue.put_back(batch)
 
     def _process(self, batch):
         services = self._services
@@ -242,6 +244,7 @@ class Worker:
         try:
             with services.gate.shared() as hold:
                 call.gate_hold = hold
+                call.started = time.monotonic()  # not the wait for the gate
                 self._in_flight = call
                 # Read under the gate: a re-admission cannot start mid-call.
                 generation = services.readmission.generation
@@ -262,6 +265,13 @@ class Worker:
             if closure.listener is not None:  # dynamic data shards: done
                 closure.listener.finished(self.index, output)
             closure.remote_value._set_values(output)
+        per_closure = (time.monotonic() - call.started) / len(batch)
+        fn = batch[0].fn
+        try:
+            self._call_times[fn] = max(per_closure,
+                                       self._call_times.get(fn, 0.0))
+        except TypeError:  # no weak reference to it: no history kept
+            pass
         self.closures_run += len(batch)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
@@ -272,8 +282,8 @@ class Worker:
         with self._state_lock:
             self._in_flight = None
             if call.abandoned:
-                logger.info("[worker:%d] a call given up as hung returned; "
-                            "its outcome is dropped", self.index)
+                logger.info("[worker:%d] a call given up (hung or stuck) "
+                            "returned; its outcome is dropped", self.index)
                 return False
             call.settled = True
             return True
@@ -407,14 +417,12 @@ class Worker:
     def _recover(self):
         """Waits until the worker answers, then has it re-admitted."""
         config = self._services.config
-        if self.state in (WorkerState.FAILED, WorkerState.HUNG) and \
-                not config.readmit_workers:
+        if self.state in OUT and not config.readmit_workers:
             logger.info("[worker:%d] stays out of training (re-admission is "
                         "off: KERAS_PS_READMIT_WORKERS=0)", self.index)
             self.wait_for_state(_GONE, timeout=float("inf"))
             return
-        while self.state in (WorkerState.FAILED, WorkerState.HUNG,
-                             WorkerState.JOINING):
+        while self.state in (*OUT, WorkerState.JOINING):
             if probe(self.address, config.probe_timeout):
                 self.transition(WorkerState.RECOVERING, "answers")
                 break

@@ -429,6 +429,21 @@ def env_hang_timeout_not_number(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_stuck_timeout_not_seconds", ValueError,
+      "KERAS_PS_STUCK_TIMEOUT='20s'", "number of seconds or 'auto'",
+      "0 to turn it off")
+def env_stuck_timeout_not_seconds(env):
+    _with_env("KERAS_PS_STUCK_TIMEOUT", "20s",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_stuck_timeout_negative", ValueError,
+      "stuck_timeout=-5.0", "0 (never) or a positive number")
+def env_stuck_timeout_negative(env):
+    _with_env("KERAS_PS_STUCK_TIMEOUT", "-5",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
 # Model.fit ----------------------------------------------------------------------------
 def _model(strategy=None, compiled=True):
     def build():

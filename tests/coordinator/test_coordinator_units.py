@@ -2,6 +2,8 @@
 
 import concurrent.futures
 import threading
+import time
+import types
 
 import pytest
 import tensorflow as tf
@@ -9,7 +11,9 @@ import tensorflow as tf
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator.closures import Closure, ClosureQueue
 from keras_ps.coordinator.failure_handling import Decision
+from keras_ps.coordinator.worker_states import WorkerState
 from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.errors import StuckCallError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -301,17 +305,26 @@ def test_idle_take_returns_when_its_worker_stops_being_runnable():
 
 
 class _CallingWorker:
-    """A worker whose one call has run `age` seconds, at a real address."""
+    """A worker whose one call (of `fn`, `closures` closures) has run `age`
+    seconds, at a real address; `per_closure`: its longest finished call of
+    `fn` per closure (None: none finished)."""
 
-    def __init__(self, index, address, age):
+    def __init__(self, index, address, age, fn=None, closures=1,
+                 per_closure=None):
         self.index, self.address, self.age = index, address, age
-        self.abandoned = []
+        self.fn, self.closures, self.per_closure = fn, closures, per_closure
+        self.abandoned = []  # (reason, state)
 
-    def in_flight_seconds(self):
-        return self.age
+    def in_flight_call(self):
+        batch = [Closure(self.fn, (), {}, False) for _ in range(self.closures)]
+        return types.SimpleNamespace(batch=batch,
+                                     started=time.monotonic() - self.age)
 
-    def abandon_in_flight(self, reason):
-        self.abandoned.append(reason)
+    def seconds_per_closure(self, fn):
+        return self.per_closure if fn is self.fn else None
+
+    def abandon_in_flight(self, reason, state, call):
+        self.abandoned.append((reason, state))
 
 
 def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
@@ -335,7 +348,7 @@ def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
             CoordinatorConfig(hang_timeout=2.0, probe_timeout=2.0))
         stuck = failure_handling.STUCK_WARNING_S
         logged = []
-        for age in (5.0, stuck - 1, stuck + 1, stuck + 5, 2 * stuck + 2,
+        for age in (5.0, stuck - 1, stuck + 1, stuck + 5, 2 * stuck + 3,
                     3.0, stuck + 1):
             answering.age = age
             caplog.clear()
@@ -349,6 +362,129 @@ def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
         assert logged == [False, False, True, False, True, False, True]
         assert answering.abandoned == []
         assert len(silent.abandoned) == 7
-        assert "does not answer" in silent.abandoned[0]
+        reason, state = silent.abandoned[0]
+        assert "does not answer" in reason and state is WorkerState.HUNG
     finally:
         server.stop(0)
+
+
+def test_stuck_after_compares_a_call_with_finished_calls_of_its_function():
+    from keras_ps import _constants
+    floor, factor = _constants.STUCK_FLOOR_S, _constants.STUCK_FACTOR
+    stuck_after = failure_handling.stuck_after
+    # Auto: never before a call of the function finished (a first call may
+    # be long); then FACTOR times the longest per closure, times the
+    # closures of this call, and at least the floor.
+    assert stuck_after(None, None, 4) is None
+    assert stuck_after(None, 0.01, 4) == floor
+    assert stuck_after(None, 10.0, 4) == factor * 10.0 * 4
+    # A setting wins over what was seen; 0 is never.
+    assert stuck_after(30.0, None, 4) == 30.0
+    assert stuck_after(30.0, 10.0, 4) == 30.0
+    assert stuck_after(0.0, 10.0, 4) is None
+
+
+def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
+    # Real probes: both workers answer at a real gRPC server. Worker 1's call
+    # of `step` has run far longer than worker 0's finished calls of it: it
+    # is given up as stuck, but not while a ps does not answer, and not a
+    # call of a function with no finished call yet.
+    import grpc
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    address = f"localhost:{port}"
+    step = object()
+    try:
+        fast = _CallingWorker(0, address, 0.0, fn=step, per_closure=0.5)
+        stuck = _CallingWorker(1, address, 0.0, fn=step, closures=2)
+        dead_ps = {}
+        watchdog = failure_handling.HangWatchdog(
+            lambda: [fast, stuck], CoordinatorConfig(hang_timeout=2.0),
+            lambda: dict(dead_ps))
+        limit = failure_handling.stuck_after(None, 0.5, 2)  # the floor here
+        stuck.age = limit - 1
+        with caplog.at_level("WARNING", logger=failure_handling.__name__):
+            watchdog.check()
+        assert stuck.abandoned == []
+        assert any(f"gives it up as stuck at {limit:.0f}s" in m
+                   for m in caplog.messages)
+        stuck.age = limit + 1
+        dead_ps[0] = "localhost:1"
+        watchdog.check()
+        assert stuck.abandoned == []  # a silent ps holds every call
+        dead_ps.clear()
+        watchdog.check()
+        assert [state for _, state in stuck.abandoned] == [WorkerState.STUCK]
+        assert f"(limit {limit:.0f}s)" in stuck.abandoned[0][0]
+        assert fast.abandoned == []
+        # A function no call of which finished: waited for, and the log
+        # says how to bound it.
+        stuck.fn, fast.fn = object(), object()
+        stuck.age = 10 * limit
+        caplog.clear()
+        with caplog.at_level("WARNING", logger=failure_handling.__name__):
+            watchdog.check()
+        assert len(stuck.abandoned) == 1
+        assert any("no call of this function has finished yet" in m
+                   for m in caplog.messages)
+        # A setting bounds it.
+        watchdog = failure_handling.HangWatchdog(
+            lambda: [fast, stuck],
+            CoordinatorConfig(hang_timeout=2.0, stuck_timeout=5.0))
+        stuck.age = 6.0
+        watchdog.check()
+        assert [state for _, state in stuck.abandoned][-1] is WorkerState.STUCK
+        assert len(stuck.abandoned) == 2
+    finally:
+        server.stop(0)
+
+
+class _Hold:
+    def release_early(self):
+        pass
+
+
+def _worker_running(queue, index, batch):
+    """A real Worker whose call of `batch` is in flight."""
+    from keras_ps.coordinator import worker as worker_lib
+    services = types.SimpleNamespace(queue=queue)
+    worker = worker_lib.Worker(services, index, f"localhost:{index + 1}")
+    call = worker_lib._Call(batch)
+    call.gate_hold = _Hold()
+    worker._in_flight = call
+    return worker, call
+
+
+def test_a_closure_stuck_on_two_workers_fails_the_job_naming_it():
+    queue = ClosureQueue()
+    def read_forever():
+        pass
+    closures = _closures(read_forever, 2)
+    for c in closures:
+        queue.put(c)
+    batch = queue.take(max_pack=2, num_takers=1)
+    first, call = _worker_running(queue, 0, batch)
+    first.abandon_in_flight("ran 200s", WorkerState.STUCK, call)
+    assert first.state is WorkerState.STUCK
+    # Requeued for the other workers; the call, if it returns, is dropped.
+    assert queue.take(max_pack=2, num_takers=1) == closures
+    assert not first._finish_call(call)
+    # A call given up already is not given up again, nor a later one.
+    first.abandon_in_flight("again", WorkerState.STUCK, call)
+    second, call = _worker_running(queue, 1, closures)
+    second.abandon_in_flight("ran 300s", WorkerState.STUCK, object())
+    assert second.state is WorkerState.HEALTHY
+    second.abandon_in_flight("ran 300s", WorkerState.STUCK, call)
+    assert second.state is WorkerState.STUCK
+    with pytest.raises(StuckCallError) as raised:
+        queue.done()
+    message = str(raised.value)
+    assert "read_forever" in message and "workers [0, 1]" in message
+    assert "ran 300s" in message and "KERAS_PS_STUCK_TIMEOUT" in message
+    assert isinstance(raised.value, tf.errors.DeadlineExceededError)
+    with pytest.raises(StuckCallError):
+        closures[1].remote_value.fetch(timeout=1)
