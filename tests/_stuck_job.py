@@ -4,11 +4,13 @@ The block is real: a read of a named pipe (FIFO) that no one writes blocks
 the worker's op in open(2) while its process answers every probe, as a read
 of a stalled network filesystem does. Prints JSON lines the test reads.
 
-Usage: python tests/_stuck_job.py iterator|function PIPE
+Usage: python tests/_stuck_job.py iterator|function|shard|everywhere PIPE
   iterator: worker 1's dataset reads its 40 lines, then the pipe; the other
       worker trains on, the stuck worker is re-admitted once the pipe is
       written to.
   function: the scheduled function itself reads the pipe, wherever it runs.
+  shard: Model.fit on a ShardedInput of files, one of which is the pipe.
+  everywhere: every worker's dataset reads its 40 lines, then the pipe.
 """
 
 import logging
@@ -18,6 +20,7 @@ import tempfile
 import threading
 import time
 
+import keras
 import tensorflow as tf
 
 import keras_ps
@@ -118,6 +121,22 @@ def iterator_stuck(pipe):
             moves=moves.moves)
 
 
+def _raised_by(run):
+    """The exception `run()` raises (what the user sees), or None."""
+    try:
+        run()
+    except Exception as e:
+        return e
+    return None
+
+
+def _report_failure(error, moves, coordinator, **extra):
+    say(error_type=type(error).__name__ if error else None,
+        is_deadline_exceeded=isinstance(error, tf.errors.DeadlineExceededError),
+        message=str(error), states=[w.state.value for w in coordinator.workers],
+        moves=moves.moves, **extra)
+
+
 def function_stuck(pipe):
     moves = _Moves()
     with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -129,29 +148,65 @@ def function_stuck(pipe):
             return tf.strings.length(tf.io.read_file(pipe))
 
         result = coordinator.schedule(read_the_pipe)
-        started = time.monotonic()
-        try:
-            coordinator.join()
-            error = None
-        except Exception as e:  # what the user sees is the report
-            error = e
-        raised_after = time.monotonic() - started
-        try:
-            result.fetch()
-            fetched = None
-        except Exception as e:
-            fetched = type(e).__name__
-        states = [w.state.value for w in coordinator.workers]
-        say(error_type=type(error).__name__ if error else None,
-            is_deadline_exceeded=isinstance(
-                error, tf.errors.DeadlineExceededError),
-            message=str(error), fetched=fetched, raised_after=raised_after,
-            states=states, moves=moves.moves)
+        error = _raised_by(coordinator.join)
+        fetched = _raised_by(result.fetch)
+        _report_failure(error, moves, coordinator,
+                        fetched=type(fetched).__name__ if fetched else None)
         # Let both blocked reads return before the cluster stops.
+        for _ in range(2):
+            _write_to(pipe).join(10)
+
+
+def every_worker_stuck(pipe):
+    moves = _Moves()
+    few = _lines_file(LINES_BEFORE_THE_PIPE, "few")
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda _: tf.data.TextLineDataset([few, pipe])))
+
+        @tf.function
+        def step(it):
+            total.assign_add(tf.cast(tf.strings.length(next(it)) > 0,
+                                     tf.float32))
+
+        for _ in range(400):
+            coordinator.schedule(step, args=(iterator,))
+        error = _raised_by(coordinator.join)
+        _report_failure(error, moves, coordinator,
+                        trained=float(total.numpy()))
+        _write_to(pipe).join(10)  # lets both blocked reads return
+
+
+def _read_lines(filename):
+    return tf.data.TextLineDataset(filename).map(
+        lambda line: (tf.strings.to_number(tf.strings.split(line)[1:2]),
+                      tf.constant([1.0])))
+
+
+def shard_stuck(pipe):
+    # Three files of 64 lines and the pipe, a shard each: whichever worker
+    # takes the pipe's shard blocks opening it, then so does the other.
+    moves = _Moves()
+    files = [_lines_file(64, "line") for _ in range(3)]
+    data = keras_ps.ShardedInput(files[:1] + [pipe] + files[1:],
+                                 read_fn=_read_lines, batch_size=8, seed=1)
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            model.compile("sgd", "mse", steps_per_execution=4)
+        error = _raised_by(lambda: model.fit(data, epochs=1, verbose=0))
+        _report_failure(error, moves, coordinator)
         for _ in range(2):
             _write_to(pipe).join(10)
 
 
 if __name__ == "__main__":
     mode, pipe = sys.argv[1], sys.argv[2]
-    {"iterator": iterator_stuck, "function": function_stuck}[mode](pipe)
+    {"iterator": iterator_stuck, "function": function_stuck,
+     "shard": shard_stuck, "everywhere": every_worker_stuck}[mode](pipe)

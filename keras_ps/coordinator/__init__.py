@@ -2,9 +2,12 @@
 
 Modules: `coordinator` (the public ClusterCoordinator), `closures` (the
 queue), `packing` (several calls in one remote call), `worker` (one thread
-per worker task and its states), `failure_handling` (probes, the failure
-policy, the hang watchdog, re-admission), `datasets` (per-worker datasets),
-`values` (RemoteValue), `config` (settings), `gate` (calls vs cluster updates).
+per worker task), `worker_states` (its states and moves), `failure_handling`
+(the failure policy, re-admission), `watchdog` (calls that never return: hung
+and stuck ones), `datasets` (per-worker datasets), `iterator_release` (the
+iterators of earlier calls), `worker_context` (the worker's index inside a
+function), `values` (RemoteValue), `config` (settings), `gate` (calls vs
+cluster updates).
 """
 
 from keras_ps.strategy._per_worker import PerWorkerValues

@@ -42,6 +42,11 @@ class ClosureListener(abc.ABC):
     def error(self, error):
         """The error the closure's RemoteValue raises (may add context)."""
 
+    def describe(self):
+        """What the closure reads, for errors that cannot wrap the call's
+        own (a call given up as stuck); None: nothing to name."""
+        return None
+
 
 class ScheduledShard(abc.ABC):
     """An argument of `coordinator.schedule` that stands for a shard of data.

@@ -13,6 +13,7 @@ from keras_ps import errors
 from keras_ps.cluster import _network
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import iterator_release
+from keras_ps.coordinator import watchdog
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure
 from keras_ps.coordinator.closures import ClosureQueue
@@ -137,8 +138,8 @@ class ClusterCoordinator:
             self._membership_watch = resolver.watch(self.update_workers)
         self._watchdog = None
         if config.hang_timeout > 0:
-            self._watchdog = failure_handling.HangWatchdog(
-                lambda: list(self._workers), config, self._dead_ps)
+            self._watchdog = watchdog.HangWatchdog(
+                lambda: list(self._workers), config, self._dead_ps, self._queue)
             self._watchdog.start()
 
     # -- public API ------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Failure handling: deciding what a failure means, the hang
-watchdog and the re-admission of a worker that answers again.
+"""Failure handling: deciding what a failure means, and the re-admission of
+a worker that answers again (calls that never return: watchdog.py).
 
 Decide apart from act: `decide` is a pure function of what was observed (the
 error's type, whether the function had run to its end when the call failed,
@@ -12,20 +12,15 @@ and those checks, never by message text.
 
 import enum
 import logging
-import threading
 import time
 
 import tensorflow as tf
 
-from keras_ps import _constants
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import incarnation
-from keras_ps.cluster._network import probe
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import RepeatedFailureError
-from keras_ps.errors import StuckCallError
 from keras_ps.strategy import strategy as strategy_lib
-from keras_ps.coordinator.worker_states import WorkerState
 
 logger = logging.getLogger(__name__)
 
@@ -158,135 +153,6 @@ def note_lost_outputs(error, outputs_lost):
         "each time its outputs could not be copied from the worker to the "
         "coordinator. Return tensors of numbers, booleans or strings from a "
         "scheduled function, not datasets, iterators or resource handles.")
-
-
-# -- the hang watchdog --------------------------------------------------------------
-# A call that has run this long (or 6 hang timeouts, if longer) on a worker
-# that answers probes is logged, then again at each doubling of its age.
-STUCK_WARNING_S = 60.0
-# Workers a closure may be given up as stuck on before the job fails: stuck
-# on two, the closure itself most likely blocks, wherever it runs.
-STUCK_GIVE_UPS = 2
-
-
-def stuck_after(stuck_timeout, longest_per_closure, closures):
-    """Seconds after which a call of `closures` closures is given up as stuck
-    on a worker that answers, or None for never.
-
-    Args:
-        stuck_timeout: the setting: seconds, 0 (never) or None (auto).
-        longest_per_closure: the longest a finished call of the same function
-            took per closure, on any worker (None: none finished yet).
-        closures: how many closures the call holds.
-    """
-    if stuck_timeout is not None:
-        return stuck_timeout or None
-    if longest_per_closure is None:
-        return None  # nothing to compare with: a first call may be long
-    return max(_constants.STUCK_FLOOR_S,
-               _constants.STUCK_FACTOR * longest_per_closure * closures)
-
-
-def stuck_failure(fn_name, workers, reason):
-    """The error of a closure of `fn_name` given up as stuck on `workers`."""
-    return StuckCallError(
-        f"A call of {fn_name} was given up as stuck on workers {workers} "
-        f"(the last call {reason}, and every ps answered probes). The "
-        "function most likely blocks wherever "
-        "it runs: a dataset read that never returns (a stalled network "
-        "filesystem, a pipe or socket with no writer), or a deadlock in TF's "
-        "runtime; a dump of a worker's threads (py-spy dump, gdb) shows "
-        "where. If its calls are this long on purpose, set "
-        f"{_constants.STUCK_TIMEOUT_ENV_VAR} to more seconds than one takes "
-        "(0 never gives a call up).")
-
-
-class HangWatchdog:
-    """Watches every worker's call in flight.
-
-    A call that has run `hang_timeout` seconds on a worker that does not
-    answer a probe is given up and the worker declared hung: a stopped or
-    hung process never returns the call, and would hold its closures
-    forever. A worker that answers is busy or stuck: its call is given up
-    as stuck (`WorkerState.STUCK`) only past `stuck_after` and while every
-    ps answers (a ps that does not holds every worker's calls: not this
-    worker's fault); before that, a call past `STUCK_WARNING_S` is logged.
-    """
-
-    def __init__(self, workers, config, dead_ps=dict):
-        self._workers = workers  # () -> the current Worker objects
-        self._config = config
-        self._dead_ps = dead_ps  # () -> {index: address} of silent ps
-        self._stopping = threading.Event()
-        # Worker index -> the age of its call when last logged as stuck.
-        self._warned = {}
-        self._thread = threading.Thread(
-            target=self._run, daemon=True, name="keras_ps-hang-watchdog")
-
-    def start(self):
-        self._thread.start()
-
-    def stop(self):
-        self._stopping.set()
-
-    def _run(self):
-        interval = min(1.0, self._config.hang_timeout / 2)
-        while not self._stopping.wait(interval):
-            self.check()
-
-    def check(self):
-        """One look at every worker's call in flight."""
-        workers = self._workers()
-        for w in workers:
-            call = w.in_flight_call()
-            if call is None:
-                continue
-            age = time.monotonic() - call.started
-            if age < self._config.hang_timeout:
-                continue
-            if not probe(w.address, self._config.probe_timeout):
-                w.abandon_in_flight(
-                    f"call running {age:.0f}s and the worker does not answer",
-                    WorkerState.HUNG, call)
-                continue
-            fn = call.batch[0].fn
-            seen = [t for t in (v.seconds_per_closure(fn) for v in workers)
-                    if t is not None]
-            limit = stuck_after(self._config.stuck_timeout,
-                                max(seen, default=None), len(call.batch))
-            if limit is not None and age >= limit and not self._dead_ps():
-                w.abandon_in_flight(
-                    f"ran {age:.0f}s (limit {limit:.0f}s) on a worker that "
-                    "answers", WorkerState.STUCK, call)
-            else:
-                self._warn_if_stuck(w, age, limit)
-
-    def _warn_if_stuck(self, worker, age, limit):
-        last = self._warned.get(worker.index)
-        if last is not None and age < last:
-            last = None  # a later call
-        if age < max(STUCK_WARNING_S, 6 * self._config.hang_timeout) or (
-                last is not None and age < 2 * last):
-            return
-        self._warned[worker.index] = age
-        if limit is not None:
-            then = (f"keras_ps gives it up as stuck at {limit:.0f}s (its "
-                    "closures then run on the other workers) unless a ps "
-                    "does not answer")
-        elif self._config.stuck_timeout == 0:
-            then = ("keras_ps waits for it: "
-                    f"{_constants.STUCK_TIMEOUT_ENV_VAR}=0 never gives a call up")
-        else:
-            then = ("keras_ps waits for it: no call of this function has "
-                    "finished yet to compare it with (set "
-                    f"{_constants.STUCK_TIMEOUT_ENV_VAR} to bound such a call)")
-        logger.warning(
-            "[worker:%d] a call has run %.0fs on %s, which answers probes; %s. "
-            "If this job's steps are not that long, that worker's call may "
-            "be stuck (a dump of its threads, e.g. py-spy dump or gdb, shows "
-            "where); restarting its process lets training go on: its "
-            "closures run on the other workers, and it is re-admitted.",
-            worker.index, age, worker.address, then)
 
 
 # -- re-admission -------------------------------------------------------------------

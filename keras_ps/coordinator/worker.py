@@ -22,6 +22,7 @@ from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import values
+from keras_ps.coordinator import watchdog
 from keras_ps.coordinator.closures import ClosureQueue
 from keras_ps.coordinator.config import CoordinatorConfig
 from keras_ps.coordinator.failure_handling import Decision
@@ -219,10 +220,9 @@ class Worker:
             for closure in batch:
                 closure.stuck_on.add(self.index)
             stuck_on = max((c.stuck_on for c in batch), key=len)
-            if len(stuck_on) >= failure_handling.STUCK_GIVE_UPS:
-                self._fail_job(batch, failure_handling.stuck_failure(
-                    getattr(batch[0].fn, "__name__", "a scheduled function"),
-                    sorted(stuck_on), reason))
+            if len(stuck_on) >= watchdog.STUCK_GIVE_UPS:
+                self._fail_job(batch, watchdog.stuck_failure(
+                    batch[0], sorted(stuck_on), reason))
                 return
         self._services.queue.put_back(batch)
 

@@ -380,6 +380,10 @@ class _ShardListener(ClosureListener):
         self._ledger.fail(self.index, type(error).__name__)
         return False
 
+    def describe(self):
+        return (f"shard {self.index} of {len(self._ledger)} "
+                f"({self._ledger.description(self.index)})")
+
     def error(self, error):
         """The error the user sees: names the shard, its file or records,
         and the workers that tried."""

@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from keras_ps.coordinator import failure_handling
+from keras_ps.coordinator import watchdog
 from keras_ps.coordinator.closures import Closure, ClosureQueue
 from keras_ps.coordinator.failure_handling import Decision
 from keras_ps.coordinator.worker_states import WorkerState
@@ -343,17 +344,17 @@ def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
         answering = _CallingWorker(0, f"localhost:{port}", 5.0)
         silent = _CallingWorker(
             1, f"localhost:{portpicker.pick_unused_port()}", 5.0)
-        watchdog = failure_handling.HangWatchdog(
+        watcher = watchdog.HangWatchdog(
             lambda: [answering, silent],
             CoordinatorConfig(hang_timeout=2.0, probe_timeout=2.0))
-        stuck = failure_handling.STUCK_WARNING_S
+        stuck = watchdog.STUCK_WARNING_S
         logged = []
         for age in (5.0, stuck - 1, stuck + 1, stuck + 5, 2 * stuck + 3,
                     3.0, stuck + 1):
             answering.age = age
             caplog.clear()
-            with caplog.at_level("WARNING", logger=failure_handling.__name__):
-                watchdog.check()
+            with caplog.at_level("WARNING", logger=watchdog.__name__):
+                watcher.check()
             logged.append(any(f"[worker:0] a call has run {age:.0f}s" in m
                               and "restarting its process" in m
                               for m in caplog.messages))
@@ -371,7 +372,7 @@ def test_hang_watchdog_gives_up_silent_workers_and_logs_stuck_calls(caplog):
 def test_stuck_after_compares_a_call_with_finished_calls_of_its_function():
     from keras_ps import _constants
     floor, factor = _constants.STUCK_FLOOR_S, _constants.STUCK_FACTOR
-    stuck_after = failure_handling.stuck_after
+    stuck_after = watchdog.stuck_after
     # Auto: never before a call of the function finished (a first call may
     # be long); then FACTOR times the longest per closure, times the
     # closures of this call, and at least the floor.
@@ -402,22 +403,22 @@ def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
         fast = _CallingWorker(0, address, 0.0, fn=step, per_closure=0.5)
         stuck = _CallingWorker(1, address, 0.0, fn=step, closures=2)
         dead_ps = {}
-        watchdog = failure_handling.HangWatchdog(
+        watcher = watchdog.HangWatchdog(
             lambda: [fast, stuck], CoordinatorConfig(hang_timeout=2.0),
             lambda: dict(dead_ps))
-        limit = failure_handling.stuck_after(None, 0.5, 2)  # the floor here
+        limit = watchdog.stuck_after(None, 0.5, 2)  # the floor here
         stuck.age = limit - 1
-        with caplog.at_level("WARNING", logger=failure_handling.__name__):
-            watchdog.check()
+        with caplog.at_level("WARNING", logger=watchdog.__name__):
+            watcher.check()
         assert stuck.abandoned == []
         assert any(f"gives it up as stuck at {limit:.0f}s" in m
                    for m in caplog.messages)
         stuck.age = limit + 1
         dead_ps[0] = "localhost:1"
-        watchdog.check()
+        watcher.check()
         assert stuck.abandoned == []  # a silent ps holds every call
         dead_ps.clear()
-        watchdog.check()
+        watcher.check()
         assert [state for _, state in stuck.abandoned] == [WorkerState.STUCK]
         assert f"(limit {limit:.0f}s)" in stuck.abandoned[0][0]
         assert fast.abandoned == []
@@ -426,19 +427,90 @@ def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
         stuck.fn, fast.fn = object(), object()
         stuck.age = 10 * limit
         caplog.clear()
-        with caplog.at_level("WARNING", logger=failure_handling.__name__):
-            watchdog.check()
+        with caplog.at_level("WARNING", logger=watchdog.__name__):
+            watcher.check()
         assert len(stuck.abandoned) == 1
         assert any("no call of this function has finished yet" in m
                    for m in caplog.messages)
         # A setting bounds it.
-        watchdog = failure_handling.HangWatchdog(
+        watcher = watchdog.HangWatchdog(
             lambda: [fast, stuck],
             CoordinatorConfig(hang_timeout=2.0, stuck_timeout=5.0))
         stuck.age = 6.0
-        watchdog.check()
+        watcher.check()
         assert [state for _, state in stuck.abandoned][-1] is WorkerState.STUCK
         assert len(stuck.abandoned) == 2
+    finally:
+        server.stop(0)
+
+
+class _StateKeepingWorker(_CallingWorker):
+    """A _CallingWorker with a state: a call given up leaves no call."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.state = WorkerState.HEALTHY
+
+    def in_flight_call(self):
+        if self.state is not WorkerState.HEALTHY:
+            return None
+        return super().in_flight_call()
+
+    def abandon_in_flight(self, reason, state, call):
+        super().abandon_in_flight(reason, state, call)
+        self.state = state
+
+
+def test_every_worker_stuck_fails_the_job_naming_each_call():
+    # Real probes at a real gRPC server. Stuck workers come back only when
+    # their calls return: once every member is stuck, the job fails. A
+    # failed worker (which a restart brings back) or none stuck: it waits.
+    import grpc
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    address = f"localhost:{port}"
+
+    def read_forever():
+        pass
+
+    try:
+        queue = ClosureQueue()
+        waiting = _closures(read_forever, 1)[0]
+        queue.put(waiting)
+        workers = [_StateKeepingWorker(i, address, 1.0, fn=read_forever)
+                   for i in range(3)]
+        watcher = watchdog.HangWatchdog(
+            lambda: list(workers),
+            CoordinatorConfig(hang_timeout=0.5, stuck_timeout=5.0),
+            queue=queue)
+        workers[2].state = WorkerState.LEFT  # not a member: not counted
+        workers[0].age = 6.0
+        watcher.check()
+        assert [w.state for w in workers[:2]] == [WorkerState.STUCK,
+                                                  WorkerState.HEALTHY]
+        assert not queue.done()  # worker 1 trains on
+        workers[1].state = WorkerState.FAILED
+        watcher.check()
+        assert not queue.done()  # a failed worker may be restarted
+        workers[1].state = WorkerState.HEALTHY
+        workers[1].age = 7.0
+        watcher.check()
+        with pytest.raises(StuckCallError) as raised:
+            queue.done()
+        message = str(raised.value)
+        assert message.startswith(
+            "Every worker has a call given up as stuck, so none is left to "
+            "train (worker 0: a call of read_forever ran 6s (limit 5s) on a "
+            "worker that answers; worker 1: a call of read_forever ran 7s "
+            "(limit 5s) on a worker that answers;")
+        assert "worker 2" not in message
+        assert "KERAS_PS_STUCK_TIMEOUT" in message
+        with pytest.raises(tf.errors.CancelledError):
+            waiting.remote_value.fetch(timeout=1)
     finally:
         server.stop(0)
 

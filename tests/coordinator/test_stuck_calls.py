@@ -65,6 +65,40 @@ def test_a_function_stuck_wherever_it_runs_fails_the_job_naming_it(tmp_path):
         "[worker:0] healthy", "[worker:1] healthy"]
 
 
+@pytest.mark.timeout(260)
+def test_a_shard_whose_file_blocks_everywhere_fails_fit_naming_the_file(
+        tmp_path):
+    # Model.fit on a ShardedInput whose second file is the pipe: reading it
+    # blocks on whichever worker takes it. fit fails with an error that
+    # names the shard and its file, the thing the user has to fix.
+    result = _run("shard", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="15")
+    assert result["error_type"] == "StuckCallError"
+    message = result["message"]
+    pipe = str(tmp_path / "pipe")
+    assert f"on shard 1 of 4 (file {pipe!r}) was given up as stuck on " \
+        "workers [0, 1]" in message
+    assert "Reading that shard most likely blocks on every worker" in message
+    assert sorted(m.split(" ->")[0] for m in result["moves"]) == [
+        "[worker:0] healthy", "[worker:1] healthy"]
+
+
+@pytest.mark.timeout(260)
+def test_calls_stuck_on_every_worker_fail_the_job_naming_them(tmp_path):
+    # Every worker's dataset blocks on the pipe after its 40 lines, each in
+    # a call of its own: once both are given up no worker is left, and a
+    # stuck worker returns only if its call does. join raises, naming both.
+    result = _run("everywhere", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="15")
+    assert result["error_type"] == "StuckCallError"
+    message = result["message"]
+    assert message.startswith(
+        "Every worker has a call given up as stuck, so none is left to train "
+        "(worker 0: a call of step ran ")
+    assert "; worker 1: a call of step ran " in message
+    assert "(limit 15s) on a worker that answers" in message
+    assert result["trained"] == 2 * LINES_BEFORE_THE_PIPE  # both read theirs
+    assert result["states"] == ["stuck", "stuck"]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_by_default_a_call_is_stuck_past_twenty_times_its_functions_calls(

@@ -1,0 +1,206 @@
+"""The hang watchdog: gives up a worker's call that will not return.
+
+A call on a worker that does not answer probes (a stopped or hung process)
+is given up after the hang timeout; a call on a worker that answers is given
+up as stuck only when it has run far longer than finished calls of its
+function (`stuck_after`). The worker thread then requeues the call's
+closures (`Worker.abandon_in_flight`). A closure stuck on two workers, or a
+stuck call on every worker, fails the job with `StuckCallError` naming the
+calls and the fix.
+"""
+
+import logging
+import threading
+import time
+
+from keras_ps import _constants
+from keras_ps.cluster._network import probe
+from keras_ps.errors import StuckCallError
+from keras_ps.coordinator.worker_states import GONE
+from keras_ps.coordinator.worker_states import WorkerState
+
+logger = logging.getLogger(__name__)
+
+# A call that has run this long (or 6 hang timeouts, if longer) on a worker
+# that answers probes is logged, then again at each doubling of its age.
+STUCK_WARNING_S = 60.0
+# Workers a closure may be given up as stuck on before the job fails: stuck
+# on two, the closure itself most likely blocks, wherever it runs.
+STUCK_GIVE_UPS = 2
+
+
+def stuck_after(stuck_timeout, longest_per_closure, closures):
+    """Seconds after which a call of `closures` closures is given up as stuck
+    on a worker that answers, or None for never.
+
+    Args:
+        stuck_timeout: the setting: seconds, 0 (never) or None (auto).
+        longest_per_closure: the longest a finished call of the same function
+            took per closure, on any worker (None: none finished yet).
+        closures: how many closures the call holds.
+    """
+    if stuck_timeout is not None:
+        return stuck_timeout or None
+    if longest_per_closure is None:
+        return None  # nothing to compare with: a first call may be long
+    return max(_constants.STUCK_FLOOR_S,
+               _constants.STUCK_FACTOR * longest_per_closure * closures)
+
+
+def _reading(closure):
+    """The shard of data `closure` reads, named, or None."""
+    return closure.listener.describe() if closure.listener else None
+
+
+def _stuck_call(closure):
+    """Names a stuck call: its function and, for a shard of data, the shard
+    and what it reads."""
+    fn_name = getattr(closure.fn, "__name__", "a scheduled function")
+    reading = _reading(closure)
+    return f"a call of {fn_name}" + (f" on {reading}" if reading else "")
+
+
+def _stuck_fix(cause):
+    return (f"{cause}; a dump of a worker's threads (py-spy dump, gdb) shows "
+            "where. If calls are this long on purpose, set "
+            f"{_constants.STUCK_TIMEOUT_ENV_VAR} to more seconds than one "
+            "takes (0 never gives a call up).")
+
+
+def stuck_failure(closure, workers, reason):
+    """The error of `closure`, given up as stuck on `workers`."""
+    if _reading(closure) is None:
+        cause = ("The function most likely blocks wherever it runs: a "
+                 "dataset read that never returns (a stalled network "
+                 "filesystem, a pipe or socket with no writer), or a "
+                 "deadlock in TF's runtime")
+    else:
+        cause = ("Reading that shard most likely blocks on every worker: "
+                 "check that it can be read there (a stalled network "
+                 "filesystem, a pipe or socket with no writer), or remove it "
+                 "from the data; else a deadlock in TF's runtime")
+    what = _stuck_call(closure)
+    return StuckCallError(
+        f"{what[0].upper()}{what[1:]} was given up as stuck on workers "
+        f"{workers} (the last call {reason}, and every ps answered probes). "
+        + _stuck_fix(cause))
+
+
+def every_worker_stuck(stuck_calls):
+    """The error when every worker has a call given up as stuck: none is
+    left to train. `stuck_calls`: {worker index: what it is stuck on}."""
+    calls = "; ".join(f"worker {i}: {what}"
+                      for i, what in sorted(stuck_calls.items()))
+    return StuckCallError(
+        "Every worker has a call given up as stuck, so none is left to "
+        f"train ({calls}; every ps answered probes). What blocks is most "
+        "likely common to the workers: " + _stuck_fix(
+            "a read of a stalled network filesystem, a pipe or socket with "
+            "no writer, or a deadlock in TF's runtime"))
+
+
+class HangWatchdog:
+    """Watches every worker's call in flight.
+
+    A call that has run `hang_timeout` seconds on a worker that does not
+    answer a probe is given up and the worker declared hung: a stopped or
+    hung process never returns the call, and would hold its closures
+    forever. A worker that answers is busy or stuck: its call is given up
+    as stuck (`WorkerState.STUCK`) only past `stuck_after` and while every
+    ps answers (a ps that does not holds every worker's calls: not this
+    worker's fault); before that, a call past `STUCK_WARNING_S` is logged.
+    """
+
+    def __init__(self, workers, config, dead_ps=dict, queue=None):
+        self._workers = workers  # () -> the current Worker objects
+        self._config = config
+        self._dead_ps = dead_ps  # () -> {index: address} of silent ps
+        # Failed (mark_fatal) when every worker is stuck; None: never.
+        self._queue = queue
+        # Worker index -> the call it was last given up as stuck on.
+        self._stuck = {}
+        self._stopping = threading.Event()
+        # Worker index -> the age of its call when last logged as stuck.
+        self._warned = {}
+        self._thread = threading.Thread(
+            target=self._run, daemon=True, name="keras_ps-hang-watchdog")
+
+    def start(self):
+        self._thread.start()
+
+    def stop(self):
+        self._stopping.set()
+
+    def _run(self):
+        interval = min(1.0, self._config.hang_timeout / 2)
+        while not self._stopping.wait(interval):
+            self.check()
+
+    def check(self):
+        """One look at every worker's call in flight."""
+        workers = self._workers()
+        for w in workers:
+            call = w.in_flight_call()
+            if call is None:
+                continue
+            age = time.monotonic() - call.started
+            if age < self._config.hang_timeout:
+                continue
+            if not probe(w.address, self._config.probe_timeout):
+                w.abandon_in_flight(
+                    f"call running {age:.0f}s and the worker does not answer",
+                    WorkerState.HUNG, call)
+                continue
+            fn = call.batch[0].fn
+            seen = [t for t in (v.seconds_per_closure(fn) for v in workers)
+                    if t is not None]
+            limit = stuck_after(self._config.stuck_timeout,
+                                max(seen, default=None), len(call.batch))
+            if limit is not None and age >= limit and not self._dead_ps():
+                reason = (f"ran {age:.0f}s (limit {limit:.0f}s) on a worker "
+                          "that answers")
+                w.abandon_in_flight(reason, WorkerState.STUCK, call)
+                self._stuck[w.index] = f"{_stuck_call(call.batch[0])} {reason}"
+                self._fail_if_every_worker_is_stuck(workers)
+            else:
+                self._warn_if_stuck(w, age, limit)
+
+    def _fail_if_every_worker_is_stuck(self, workers):
+        """Stuck workers come back only when their calls return: with no
+        other worker left (failed or hung ones may be restarted), the job
+        would wait forever. It fails naming each worker's call."""
+        if self._queue is None:
+            return
+        members = [w for w in workers if w.state not in GONE]
+        if not members or any(w.state is not WorkerState.STUCK
+                              for w in members):
+            return
+        self._queue.mark_fatal(0, every_worker_stuck(
+            {w.index: self._stuck[w.index] for w in members}))
+
+    def _warn_if_stuck(self, worker, age, limit):
+        last = self._warned.get(worker.index)
+        if last is not None and age < last:
+            last = None  # a later call
+        if age < max(STUCK_WARNING_S, 6 * self._config.hang_timeout) or (
+                last is not None and age < 2 * last):
+            return
+        self._warned[worker.index] = age
+        if limit is not None:
+            then = (f"keras_ps gives it up as stuck at {limit:.0f}s (its "
+                    "closures then run on the other workers) unless a ps "
+                    "does not answer")
+        elif self._config.stuck_timeout == 0:
+            then = ("keras_ps waits for it: "
+                    f"{_constants.STUCK_TIMEOUT_ENV_VAR}=0 never gives a call up")
+        else:
+            then = ("keras_ps waits for it: no call of this function has "
+                    "finished yet to compare it with (set "
+                    f"{_constants.STUCK_TIMEOUT_ENV_VAR} to bound such a call)")
+        logger.warning(
+            "[worker:%d] a call has run %.0fs on %s, which answers probes; %s. "
+            "If this job's steps are not that long, that worker's call may "
+            "be stuck (a dump of its threads, e.g. py-spy dump or gdb, shows "
+            "where); restarting its process lets training go on: its "
+            "closures run on the other workers, and it is re-admitted.",
+            worker.index, age, worker.address, then)
