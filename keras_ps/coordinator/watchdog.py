@@ -134,7 +134,11 @@ class HangWatchdog:
     def _run(self):
         interval = min(1.0, self._config.hang_timeout / 2)
         while not self._stopping.wait(interval):
-            self.check()
+            try:
+                self.check()
+            except Exception:  # never let hangs go unwatched after a bug
+                logger.exception("[chief] the hang watchdog's check failed; "
+                                 "it looks again in %.1fs", interval)
 
     def check(self):
         """One look at every worker's call in flight."""
@@ -176,7 +180,7 @@ class HangWatchdog:
                               for w in members):
             return
         self._queue.mark_fatal(0, every_worker_stuck(
-            {w.index: self._stuck[w.index] for w in members}))
+            {w.index: self._stuck.get(w.index, "a call") for w in members}))
 
     def _warn_if_stuck(self, worker, age, limit):
         last = self._warned.get(worker.index)
