@@ -165,15 +165,17 @@ class HangWatchdog:
                           "that answers")
                 w.abandon_in_flight(reason, WorkerState.STUCK, call)
                 self._stuck[w.index] = f"{_stuck_call(call.batch[0])} {reason}"
-                self._fail_if_every_worker_is_stuck(workers)
             else:
                 self._warn_if_stuck(w, age, limit)
+        self._fail_if_every_worker_is_stuck(workers)
 
     def _fail_if_every_worker_is_stuck(self, workers):
         """Stuck workers come back only when their calls return: with no
         other worker left (failed or hung ones may be restarted), the job
-        would wait forever. It fails naming each worker's call."""
-        if self._queue is None:
+        would wait forever. It fails naming each worker's call (again at
+        each look while that lasts: a later fit or join fails too)."""
+        if self._queue is None or not any(
+                w.state is WorkerState.STUCK for w in workers):
             return
         members = [w for w in workers if w.state not in GONE]
         if not members or any(w.state is not WorkerState.STUCK

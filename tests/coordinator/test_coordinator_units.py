@@ -511,6 +511,19 @@ def test_every_worker_stuck_fails_the_job_naming_each_call():
         assert "KERAS_PS_STUCK_TIMEOUT" in message
         with pytest.raises(tf.errors.CancelledError):
             waiting.remote_value.fetch(timeout=1)
+        # Whatever leaves the stuck ones alone fails the work queued later
+        # too, at the next look: here the other worker leaving the cluster.
+        assert queue.clear_after_fatal(timeout=1)
+        queue.put(_closures(read_forever, 1)[0])
+        workers[1].state, workers[1].age = WorkerState.HEALTHY, 0.0
+        watcher.check()
+        assert not queue.done()
+        workers[1].state = WorkerState.LEFT
+        watcher.check()
+        with pytest.raises(StuckCallError, match=r"^Every worker has a call "
+                           r"given up as stuck, so none is left to train "
+                           r"\(worker 0: a call of read_forever ran 6s"):
+            queue.done()
     finally:
         server.stop(0)
 
