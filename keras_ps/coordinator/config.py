@@ -26,6 +26,7 @@ class CoordinatorConfig:
         stuck_timeout: seconds a call may run on a worker that answers before
             it is given up as stuck; None ("auto") compares it with finished
             calls of its function (see keras_ps/_constants.py); 0: never.
+            Seconds must be at least `hang_timeout` (and it positive).
         ps_recovery_timeout: seconds a recovery waits for a lost ps to answer.
     """
 
@@ -66,6 +67,23 @@ class CoordinatorConfig:
                 "stuck_timeout must be None (auto), 0 (never) or a positive "
                 f"number of seconds. Received: stuck_timeout="
                 f"{self.stuck_timeout!r}.")
+        if self.stuck_timeout and not (
+                self.hang_timeout and self.stuck_timeout >= self.hang_timeout):
+            # The watchdog looks only at calls older than the hang timeout,
+            # and not at all when it is 0.
+            stuck, hang = (_constants.STUCK_TIMEOUT_ENV_VAR,
+                           _constants.HANG_TIMEOUT_ENV_VAR)
+            raise ValueError(
+                f"stuck_timeout={self.stuck_timeout!r} cannot act with "
+                f"hang_timeout={self.hang_timeout!r}: " + (
+                    "the watchdog that gives calls up is off. Fix: set "
+                    f"hang_timeout ({hang}) to a positive number of seconds "
+                    f"(default {_constants.DEFAULT_HANG_TIMEOUT:g}), or unset "
+                    f"{stuck}." if not self.hang_timeout else
+                    "the watchdog looks at a call only once it has run the "
+                    f"hang timeout. Fix: set stuck_timeout ({stuck}) to at "
+                    f"least hang_timeout ({hang}), or lower that, or unset "
+                    f"{stuck}."))
 
     @classmethod
     def from_env(cls, max_pack=None):

@@ -444,6 +444,25 @@ def env_stuck_timeout_negative(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_stuck_timeout_without_watchdog", ValueError,
+      "stuck_timeout=30.0", "hang_timeout=0.0", "watchdog that gives calls "
+      "up is off", "set hang_timeout (KERAS_PS_HANG_TIMEOUT) to a positive",
+      "or unset KERAS_PS_STUCK_TIMEOUT")
+def env_stuck_timeout_without_watchdog(env):
+    _with_env("KERAS_PS_HANG_TIMEOUT", "0", lambda: _with_env(
+        "KERAS_PS_STUCK_TIMEOUT", "30",
+        lambda: keras_ps.ClusterCoordinator(env.strategy)))
+
+
+@case("env_stuck_timeout_below_hang_timeout", ValueError,
+      "stuck_timeout=5.0", "hang_timeout=10.0",
+      "only once it has run the hang timeout",
+      "set stuck_timeout (KERAS_PS_STUCK_TIMEOUT) to at least hang_timeout")
+def env_stuck_timeout_below_hang_timeout(env):
+    _with_env("KERAS_PS_STUCK_TIMEOUT", "5",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
 # Model.fit ----------------------------------------------------------------------------
 def _model(strategy=None, compiled=True):
     def build():
