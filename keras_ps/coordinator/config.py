@@ -21,8 +21,8 @@ class CoordinatorConfig:
         readmit_workers: whether a failed worker that answers again is re-admitted.
         no_worker_timeout: seconds `join` tolerates no healthy worker (0: forever).
         hang_timeout: seconds a call may run before its worker is probed and,
-            if it does not answer, declared failed (0: no hang watchdog, and
-            no call given up as stuck either).
+            if it does not answer, set aside as hung (0: no hang watchdog,
+            and no call given up as stuck either).
         stuck_timeout: seconds a call may run on a worker that answers before
             it is given up as stuck; None ("auto") compares it with finished
             calls of its function (see keras_ps/_constants.py); 0: never.
