@@ -528,6 +528,34 @@ def test_every_worker_stuck_fails_the_job_naming_each_call():
         server.stop(0)
 
 
+def test_the_watchdog_thread_outlives_a_failed_check(caplog):
+    # Its thread, for real: the first look fails (here the workers cannot
+    # be listed), is logged, and the next looks go on.
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    looks = []
+    looked_again = threading.Event()
+
+    def workers():
+        looks.append(time.monotonic())
+        if len(looks) == 1:
+            raise RuntimeError("no list this time")
+        if len(looks) >= 3:
+            looked_again.set()
+        return []
+
+    watcher = watchdog.HangWatchdog(workers, CoordinatorConfig(hang_timeout=0.2))
+    with caplog.at_level("ERROR", logger=watchdog.__name__):
+        watcher.start()
+        try:
+            assert looked_again.wait(30)
+        finally:
+            watcher.stop()
+    assert any("the hang watchdog's check failed" in r.getMessage()
+               and r.exc_info and "no list this time" in str(r.exc_info[1])
+               for r in caplog.records)
+
+
 class _Hold:
     def release_early(self):
         pass
