@@ -61,8 +61,8 @@ def _stuck_call(closure):
 
 
 def _stuck_fix(cause):
-    return (f"{cause}; a dump of a worker's threads (py-spy dump, gdb) shows "
-            "where. If calls are this long on purpose, set "
+    return (f"{cause}; a dump of the task's threads (py-spy dump, gdb) "
+            "shows where. If calls are this long on purpose, set "
             f"{_constants.STUCK_TIMEOUT_ENV_VAR} to more seconds than one "
             "takes (0 never gives a call up).")
 
@@ -96,7 +96,8 @@ def every_worker_stuck(stuck_calls):
         f"train ({calls}; every ps answered probes). What blocks is most "
         "likely common to the workers: " + _stuck_fix(
             "a read of a stalled network filesystem, a pipe or socket with "
-            "no writer, or a deadlock in TF's runtime"))
+            "no writer, a parameter server that answers probes but runs no "
+            "op, or a deadlock in TF's runtime"))
 
 
 class HangWatchdog:
