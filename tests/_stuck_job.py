@@ -13,6 +13,7 @@ Usage: python tests/_stuck_job.py iterator|function|shard|everywhere PIPE
   everywhere: every worker's dataset reads its 40 lines, then the pipe.
 """
 
+import contextlib
 import logging
 import os
 import sys
@@ -45,6 +46,14 @@ class _Moves(logging.Handler):
             self.moves.append(message)
 
 
+@contextlib.contextmanager
+def _two_workers():
+    """A LocalCluster of two workers and a ps: its strategy and coordinator."""
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        yield strategy, keras_ps.ClusterCoordinator(strategy)
+
+
 def _lines_file(count, word):
     fd, path = tempfile.mkstemp(suffix=".txt")
     with os.fdopen(fd, "w") as f:
@@ -67,9 +76,7 @@ def iterator_stuck(pipe):
     moves = _Moves()
     plenty = _lines_file(100_000, "plenty")
     few = _lines_file(LINES_BEFORE_THE_PIPE, "few")
-    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
+    with _two_workers() as (strategy, coordinator):
         with strategy.scope():
             total = tf.Variable(0.0)
             few_read = tf.Variable(0.0)  # steps that ran on a line of `few`
@@ -139,9 +146,7 @@ def _report_failure(error, moves, coordinator, **extra):
 
 def function_stuck(pipe):
     moves = _Moves()
-    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
+    with _two_workers() as (strategy, coordinator):
 
         @tf.function
         def read_the_pipe():
@@ -160,9 +165,7 @@ def function_stuck(pipe):
 def every_worker_stuck(pipe):
     moves = _Moves()
     few = _lines_file(LINES_BEFORE_THE_PIPE, "few")
-    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
+    with _two_workers() as (strategy, coordinator):
         with strategy.scope():
             total = tf.Variable(0.0)
         iterator = iter(coordinator.create_per_worker_dataset(
@@ -194,9 +197,7 @@ def shard_stuck(pipe):
     files = [_lines_file(64, "line") for _ in range(3)]
     data = keras_ps.ShardedInput(files[:1] + [pipe] + files[1:],
                                  read_fn=_read_lines, batch_size=8, seed=1)
-    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
+    with _two_workers() as (strategy, coordinator):
         with strategy.scope():
             model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
             model.compile("sgd", "mse", steps_per_execution=4)
