@@ -175,8 +175,7 @@ class HangWatchdog:
         other worker left (failed or hung ones may be restarted), the job
         would wait forever. It fails naming each worker's call (again at
         each look while that lasts: a later fit or join fails too)."""
-        if self._queue is None or not any(
-                w.state is WorkerState.STUCK for w in workers):
+        if self._queue is None:
             return
         members = [w for w in workers if w.state not in GONE]
         if not members or any(w.state is not WorkerState.STUCK

@@ -401,9 +401,9 @@ class _ShardListener(ClosureListener):
                "can be removed from the list)." if data.kind == "files" else
                "Fix: the records or the step raise this error; check the "
                "data in this range.")
+        shard = self.describe()
         wrapped = ShardReadError(
-            f"Shard {self.index} of {len(self._ledger)} "
-            f"({self._ledger.description(self.index)}) failed on "
+            f"{shard[0].upper()}{shard[1:]} failed on "
             f"{self._ledger.attempts(self.index)} attempts (workers "
             f"{self._ledger.workers_tried(self.index)}): "
             f"{type(error).__name__}: {first} {fix}")
