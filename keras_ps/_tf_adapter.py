@@ -5,6 +5,7 @@ tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
+import ctypes
 import functools
 import importlib.util
 import sys
@@ -97,28 +98,13 @@ def server_modules():
     return server_lib, config_pb2
 
 
-def device_incarnations(get_status_response):
-    """The incarnation of each device in the bytes of a task's answer to
-    its WorkerService's GetStatus RPC (a GetStatusResponse: repeated
-    DeviceAttributes, field 1). A task's devices get a new random
-    incarnation each time its process starts. TF has no public API to read
-    a remote task's incarnation; the DeviceAttributes proto is TF's own."""
+def device_incarnation(device_attributes):
+    """The incarnation in the bytes of a DeviceAttributes proto (a device of
+    a task's GetStatus answer), drawn anew each time the task's process
+    starts. No public API reads a remote task's incarnation."""
     from tensorflow.core.framework import device_attributes_pb2
-    incarnations, i, data = [], 0, get_status_response
-    while i < len(data):
-        if data[i] != 0x0A:  # field 1, length-delimited
-            raise ValueError(f"unexpected GetStatus field tag {data[i]}")
-        i, size, shift = i + 1, 0, 0
-        while True:  # a varint
-            byte = data[i]
-            i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
-            if not byte & 0x80:
-                break
-        device = device_attributes_pb2.DeviceAttributes.FromString(
-            data[i:i + size])
-        incarnations.append(device.incarnation)
-        i += size
-    return incarnations
+    return device_attributes_pb2.DeviceAttributes.FromString(
+        device_attributes).incarnation
 
 
 def update_server_def(server_def):
@@ -145,6 +131,74 @@ def eager_ops_as_plain_ops():
     context.ensure_initialized()
     internals.pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(
         context._handle, False)
+
+
+def register_functions_without_the_gil():
+    """Has TF register each new function on the tasks without holding the
+    GIL. TF 2.21 registers a new function on every task with a synchronous
+    RPC in a C++ call holding the GIL: a worker stopped (SIGSTOP, a hung
+    host) during a trace froze every thread (the hang watchdog, the other
+    workers' dispatch, a thread that would continue the worker). The same
+    C function called through ctypes, which releases the GIL, holds only
+    the tracing thread. Missing public API: no switch for it. Returns
+    whether it is on (off: TF's C library or wrapper layout is unreadable)."""
+    context_class, c_api = _internals().context.Context, _c_api()
+    if c_api is not None and context_class.add_c_function.__module__ != __name__:
+        def add_c_function(context, c_func):
+            context.ensure_initialized()
+            status = c_api.TF_NewStatus()
+            try:
+                c_api.TFE_ContextAddFunction(
+                    _CAPSULE_POINTER(context._handle, None),
+                    _pybind_pointer(c_func), status)
+                if code := c_api.TF_GetCode(status):
+                    from tensorflow.python.framework import errors_impl
+                    raise errors_impl.exception_type_from_error_code(code)(
+                        None, None, c_api.TF_Message(status).decode())
+            finally:
+                c_api.TF_DeleteStatus(status)
+        context_class.add_c_function = add_c_function
+    return c_api is not None
+
+
+def _pybind_pointer(wrapped):  # pybind11 keeps it after the object header
+    return ctypes.c_void_p.from_address(id(wrapped) + object.__basicsize__).value
+
+
+_CAPSULE_POINTER = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
+                                     ctypes.c_char_p)(("PyCapsule_GetPointer",
+                                                       ctypes.pythonapi))
+
+
+@functools.lru_cache(maxsize=None)
+def _c_api():
+    """TF's C API through ctypes, or None: not loadable, or the address read
+    from a TF_Function's wrapper does not name the function."""
+    import tensorflow as tf
+    from tensorflow.core.framework import function_pb2
+    from tensorflow.python.client import pywrap_tf_session as session
+
+    try:
+        lib = ctypes.CDLL(f"{tf.sysconfig.get_lib()}/libtensorflow_cc.so.2")
+        p = ctypes.c_void_p
+        for name, args, result in (
+                ("TF_NewStatus", [], p), ("TF_DeleteStatus", [p], None),
+                ("TF_GetCode", [p], ctypes.c_int),
+                ("TF_Message", [p], ctypes.c_char_p),
+                ("TF_FunctionName", [p], ctypes.c_char_p),
+                ("TFE_ContextAddFunction", [p, p, p], None)):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = result
+    except (OSError, AttributeError):
+        return None
+    probe = function_pb2.FunctionDef(signature={"name": "keras_ps_address_probe"})
+    c_func = session.TF_FunctionImportFunctionDef(probe.SerializeToString())
+    try:
+        pointer = _pybind_pointer(c_func)
+        named = pointer and lib.TF_FunctionName(pointer) == b"keras_ps_address_probe"
+    finally:
+        session.TF_DeleteFunction(c_func)
+    return lib if named else None
 
 
 def own_executor():
@@ -219,8 +273,7 @@ def in_save_context():
 
 def uninitialized_variable(**kwargs):
     """A resource variable with a shape and no value, allocating nothing
-    (no public API: `tf.Variable` always computes an initial value; TF's
-    SavedModel loader and its ShardedVariable use this class)."""
+    (no public API: `tf.Variable` always computes an initial value)."""
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.UninitializedVariable(**kwargs)
@@ -241,14 +294,12 @@ def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
     (TF's non-public test op; for benchmarks and tests of slow input).
 
-    Apply it only to a dataset that runs no function to make its elements
-    (or use `sleep_ticks`): it holds its lock while its input makes the next
-    element, and its cancel callback takes that lock, so a step cancelled
-    while a function runs under it (a ps lost mid-step cancels the step's
-    other parts) deadlocks the worker's TF runtime for good: that worker
-    answers every probe, and each later call of the step waits forever.
-    `map` runs a function, and so does a `TFRecordDataset` or
-    `FixedLengthRecordDataset` of a filename tensor (a `flat_map` inside).
+    Apply it only to input that runs no function (`map`, or a record
+    dataset of a filename tensor, runs one; see `sleep_ticks`): it holds
+    its lock while its input makes an element, and its cancel callback
+    takes that lock, so a step cancelled meanwhile (a ps lost mid-step)
+    deadlocks the worker's runtime for good: it answers every probe, and
+    each later call of the step waits forever.
     """
     from tensorflow.python.data.experimental.ops import testing
 
