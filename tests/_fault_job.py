@@ -417,9 +417,10 @@ def trace_while_stopped():
     """A function of the user's first traced while a worker is stopped: TF
     registers it on every worker, and waits for the stopped one. Only the
     tracing thread may wait: a thread of this process, once the coordinator
-    logs that a trace waits, runs on for 2 s and continues the worker (a
-    frozen process never would: then a process outside continues it after
-    120 s, and the test fails instead of hanging)."""
+    logs that a trace waits and the hang watchdog gave the stopped worker
+    up, runs on for 2 s and continues the worker (a frozen process never
+    would: then a process outside continues it after 120 s, and the test
+    fails instead of hanging). The call given up in its trace is not run."""
     with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         coordinator = keras_ps.ClusterCoordinator(strategy)
@@ -434,8 +435,12 @@ def trace_while_stopped():
             coordinator.schedule(warm)
         coordinator.join()
 
+        with strategy.scope():
+            runs = tf.Variable(0.0)
+
         @tf.function
         def fresh(x):  # never traced before the stop
+            runs.assign_add(1.0)
             return total.read_value() * 0.0 + x * 3.0
 
         trace_waits = threading.Event()
@@ -450,7 +455,9 @@ def trace_while_stopped():
         done, ticks_while_trace_waits, resumed_at = threading.Event(), [], []
 
         def continue_the_worker_from_here():
-            if not trace_waits.wait(60):
+            given_up = coordinator.workers[1].wait_for_state(
+                keras_ps.coordinator.WorkerState.HUNG, 60)
+            if not (trace_waits.wait(60) and given_up):
                 return
             seen = time.monotonic()
             while not done.wait(0.05):
@@ -475,7 +482,7 @@ def trace_while_stopped():
         for _ in range(40):
             coordinator.schedule(warm)
         coordinator.join()
-        say(values=[float(r.fetch()) for r in results],
+        say(values=[float(r.fetch()) for r in results], runs=float(runs.numpy()),
             trace_waited=trace_waits.is_set(),
             outside_continued=outside_continued,
             resumed_before_join=bool(resumed_at) and resumed_at[0] < joined_at,

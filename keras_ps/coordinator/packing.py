@@ -96,6 +96,9 @@ class PackedFunctions:
         """`strategy`: the cluster the functions run on; they are traced for
         it (keras_ps._native.tracing_for: its tasks' C++ kernels)."""
         self._by_fn = weakref.WeakKeyDictionary()  # fn -> {count: packed}
+        # fn -> the counts whose trace finished. A trace under way is not
+        # counted: it may be waiting for a hung worker (see `prepare`).
+        self._traced = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self._strategy = strategy
 
@@ -118,14 +121,25 @@ class PackedFunctions:
                 count = tf.constant(len(calls))
                 function = self._get(fn, _LOOP).get_concrete_function(
                     calls[0], count)
+                self._mark_traced(fn, _LOOP)
                 return Pack(function, (calls[0], count),
                             lambda stacked: _unstack(stacked, len(calls)))
             function = self._get(fn, len(calls)).get_concrete_function(calls)
+            self._mark_traced(fn, len(calls))
             return Pack(function, (calls,), list)
 
-    def is_traced(self, fn, count):
+    def _mark_traced(self, fn, key):
+        # Only now: until its trace returns, a pack waits to be registered on
+        # every worker, a hung one too, and the other workers' threads must
+        # not join that wait while a size traced already, or a stand-in,
+        # can run (`without_new_trace`).
         with self._lock:
-            sizes = self._by_fn.get(fn, {})
+            self._traced.setdefault(fn, set()).add(key)
+
+    def is_traced(self, fn, count):
+        """Whether a pack of `count` calls of `fn` has a finished trace."""
+        with self._lock:
+            sizes = self._traced.get(fn, ())
             return count in sizes or _LOOP in sizes
 
     def clear(self):
@@ -133,11 +147,12 @@ class PackedFunctions:
         was given new variables), so `is_traced` tells the truth again."""
         with self._lock:
             self._by_fn = weakref.WeakKeyDictionary()
+            self._traced = weakref.WeakKeyDictionary()
 
     def sizes(self, fn):
-        """The packs of `fn` held: pack sizes, or "loop"."""
+        """The packs of `fn` traced: pack sizes, or "loop"."""
         with self._lock:
-            return sorted(self._by_fn.get(fn, {}), key=str)
+            return sorted(self._traced.get(fn, ()), key=str)
 
     def __len__(self):
         """How many (function, pack size) pairs are held."""

@@ -232,6 +232,39 @@ def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
     assert cache.without_new_trace(batch, lambda: False) == (batch[:2], batch[2:])
 
 
+def test_a_trace_under_way_is_not_a_traced_size():
+    # A trace waits while TF registers its pack on every worker, a hung one
+    # too. Until it returns, another worker's thread falls back to a size
+    # traced already instead of joining that wait.
+    import threading
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    in_trace, release, block = threading.Event(), threading.Event(), []
+
+    def step(x):  # Python: run again by each pack's trace
+        if block:
+            in_trace.set()
+            release.wait(60)
+        return x + 1
+
+    calls = [((tf.constant(i),), {}) for i in range(4)]
+    cache.prepare(step, calls[:2])
+    block.append(True)
+    tracer = threading.Thread(target=cache.prepare, args=(step, calls))
+    tracer.start()
+    try:
+        assert in_trace.wait(60)
+        batch = [Closure(step, args, {}, False) for args, _ in calls]
+        assert not cache.is_traced(step, 4) and cache.sizes(step) == [2]
+        assert cache.without_new_trace(batch, lambda: False) == (batch[:2],
+                                                                 batch[2:])
+    finally:
+        release.set()
+        tracer.join()
+    assert cache.is_traced(step, 4) and cache.sizes(step) == [2, 4]
+    assert cache.without_new_trace(batch, lambda: False) == (batch, [])
+
+
 def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
     # fit's steps written out, handed out before a worker stopped: when the
     # call runs, the loop form (traced) runs in its place, never tracing
@@ -311,14 +344,15 @@ class _CallingWorker:
     `fn` per closure (None: none finished)."""
 
     def __init__(self, index, address, age, fn=None, closures=1,
-                 per_closure=None):
+                 per_closure=None, tracing=False):
         self.index, self.address, self.age = index, address, age
         self.fn, self.closures, self.per_closure = fn, closures, per_closure
+        self.tracing = tracing  # the call is still in its trace
         self.abandoned = []  # (reason, state)
 
     def in_flight_call(self):
         batch = [Closure(self.fn, (), {}, False) for _ in range(self.closures)]
-        return types.SimpleNamespace(batch=batch,
+        return types.SimpleNamespace(batch=batch, tracing=self.tracing,
                                      started=time.monotonic() - self.age)
 
     def seconds_per_closure(self, fn):
@@ -440,6 +474,43 @@ def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
         watcher.check()
         assert [state for _, state in stuck.abandoned][-1] is WorkerState.STUCK
         assert len(stuck.abandoned) == 2
+    finally:
+        server.stop(0)
+
+
+def test_a_call_in_its_trace_is_not_stuck_on_its_worker(caplog):
+    # Real probes at a real gRPC server. A trace waits while TF registers a
+    # new function on every worker, a hung one too: on a worker that
+    # answers, that wait is not a call stuck there (giving it up would
+    # blame a healthy worker), and the log says what it waits for. On a
+    # worker that does not answer, it is given up as hung like any call.
+    import grpc
+    import portpicker
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    step = object()
+    try:
+        limit = watchdog.stuck_after(None, 0.5, 1)
+        waiting = _CallingWorker(0, f"localhost:{port}", 10 * limit, fn=step,
+                                 per_closure=0.5, tracing=True)
+        silent = _CallingWorker(1, f"localhost:{portpicker.pick_unused_port()}",
+                                5.0, fn=step, tracing=True)
+        watcher = watchdog.HangWatchdog(lambda: [waiting, silent],
+                                        CoordinatorConfig(hang_timeout=2.0))
+        with caplog.at_level("WARNING", logger=watchdog.__name__):
+            watcher.check()
+        assert waiting.abandoned == []
+        assert any(f"[worker:0] a new function has waited {10 * limit:.0f}s"
+                   in m and "one does not answer" in m for m in caplog.messages)
+        assert [state for _, state in silent.abandoned] == [WorkerState.HUNG]
+        # Its trace done, the same call that long is given up as stuck.
+        waiting.tracing = False
+        watcher.check()
+        assert [state for _, state in waiting.abandoned] == [WorkerState.STUCK]
     finally:
         server.stop(0)
 

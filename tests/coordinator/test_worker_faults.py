@@ -138,12 +138,16 @@ def test_function_traced_while_a_worker_is_stopped_freezes_no_other_thread():
     # the coordinator's process, so the thread that would continue the
     # worker never ran. Now it runs while the trace waits, and continues the
     # worker before the outside process that saves a frozen run does.
-    result = run_job("trace_while_stopped", timeout=220)
+    # The hang watchdog gives the stopped worker's call up while its trace
+    # waits: its closures run on the other worker, and it is not run after.
+    result = run_job("trace_while_stopped", timeout=220,
+                     KERAS_PS_HANG_TIMEOUT="3")
     assert result["trace_waited"] is True, result
     assert result["outside_continued"] is False, result
     assert result["resumed_before_join"] is True, result
     assert result["ticks_while_trace_waits"] > 0, result
     assert result["values"] == [6.0] * 5
+    assert result["runs"] == 5.0  # each once: the call given up did not run
     # The worker works on: both take closures after it.
     assert result["states"] == ["healthy", "healthy"]
     assert all(n > 0 for n in result["ran_after"]), result
