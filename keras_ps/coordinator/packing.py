@@ -22,6 +22,8 @@ stand-in (fit's steps in a loop for its steps written out) that runs in its
 place while tracing it would wait for a worker that may be hung.
 """
 
+import collections
+import contextlib
 import logging
 import threading
 import weakref
@@ -99,6 +101,7 @@ class PackedFunctions:
         # fn -> the counts whose trace finished. A trace under way is not
         # counted: it may be waiting for a hung worker (see `prepare`).
         self._traced = weakref.WeakKeyDictionary()
+        self._under_way = weakref.WeakKeyDictionary()  # fn -> {key: threads}
         self._lock = threading.Lock()
         self._strategy = strategy
 
@@ -116,25 +119,42 @@ class PackedFunctions:
         """The Pack running `calls` (each `(args, kwargs)`) of `fn`, traced:
         in a loop when `fn` is loop-packable and the calls share their
         arguments, else unrolled."""
-        with _native.tracing_for(self._strategy):
-            if fn in _LOOP_PACKABLE and _same_call(calls):
+        looped = fn in _LOOP_PACKABLE and _same_call(calls)
+        key = _LOOP if looped else len(calls)
+        with _native.tracing_for(self._strategy), self._tracing(fn, key):
+            if looped:
                 count = tf.constant(len(calls))
                 function = self._get(fn, _LOOP).get_concrete_function(
                     calls[0], count)
-                self._mark_traced(fn, _LOOP)
                 return Pack(function, (calls[0], count),
                             lambda stacked: _unstack(stacked, len(calls)))
             function = self._get(fn, len(calls)).get_concrete_function(calls)
-            self._mark_traced(fn, len(calls))
             return Pack(function, (calls,), list)
 
-    def _mark_traced(self, fn, key):
-        # Only now: until its trace returns, a pack waits to be registered on
-        # every worker, a hung one too, and the other workers' threads must
-        # not join that wait while a size traced already, or a stand-in,
-        # can run (`without_new_trace`).
+    @contextlib.contextmanager
+    def _tracing(self, fn, key):
+        """Counts the pack as traced only once its trace returned: until
+        then it waits to be registered on every worker, a hung one too, and
+        the other workers' threads must not join that wait while a size
+        traced already, or a stand-in, can run (`without_new_trace`)."""
         with self._lock:
-            self._traced.setdefault(fn, set()).add(key)
+            new = key not in self._traced.get(fn, ())
+            if new:
+                self._under_way.setdefault(fn, collections.Counter())[key] += 1
+        try:
+            yield
+            if new:
+                with self._lock:
+                    self._traced.setdefault(fn, set()).add(key)
+        finally:
+            if new:
+                with self._lock:
+                    self._under_way[fn][key] -= 1
+
+    def _trace_under_way(self, fn, count):
+        key = _LOOP if fn in _LOOP_PACKABLE else count
+        with self._lock:
+            return self._under_way.get(fn, {}).get(key, 0) > 0
 
     def is_traced(self, fn, count):
         """Whether a pack of `count` calls of `fn` has a finished trace."""
@@ -162,15 +182,18 @@ class PackedFunctions:
     def without_new_trace(self, batch, trace_is_safe):
         """(batch to run now, closures to put back).
 
-        While some worker may be hung (`trace_is_safe()` is False) and this
-        pack size is not traced yet, a function never traced gives way to
-        its traced stand-in (see `loop_packable`; the closures are changed),
-        and the batch shrinks to the largest size already traced; the rest
-        goes back to the queue. With no size traced the whole batch runs
-        (and its trace waits for the hung worker).
+        While this pack size is not traced yet, and some worker may be hung
+        (`trace_is_safe()` is False) or another thread's trace of it is
+        under way (which a worker stopped since then may hold), a function
+        never traced gives way to its traced stand-in (see `loop_packable`;
+        the closures are changed), and the batch shrinks to the largest
+        size already traced; the rest goes back to the queue. With no size
+        traced the whole batch runs (and its trace waits for the hung
+        worker, or for the trace under way).
         """
         fn = batch[0].fn
-        if self.is_traced(fn, len(batch)) or trace_is_safe():
+        if self.is_traced(fn, len(batch)) or (
+                not self._trace_under_way(fn, len(batch)) and trace_is_safe()):
             return batch, []
         stand_in = _STAND_INS.get(fn)
         if stand_in is not None and not self.sizes(fn) and \
@@ -179,7 +202,8 @@ class PackedFunctions:
                 _STOOD_IN.add(fn)
                 logger.info("[chief] a function not traced yet gives way "
                             "to its stand-in, traced already, while a "
-                            "worker may be hung (%s)", _name(fn))
+                            "worker may be hung or its trace is under way "
+                            "(%s)", _name(fn))
             for closure in batch:
                 closure.fn = stand_in
             fn = stand_in

@@ -235,7 +235,9 @@ def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
 def test_a_trace_under_way_is_not_a_traced_size():
     # A trace waits while TF registers its pack on every worker, a hung one
     # too. Until it returns, another worker's thread falls back to a size
-    # traced already instead of joining that wait.
+    # traced already instead of joining that wait: when a worker may be
+    # hung, and also when none seems to be (one may have stopped after the
+    # trace began, and its wait is not over).
     import threading
     from keras_ps.coordinator.packing import PackedFunctions
     cache = PackedFunctions()
@@ -258,11 +260,48 @@ def test_a_trace_under_way_is_not_a_traced_size():
         assert not cache.is_traced(step, 4) and cache.sizes(step) == [2]
         assert cache.without_new_trace(batch, lambda: False) == (batch[:2],
                                                                  batch[2:])
+        assert cache.without_new_trace(batch, lambda: True) == (batch[:2],
+                                                                batch[2:])
     finally:
         release.set()
         tracer.join()
     assert cache.is_traced(step, 4) and cache.sizes(step) == [2, 4]
     assert cache.without_new_trace(batch, lambda: False) == (batch, [])
+
+
+def test_a_function_whose_trace_is_under_way_gives_way_to_its_stand_in():
+    # fit's steps written out, traced by one worker's thread: the others run
+    # the loop form meanwhile, even when no worker seems hung, instead of
+    # waiting for that trace (a worker stopped since may hold it).
+    import threading
+    from keras_ps.coordinator import packing
+    cache = packing.PackedFunctions()
+    in_trace, release = threading.Event(), threading.Event()
+    looped = packing.loop_packable(tf.function(lambda it: tf.constant(1)))
+
+    def slow_to_trace(it):
+        in_trace.set()
+        release.wait(60)
+        return tf.constant(2)
+
+    written_out = packing.loop_packable(tf.function(slow_to_trace),
+                                        stand_in=looped)
+    it = tf.constant(0)
+    cache.prepare(looped, [((it,), {})] * 2)
+    tracer = threading.Thread(target=cache.prepare,
+                              args=(written_out, [((it,), {})] * 2))
+    tracer.start()
+    try:
+        assert in_trace.wait(60)
+        closures = [Closure(written_out, (it,), {}, False) for _ in range(2)]
+        assert cache.without_new_trace(closures, lambda: True) == (closures, [])
+        assert all(c.fn is looped for c in closures)
+    finally:
+        release.set()
+        tracer.join()
+    closures = [Closure(written_out, (it,), {}, False) for _ in range(2)]
+    assert cache.without_new_trace(closures, lambda: True) == (closures, [])
+    assert all(c.fn is written_out for c in closures)
 
 
 def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
