@@ -102,6 +102,7 @@ class PackedFunctions:
         # counted: it may be waiting for a hung worker (see `prepare`).
         self._traced = weakref.WeakKeyDictionary()
         self._under_way = weakref.WeakKeyDictionary()  # fn -> {key: threads}
+        self._claims = {}  # thread id -> (fn, key) it was let through to trace
         self._lock = threading.Lock()
         self._strategy = strategy
 
@@ -138,8 +139,12 @@ class PackedFunctions:
         the other workers' threads must not join that wait while a size
         traced already, or a stand-in, can run (`without_new_trace`)."""
         with self._lock:
+            claim = self._claims.pop(threading.get_ident(), None)
+            if claim is not None and claim != (fn, key):
+                self._under_way[claim[0]][claim[1]] -= 1
+                claim = None
             new = key not in self._traced.get(fn, ())
-            if new:
+            if new and claim is None:
                 self._under_way.setdefault(fn, collections.Counter())[key] += 1
         try:
             yield
@@ -151,10 +156,25 @@ class PackedFunctions:
                 with self._lock:
                     self._under_way[fn][key] -= 1
 
-    def _trace_under_way(self, fn, count):
+    def _claim(self, fn, count):
+        """Lets this thread trace the pack of `count` calls of `fn` unless
+        another thread's trace of it is under way (or let through): checked
+        and counted at once, so two threads never both start it."""
         key = _LOOP if fn in _LOOP_PACKABLE else count
         with self._lock:
-            return self._under_way.get(fn, {}).get(key, 0) > 0
+            keys = self._under_way.setdefault(fn, collections.Counter())
+            if keys[key] > 0:
+                return False
+            keys[key] += 1
+            self._claims[threading.get_ident()] = (fn, key)
+            return True
+
+    def release_claim(self):
+        """Forgets this thread's claim if its batch never reached `prepare`."""
+        with self._lock:
+            claim = self._claims.pop(threading.get_ident(), None)
+            if claim is not None:
+                self._under_way[claim[0]][claim[1]] -= 1
 
     def is_traced(self, fn, count):
         """Whether a pack of `count` calls of `fn` has a finished trace."""
@@ -193,7 +213,7 @@ class PackedFunctions:
         """
         fn = batch[0].fn
         if self.is_traced(fn, len(batch)) or (
-                not self._trace_under_way(fn, len(batch)) and trace_is_safe()):
+                trace_is_safe() and self._claim(fn, len(batch))):
             return batch, []
         stand_in = _STAND_INS.get(fn)
         if stand_in is not None and not self.sizes(fn) and \

@@ -80,9 +80,7 @@ class _Call:
         self.tracing = False  # in its trace: waits on every worker, not this
         self.settled = False  # its outcome was handled, or it was given up
         self.abandoned = False  # given up by the watchdog
-        # Its function ran to its end on the worker; what is left is copying
-        # the outputs to the coordinator.
-        self.ran = False
+        self.ran = False  # it ran on the worker; its outputs may be on the way
 
 
 class Worker:
@@ -172,7 +170,10 @@ class Worker:
                 if batch:
                     queue.put_back(batch)
                 continue
-            self._process(batch)
+            try:
+                self._process(batch)
+            finally:
+                self._services.packing.release_claim()
             # Not held while waiting for work: the closures' arguments (a
             # dataset's iterators) are freed when the user drops them.
             batch = None

@@ -304,6 +304,43 @@ def test_a_function_whose_trace_is_under_way_gives_way_to_its_stand_in():
     assert all(c.fn is written_out for c in closures)
 
 
+def test_two_threads_never_both_start_the_same_new_trace():
+    # Two workers' threads take batches of a pack not traced yet at the same
+    # moment, with every worker answering: one is let through to trace it;
+    # the other runs a size traced already instead of waiting for that
+    # trace (a worker that stops meanwhile would hold both). Once its batch
+    # is done with (here: never reaching the trace), the claim is released.
+    import threading
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    step = tf.function(lambda x: x + 1)
+    calls = [((tf.constant(i),), {}) for i in range(4)]
+    cache.prepare(step, calls[:2])
+    batches = [[Closure(step, args, {}, False) for args, _ in calls]
+               for _ in range(2)]
+    got, done = [], threading.Event()
+
+    def take(batch):
+        got.append(cache.without_new_trace(batch, lambda: True))
+        done.wait(60)  # the claim is held until the batch is done with
+        cache.release_claim()
+
+    threads = [threading.Thread(target=take, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sizes = sorted(len(run) for run, _ in got)
+    done.set()
+    for t in threads:
+        t.join()
+    assert sizes == [2, 4]
+    # Released: a thread may start that trace again.
+    assert cache.without_new_trace(batches[0], lambda: True) == (batches[0], [])
+    cache.release_claim()
+
+
 def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
     # fit's steps written out, handed out before a worker stopped: when the
     # call runs, the loop form (traced) runs in its place, never tracing
