@@ -5,10 +5,12 @@ tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
+import atexit
 import ctypes
 import functools
 import importlib.util
 import sys
+import threading
 import types
 import weakref
 
@@ -59,19 +61,13 @@ def server_modules():
 
     Missing public API: `tf.distribute.Server` is reachable only through
     `import tensorflow`, which loads TF's whole Python API and Keras (2.3 s
-    here). `python -m keras_ps.server` needs 0.4 s of it: TF's server runs in
-    C++. When TF is not imported yet, its package `__init__` is skipped for
-    this one import (a bare `tensorflow` package stands in for it, then is
-    removed, so a later `import tensorflow` loads the real one). A task then
-    serves 0.4 s after it starts instead of 2.2 s: a joining worker, or one
-    restarted after a failure, takes steps that much sooner. Falls back to
-    `import tensorflow`.
-
-    Returns:
-        (server_lib, config_pb2): `server_lib.Server` and
-        `server_lib.ClusterSpec` are `tf.distribute.Server` and
-        `tf.train.ClusterSpec`; `config_pb2.ConfigProto` is
-        `tf.compat.v1.ConfigProto`.
+    here); TF's server runs in C++. When TF is not imported yet, its package
+    `__init__` is skipped for this one import (a bare `tensorflow` package
+    stands in, then is removed, so a later `import tensorflow` loads the
+    real one): a task serves 0.4 s after it starts instead of 2.2 s, and a
+    joining or restarted worker takes steps that much sooner. Falls back to
+    `import tensorflow`. Returns (server_lib, config_pb2): `server_lib.Server`
+    is `tf.distribute.Server`, `config_pb2.ConfigProto` TF's ConfigProto.
     """
     stub = None
     if "tensorflow" not in sys.modules:
@@ -147,6 +143,8 @@ def register_functions_without_the_gil():
         def add_c_function(context, c_func):
             context.ensure_initialized()
             status = c_api.TF_NewStatus()
+            with _REGISTERING:
+                _REGISTERING.count += 1
             try:
                 c_api.TFE_ContextAddFunction(
                     _CAPSULE_POINTER(context._handle, None),
@@ -157,8 +155,21 @@ def register_functions_without_the_gil():
                         None, None, c_api.TF_Message(status).decode())
             finally:
                 c_api.TF_DeleteStatus(status)
+                with _REGISTERING:
+                    _REGISTERING.count -= 1
+                    _REGISTERING.notify_all()
         context_class.add_c_function = add_c_function
+        atexit.register(_wait_for_registrations)
     return c_api is not None
+
+
+_REGISTERING = threading.Condition()  # .count: threads in TF's C call
+_REGISTERING.count = 0
+
+
+def _wait_for_registrations(timeout=10.0):  # at exit: a thread still in the
+    with _REGISTERING:  # C call would run on as TF is torn down (an abort)
+        _REGISTERING.wait_for(lambda: _REGISTERING.count == 0, timeout)
 
 
 def _pybind_pointer(wrapped):  # pybind11 keeps it after the object header
@@ -166,8 +177,7 @@ def _pybind_pointer(wrapped):  # pybind11 keeps it after the object header
 
 
 _CAPSULE_POINTER = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
-                                     ctypes.c_char_p)(("PyCapsule_GetPointer",
-                                                       ctypes.pythonapi))
+    ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,7 +283,7 @@ def in_save_context():
 
 def uninitialized_variable(**kwargs):
     """A resource variable with a shape and no value, allocating nothing
-    (no public API: `tf.Variable` always computes an initial value)."""
+    (no public API: `tf.Variable` always makes an initial value)."""
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.UninitializedVariable(**kwargs)
@@ -317,23 +327,18 @@ def sleep_ticks(microseconds):
 
 
 def plain_variable(**kwargs):
-    """A tf.Variable made on the device in scope, past every variable
-    creator in scope (a strategy's scope included): TF has no public way to
-    skip the creator stack, and `ResourceVariable`'s own constructor is it."""
+    """A tf.Variable made on the device in scope, past every variable creator
+    in scope (a strategy's too): no public way skips the creator stack."""
     from tensorflow.python.ops import resource_variable_ops
     return resource_variable_ops.ResourceVariable(**kwargs)
 
 
 def rebind_variable(variable, donor):
-    """Points `variable` at `donor`'s resource, in place.
-
-    A ps that was restarted lost the resources behind its variables; the
-    Python objects (held by layers, optimizers, checkpoints) stay, and are
-    given a new resource of the same shape made on the same ps. There is no
-    public API for it: a resource variable keeps its resource in `_handle`
-    and a cached read in `_cached_value`. The donor can be dropped after:
-    the resource lives as long as a handle to it does.
-    """
+    """Points `variable` at `donor`'s resource, in place: a restarted ps lost
+    its variables' resources, and the Python objects (held by layers,
+    optimizers, checkpoints) get new ones. No public API: a resource
+    variable keeps its resource in `_handle`, a cached read in
+    `_cached_value`. The donor can be dropped: the resource lives on."""
     variable._handle = donor._handle
     variable._cached_value = None
 
@@ -341,17 +346,12 @@ def rebind_variable(variable, donor):
 def traced_once_each(function):
     """Marks `function` (a `tf.function`) as one of many made from one Python
     function on purpose, each traced for its own inputs (a dataset function
-    per `fit` call, a backup function per group of variables, a hand-over per
-    worker); returns it.
-
-    TF warns "N out of the last M calls to <function> triggered tf.function
-    retracing ... creating @tf.function repeatedly in a loop" when one
-    Python function's code is traced 5 times within a few calls, counting
-    every `tf.function` made from it. For these that is the design, and the
-    warning would send a user looking for a mistake they did not make.
-    Missing public API: `tf.function` has no option to say so; the warning
-    is skipped for a function whose `_omit_frequent_tracing_warning` is set.
-    """
+    per `fit` call, a backup function per group of variables); returns it.
+    TF warns "... triggered tf.function retracing ... creating @tf.function
+    repeatedly in a loop" when one Python function is traced 5 times within
+    a few calls; here that is the design, and the warning would send a user
+    after a mistake they did not make. Missing public API: no option says
+    so; TF skips the warning for `_omit_frequent_tracing_warning`."""
     function._omit_frequent_tracing_warning = True
     return function
 
