@@ -5,12 +5,9 @@ tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
-import atexit
-import ctypes
 import functools
 import importlib.util
 import sys
-import threading
 import types
 import weakref
 
@@ -127,88 +124,6 @@ def eager_ops_as_plain_ops():
     context.ensure_initialized()
     internals.pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(
         context._handle, False)
-
-
-def register_functions_without_the_gil():
-    """Has TF register each new function on the tasks without holding the
-    GIL. TF 2.21 registers a new function on every task with a synchronous
-    RPC in a C++ call holding the GIL: a worker stopped (SIGSTOP, a hung
-    host) during a trace froze every thread (the hang watchdog, the other
-    workers' dispatch, a thread that would continue the worker). The same
-    C function called through ctypes, which releases the GIL, holds only
-    the tracing thread. Missing public API: no switch for it. Returns
-    whether it is on (off: TF's C library or wrapper layout is unreadable)."""
-    context_class, c_api = _internals().context.Context, _c_api()
-    if c_api is not None and context_class.add_c_function.__module__ != __name__:
-        def add_c_function(context, c_func):
-            context.ensure_initialized()
-            status = c_api.TF_NewStatus()
-            with _REGISTERING:
-                _REGISTERING.count += 1
-            try:
-                c_api.TFE_ContextAddFunction(
-                    _CAPSULE_POINTER(context._handle, None),
-                    _pybind_pointer(c_func), status)
-                if code := c_api.TF_GetCode(status):
-                    from tensorflow.python.framework import errors_impl
-                    raise errors_impl.exception_type_from_error_code(code)(
-                        None, None, c_api.TF_Message(status).decode())
-            finally:
-                c_api.TF_DeleteStatus(status)
-                with _REGISTERING:
-                    _REGISTERING.count -= 1
-                    _REGISTERING.notify_all()
-        context_class.add_c_function = add_c_function
-        atexit.register(_wait_for_registrations)
-    return c_api is not None
-
-
-_REGISTERING = threading.Condition()  # .count: threads in TF's C call
-_REGISTERING.count = 0
-
-
-def _wait_for_registrations(timeout=10.0):  # at exit: a thread still in the
-    with _REGISTERING:  # C call would run on as TF is torn down (an abort)
-        _REGISTERING.wait_for(lambda: _REGISTERING.count == 0, timeout)
-
-
-def _pybind_pointer(wrapped):  # pybind11 keeps it after the object header
-    return ctypes.c_void_p.from_address(id(wrapped) + object.__basicsize__).value
-
-
-_CAPSULE_POINTER = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
-    ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
-
-
-@functools.lru_cache(maxsize=None)
-def _c_api():
-    """TF's C API through ctypes, or None: not loadable, or the address read
-    from a TF_Function's wrapper does not name the function."""
-    import tensorflow as tf
-    from tensorflow.core.framework import function_pb2
-    from tensorflow.python.client import pywrap_tf_session as session
-
-    try:
-        lib = ctypes.CDLL(f"{tf.sysconfig.get_lib()}/libtensorflow_cc.so.2")
-        p = ctypes.c_void_p
-        for name, args, result in (
-                ("TF_NewStatus", [], p), ("TF_DeleteStatus", [p], None),
-                ("TF_GetCode", [p], ctypes.c_int),
-                ("TF_Message", [p], ctypes.c_char_p),
-                ("TF_FunctionName", [p], ctypes.c_char_p),
-                ("TFE_ContextAddFunction", [p, p, p], None)):
-            getattr(lib, name).argtypes = args
-            getattr(lib, name).restype = result
-    except (OSError, AttributeError):
-        return None
-    probe = function_pb2.FunctionDef(signature={"name": "keras_ps_address_probe"})
-    c_func = session.TF_FunctionImportFunctionDef(probe.SerializeToString())
-    try:
-        pointer = _pybind_pointer(c_func)
-        named = pointer and lib.TF_FunctionName(pointer) == b"keras_ps_address_probe"
-    finally:
-        session.TF_DeleteFunction(c_func)
-    return lib if named else None
 
 
 def own_executor():

@@ -94,8 +94,6 @@ def connect(spec):
             cluster_device_filters=cluster_device_filters(jobs))
         # A new kind of eager op must not wait for a stopped task.
         _tf_adapter.eager_ops_as_plain_ops()
-        # Nor may a new function hold every thread while it waits for one.
-        _tf_adapter.register_functions_without_the_gil()
         _current = Connection(jobs)
         return _current
 

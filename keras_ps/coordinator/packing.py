@@ -7,10 +7,9 @@ pack, keeps the packed functions, and says when a new trace must wait.
 
 Pack sizes are exact powers of two, so each function is traced at most
 log2(max_pack) + 1 times, all early in a job. That matters because TF
-registers every newly traced function on every worker with a synchronous RPC:
-with one worker stopped (SIGSTOP, a hung host) a new trace waits until that
-worker continues (only the tracing thread: keras_ps has TF register functions
-without holding the GIL, see `_tf_adapter.register_functions_without_the_gil`).
+registers every newly traced function on every worker with a synchronous RPC
+while holding the GIL: with one worker stopped (SIGSTOP, a hung host) a new
+trace freezes the whole coordinator until that worker continues.
 
 A function marked with `loop_packable` (fit's and evaluate's step functions)
 is packed in a loop instead: one traced function runs any number of calls

@@ -39,9 +39,6 @@ def test_tf_internals_still_exist():
     assert callable(_tf_adapter._internals().pywrap_tfe
                     .TFE_ContextSetRunEagerOpAsFunction)
     assert callable(_tf_adapter.get_server_def)
-    # TF's C function, called without the GIL: its library loads, and the
-    # address read from a function's Python wrapper names that function.
-    assert _tf_adapter.register_functions_without_the_gil() is True
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3
     executor = _tf_adapter.new_async_executor()
