@@ -58,13 +58,19 @@ def server_modules():
 
     Missing public API: `tf.distribute.Server` is reachable only through
     `import tensorflow`, which loads TF's whole Python API and Keras (2.3 s
-    here); TF's server runs in C++. When TF is not imported yet, its package
-    `__init__` is skipped for this one import (a bare `tensorflow` package
-    stands in, then is removed, so a later `import tensorflow` loads the
-    real one): a task serves 0.4 s after it starts instead of 2.2 s, and a
-    joining or restarted worker takes steps that much sooner. Falls back to
-    `import tensorflow`. Returns (server_lib, config_pb2): `server_lib.Server`
-    is `tf.distribute.Server`, `config_pb2.ConfigProto` TF's ConfigProto.
+    here). `python -m keras_ps.server` needs 0.4 s of it: TF's server runs in
+    C++. When TF is not imported yet, its package `__init__` is skipped for
+    this one import (a bare `tensorflow` package stands in for it, then is
+    removed, so a later `import tensorflow` loads the real one). A task then
+    serves 0.4 s after it starts instead of 2.2 s: a joining worker, or one
+    restarted after a failure, takes steps that much sooner. Falls back to
+    `import tensorflow`.
+
+    Returns:
+        (server_lib, config_pb2): `server_lib.Server` and
+        `server_lib.ClusterSpec` are `tf.distribute.Server` and
+        `tf.train.ClusterSpec`; `config_pb2.ConfigProto` is
+        `tf.compat.v1.ConfigProto`.
     """
     stub = None
     if "tensorflow" not in sys.modules:
@@ -91,13 +97,28 @@ def server_modules():
     return server_lib, config_pb2
 
 
-def device_incarnation(device_attributes):
-    """The incarnation in the bytes of a DeviceAttributes proto (a device of
-    a task's GetStatus answer), drawn anew each time the task's process
-    starts. No public API reads a remote task's incarnation."""
+def device_incarnations(get_status_response):
+    """The incarnation of each device in the bytes of a task's answer to
+    its WorkerService's GetStatus RPC (a GetStatusResponse: repeated
+    DeviceAttributes, field 1). A task's devices get a new random
+    incarnation each time its process starts. TF has no public API to read
+    a remote task's incarnation; the DeviceAttributes proto is TF's own."""
     from tensorflow.core.framework import device_attributes_pb2
-    return device_attributes_pb2.DeviceAttributes.FromString(
-        device_attributes).incarnation
+    incarnations, i, data = [], 0, get_status_response
+    while i < len(data):
+        if data[i] != 0x0A:  # field 1, length-delimited
+            raise ValueError(f"unexpected GetStatus field tag {data[i]}")
+        i, size, shift = i + 1, 0, 0
+        while True:  # a varint
+            byte = data[i]
+            i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
+            if not byte & 0x80:
+                break
+        device = device_attributes_pb2.DeviceAttributes.FromString(
+            data[i:i + size])
+        incarnations.append(device.incarnation)
+        i += size
+    return incarnations
 
 
 def update_server_def(server_def):
@@ -198,7 +219,8 @@ def in_save_context():
 
 def uninitialized_variable(**kwargs):
     """A resource variable with a shape and no value, allocating nothing
-    (no public API: `tf.Variable` always makes an initial value)."""
+    (no public API: `tf.Variable` always computes an initial value; TF's
+    SavedModel loader and its ShardedVariable use this class)."""
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.UninitializedVariable(**kwargs)
@@ -219,12 +241,14 @@ def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
     (TF's non-public test op; for benchmarks and tests of slow input).
 
-    Apply it only to input that runs no function (`map`, or a record
-    dataset of a filename tensor, runs one; see `sleep_ticks`): it holds
-    its lock while its input makes an element, and its cancel callback
-    takes that lock, so a step cancelled meanwhile (a ps lost mid-step)
-    deadlocks the worker's runtime for good: it answers every probe, and
-    each later call of the step waits forever.
+    Apply it only to a dataset that runs no function to make its elements
+    (or use `sleep_ticks`): it holds its lock while its input makes the next
+    element, and its cancel callback takes that lock, so a step cancelled
+    while a function runs under it (a ps lost mid-step cancels the step's
+    other parts) deadlocks the worker's TF runtime for good: that worker
+    answers every probe, and each later call of the step waits forever.
+    `map` runs a function, and so does a `TFRecordDataset` or
+    `FixedLengthRecordDataset` of a filename tensor (a `flat_map` inside).
     """
     from tensorflow.python.data.experimental.ops import testing
 
@@ -242,18 +266,23 @@ def sleep_ticks(microseconds):
 
 
 def plain_variable(**kwargs):
-    """A tf.Variable made on the device in scope, past every variable creator
-    in scope (a strategy's too): no public way skips the creator stack."""
+    """A tf.Variable made on the device in scope, past every variable
+    creator in scope (a strategy's scope included): TF has no public way to
+    skip the creator stack, and `ResourceVariable`'s own constructor is it."""
     from tensorflow.python.ops import resource_variable_ops
     return resource_variable_ops.ResourceVariable(**kwargs)
 
 
 def rebind_variable(variable, donor):
-    """Points `variable` at `donor`'s resource, in place: a restarted ps lost
-    its variables' resources, and the Python objects (held by layers,
-    optimizers, checkpoints) get new ones. No public API: a resource
-    variable keeps its resource in `_handle`, a cached read in
-    `_cached_value`. The donor can be dropped: the resource lives on."""
+    """Points `variable` at `donor`'s resource, in place.
+
+    A ps that was restarted lost the resources behind its variables; the
+    Python objects (held by layers, optimizers, checkpoints) stay, and are
+    given a new resource of the same shape made on the same ps. There is no
+    public API for it: a resource variable keeps its resource in `_handle`
+    and a cached read in `_cached_value`. The donor can be dropped after:
+    the resource lives as long as a handle to it does.
+    """
     variable._handle = donor._handle
     variable._cached_value = None
 
@@ -261,12 +290,17 @@ def rebind_variable(variable, donor):
 def traced_once_each(function):
     """Marks `function` (a `tf.function`) as one of many made from one Python
     function on purpose, each traced for its own inputs (a dataset function
-    per `fit` call, a backup function per group of variables); returns it.
-    TF warns "... triggered tf.function retracing ... creating @tf.function
-    repeatedly in a loop" when one Python function is traced 5 times within
-    a few calls; here that is the design, and the warning would send a user
-    after a mistake they did not make. Missing public API: no option says
-    so; TF skips the warning for `_omit_frequent_tracing_warning`."""
+    per `fit` call, a backup function per group of variables, a hand-over per
+    worker); returns it.
+
+    TF warns "N out of the last M calls to <function> triggered tf.function
+    retracing ... creating @tf.function repeatedly in a loop" when one
+    Python function's code is traced 5 times within a few calls, counting
+    every `tf.function` made from it. For these that is the design, and the
+    warning would send a user looking for a mistake they did not make.
+    Missing public API: `tf.function` has no option to say so; the warning
+    is skipped for a function whose `_omit_frequent_tracing_warning` is set.
+    """
     function._omit_frequent_tracing_warning = True
     return function
 
