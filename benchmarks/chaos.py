@@ -105,6 +105,13 @@ class Chaos(threading.Thread):
     def run(self):
         try:
             self.rss_before = _rss_mb()
+            # Faults in training, not in its start: until every worker ran a
+            # step, the step function is being traced, and a new function
+            # waits for a stopped worker to register it (a TF limit, in
+            # docs/known_limits.md), which holds every worker at the start.
+            if not _wait(lambda: all(w.closures_run > 0
+                                     for w in self.coordinator.workers), 300):
+                raise RuntimeError("not every worker ran a step in 300s")
             for kind in self.plan:
                 time.sleep(self.rng.uniform(1.0, 2.5))  # let training run
                 index = self.rng.randrange(NUM_WORKERS)

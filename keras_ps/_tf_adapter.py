@@ -5,6 +5,7 @@ tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a
 loudly there, not deep inside training. Supported range: see setup.cfg.
 """
 
+import ctypes
 import functools
 import importlib.util
 import sys
@@ -58,19 +59,13 @@ def server_modules():
 
     Missing public API: `tf.distribute.Server` is reachable only through
     `import tensorflow`, which loads TF's whole Python API and Keras (2.3 s
-    here). `python -m keras_ps.server` needs 0.4 s of it: TF's server runs in
-    C++. When TF is not imported yet, its package `__init__` is skipped for
-    this one import (a bare `tensorflow` package stands in for it, then is
-    removed, so a later `import tensorflow` loads the real one). A task then
-    serves 0.4 s after it starts instead of 2.2 s: a joining worker, or one
-    restarted after a failure, takes steps that much sooner. Falls back to
-    `import tensorflow`.
-
-    Returns:
-        (server_lib, config_pb2): `server_lib.Server` and
-        `server_lib.ClusterSpec` are `tf.distribute.Server` and
-        `tf.train.ClusterSpec`; `config_pb2.ConfigProto` is
-        `tf.compat.v1.ConfigProto`.
+    here); TF's server runs in C++. When TF is not imported yet, its package
+    `__init__` is skipped for this one import (a bare `tensorflow` package
+    stands in, then is removed, so a later `import tensorflow` loads the
+    real one): a task serves 0.4 s after it starts instead of 2.2 s, and a
+    joining or restarted worker takes steps that much sooner. Falls back to
+    `import tensorflow`. Returns (server_lib, config_pb2): `server_lib.Server`
+    is `tf.distribute.Server`, `config_pb2.ConfigProto` TF's ConfigProto.
     """
     stub = None
     if "tensorflow" not in sys.modules:
@@ -97,28 +92,13 @@ def server_modules():
     return server_lib, config_pb2
 
 
-def device_incarnations(get_status_response):
-    """The incarnation of each device in the bytes of a task's answer to
-    its WorkerService's GetStatus RPC (a GetStatusResponse: repeated
-    DeviceAttributes, field 1). A task's devices get a new random
-    incarnation each time its process starts. TF has no public API to read
-    a remote task's incarnation; the DeviceAttributes proto is TF's own."""
+def device_incarnation(device_attributes):
+    """The incarnation in the bytes of a DeviceAttributes proto (a device of
+    a task's GetStatus answer), drawn anew each time the task's process
+    starts. No public API reads a remote task's incarnation."""
     from tensorflow.core.framework import device_attributes_pb2
-    incarnations, i, data = [], 0, get_status_response
-    while i < len(data):
-        if data[i] != 0x0A:  # field 1, length-delimited
-            raise ValueError(f"unexpected GetStatus field tag {data[i]}")
-        i, size, shift = i + 1, 0, 0
-        while True:  # a varint
-            byte = data[i]
-            i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
-            if not byte & 0x80:
-                break
-        device = device_attributes_pb2.DeviceAttributes.FromString(
-            data[i:i + size])
-        incarnations.append(device.incarnation)
-        i += size
-    return incarnations
+    return device_attributes_pb2.DeviceAttributes.FromString(
+        device_attributes).incarnation
 
 
 def update_server_def(server_def):
@@ -145,6 +125,75 @@ def eager_ops_as_plain_ops():
     context.ensure_initialized()
     internals.pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction(
         context._handle, False)
+
+
+def register_functions_without_the_gil(section):
+    """Has TF register each new function on the tasks without holding the
+    GIL. TF 2.21 registers a new function on every task with a synchronous
+    RPC in a C++ call holding the GIL: a worker stopped (SIGSTOP, a hung
+    host) during a trace froze every thread (the hang watchdog, the other
+    workers' dispatch, a thread that would continue the worker). The same
+    C function called through ctypes, which releases the GIL, holds only
+    the tracing thread. Missing public API: no switch for it. `section()`
+    is entered around each call (the process' exit waits for it). Returns
+    whether it is on (off: TF's C library or wrapper layout is unreadable)."""
+    context_class, c_api = _internals().context.Context, _c_api()
+    if c_api is not None and context_class.add_c_function.__module__ != __name__:
+        def add_c_function(context, c_func):
+            context.ensure_initialized()
+            status = c_api.TF_NewStatus()
+            try:
+                with section():
+                    c_api.TFE_ContextAddFunction(
+                        _CAPSULE_POINTER(context._handle, None),
+                        _pybind_pointer(c_func), status)
+                if code := c_api.TF_GetCode(status):
+                    from tensorflow.python.framework import errors_impl
+                    raise errors_impl.exception_type_from_error_code(code)(
+                        None, None, c_api.TF_Message(status).decode())
+            finally:
+                c_api.TF_DeleteStatus(status)
+        context_class.add_c_function = add_c_function
+    return c_api is not None
+
+
+def _pybind_pointer(wrapped):  # pybind11 keeps it after the object header
+    return ctypes.c_void_p.from_address(id(wrapped) + object.__basicsize__).value
+
+
+_CAPSULE_POINTER = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
+    ctypes.c_char_p)(("PyCapsule_GetPointer", ctypes.pythonapi))
+
+
+@functools.lru_cache(maxsize=None)
+def _c_api():
+    """TF's C API through ctypes, or None: not loadable, or the address read
+    from a TF_Function's wrapper does not name the function."""
+    import tensorflow as tf
+    from tensorflow.core.framework import function_pb2
+    from tensorflow.python.client import pywrap_tf_session as session
+
+    try:
+        lib = ctypes.CDLL(f"{tf.sysconfig.get_lib()}/libtensorflow_cc.so.2")
+        p = ctypes.c_void_p
+        for name, args, result in (
+                ("TF_NewStatus", [], p), ("TF_DeleteStatus", [p], None),
+                ("TF_GetCode", [p], ctypes.c_int),
+                ("TF_Message", [p], ctypes.c_char_p),
+                ("TF_FunctionName", [p], ctypes.c_char_p),
+                ("TFE_ContextAddFunction", [p, p, p], None)):
+            getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = result
+    except (OSError, AttributeError):
+        return None
+    probe = function_pb2.FunctionDef(signature={"name": "keras_ps_address_probe"})
+    c_func = session.TF_FunctionImportFunctionDef(probe.SerializeToString())
+    try:
+        pointer = _pybind_pointer(c_func)
+        named = pointer and lib.TF_FunctionName(pointer) == b"keras_ps_address_probe"
+    finally:
+        session.TF_DeleteFunction(c_func)
+    return lib if named else None
 
 
 def own_executor():
@@ -219,8 +268,7 @@ def in_save_context():
 
 def uninitialized_variable(**kwargs):
     """A resource variable with a shape and no value, allocating nothing
-    (no public API: `tf.Variable` always computes an initial value; TF's
-    SavedModel loader and its ShardedVariable use this class)."""
+    (no public API: `tf.Variable` always makes an initial value)."""
     from tensorflow.python.ops import resource_variable_ops
 
     return resource_variable_ops.UninitializedVariable(**kwargs)
@@ -241,14 +289,12 @@ def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
     (TF's non-public test op; for benchmarks and tests of slow input).
 
-    Apply it only to a dataset that runs no function to make its elements
-    (or use `sleep_ticks`): it holds its lock while its input makes the next
-    element, and its cancel callback takes that lock, so a step cancelled
-    while a function runs under it (a ps lost mid-step cancels the step's
-    other parts) deadlocks the worker's TF runtime for good: that worker
-    answers every probe, and each later call of the step waits forever.
-    `map` runs a function, and so does a `TFRecordDataset` or
-    `FixedLengthRecordDataset` of a filename tensor (a `flat_map` inside).
+    Apply it only to input that runs no function (`map`, or a record
+    dataset of a filename tensor, runs one; see `sleep_ticks`): it holds
+    its lock while its input makes an element, and its cancel callback
+    takes that lock, so a step cancelled meanwhile (a ps lost mid-step)
+    deadlocks the worker's runtime for good: it answers every probe, and
+    each later call of the step waits forever.
     """
     from tensorflow.python.data.experimental.ops import testing
 
@@ -266,23 +312,18 @@ def sleep_ticks(microseconds):
 
 
 def plain_variable(**kwargs):
-    """A tf.Variable made on the device in scope, past every variable
-    creator in scope (a strategy's scope included): TF has no public way to
-    skip the creator stack, and `ResourceVariable`'s own constructor is it."""
+    """A tf.Variable made on the device in scope, past every variable creator
+    in scope (a strategy's too): no public way skips the creator stack."""
     from tensorflow.python.ops import resource_variable_ops
     return resource_variable_ops.ResourceVariable(**kwargs)
 
 
 def rebind_variable(variable, donor):
-    """Points `variable` at `donor`'s resource, in place.
-
-    A ps that was restarted lost the resources behind its variables; the
-    Python objects (held by layers, optimizers, checkpoints) stay, and are
-    given a new resource of the same shape made on the same ps. There is no
-    public API for it: a resource variable keeps its resource in `_handle`
-    and a cached read in `_cached_value`. The donor can be dropped after:
-    the resource lives as long as a handle to it does.
-    """
+    """Points `variable` at `donor`'s resource, in place: a restarted ps lost
+    its variables' resources, and the Python objects (held by layers,
+    optimizers, checkpoints) get new ones. No public API: a resource
+    variable keeps its resource in `_handle`, a cached read in
+    `_cached_value`. The donor can be dropped: the resource lives on."""
     variable._handle = donor._handle
     variable._cached_value = None
 
@@ -290,17 +331,12 @@ def rebind_variable(variable, donor):
 def traced_once_each(function):
     """Marks `function` (a `tf.function`) as one of many made from one Python
     function on purpose, each traced for its own inputs (a dataset function
-    per `fit` call, a backup function per group of variables, a hand-over per
-    worker); returns it.
-
-    TF warns "N out of the last M calls to <function> triggered tf.function
-    retracing ... creating @tf.function repeatedly in a loop" when one
-    Python function's code is traced 5 times within a few calls, counting
-    every `tf.function` made from it. For these that is the design, and the
-    warning would send a user looking for a mistake they did not make.
-    Missing public API: `tf.function` has no option to say so; the warning
-    is skipped for a function whose `_omit_frequent_tracing_warning` is set.
-    """
+    per `fit` call, a backup function per group of variables); returns it.
+    TF warns "... triggered tf.function retracing ... creating @tf.function
+    repeatedly in a loop" when one Python function is traced 5 times within
+    a few calls; here that is the design, and the warning would send a user
+    after a mistake they did not make. Missing public API: no option says
+    so; TF skips the warning for `_omit_frequent_tracing_warning`."""
     function._omit_frequent_tracing_warning = True
     return function
 

@@ -2,12 +2,15 @@
 
 Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
                                    worker_state_lost|worker_stop|
+                                   trace_while_stopped|
                                    preempted_while_cancelling|
                                    ps_loss_mid_read
 """
 
 import logging
+import subprocess
 import sys
+import threading
 import time
 
 import tensorflow as tf
@@ -410,9 +413,89 @@ def ps_loss_mid_read():
             total=float(total.numpy()))
 
 
+def trace_while_stopped():
+    """A function of the user's first traced while a worker is stopped: TF
+    registers it on every worker, and waits for the stopped one. Only the
+    tracing thread may wait: a thread of this process, once the coordinator
+    logs that a trace waits and the hang watchdog gave the stopped worker
+    up, runs on for 2 s and continues the worker (a frozen process never
+    would: then a process outside continues it after 120 s, and the test
+    fails instead of hanging). The call given up in its trace is not run."""
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+
+        @tf.function
+        def warm():
+            total.assign_add(1.0)
+
+        for _ in range(20):
+            coordinator.schedule(warm)
+        coordinator.join()
+
+        with strategy.scope():
+            runs = tf.Variable(0.0)
+
+        @tf.function
+        def fresh(x):  # never traced before the stop
+            runs.assign_add(1.0)
+            return total.read_value() * 0.0 + x * 3.0
+
+        trace_waits = threading.Event()
+        waiting_log = logging.Handler(logging.WARNING)
+        waiting_log.emit = lambda record: trace_waits.set() if \
+            "must trace a new function" in record.getMessage() else None
+        logging.getLogger("keras_ps.coordinator.worker").addHandler(waiting_log)
+        outside = subprocess.Popen([sys.executable, "-c", (
+            "import os, signal, time; time.sleep(120); "
+            f"os.kill({cluster.pid('worker', 1)}, signal.SIGCONT)")])
+        cluster.pause("worker", 1)
+        done, ticks_while_trace_waits, resumed_at = threading.Event(), [], []
+
+        def continue_the_worker_from_here():
+            given_up = coordinator.workers[1].wait_for_state(
+                keras_ps.coordinator.WorkerState.HUNG, 60)
+            if not (trace_waits.wait(60) and given_up):
+                return
+            seen = time.monotonic()
+            while not done.wait(0.05):
+                ticks_while_trace_waits.append(time.monotonic())
+                if time.monotonic() - seen > 2:
+                    resumed_at.append(time.monotonic())
+                    cluster.resume("worker", 1)
+                    return
+
+        thread = threading.Thread(target=continue_the_worker_from_here)
+        thread.start()
+        # Several calls: each worker takes some, and traces them.
+        results = [coordinator.schedule(fresh, args=(tf.constant(2.0),))
+                   for _ in range(5)]
+        coordinator.join()
+        joined_at = time.monotonic()
+        outside_continued = outside.poll() is not None
+        outside.kill()
+        done.set()
+        thread.join()
+        before = [w.closures_run for w in coordinator.workers]
+        for _ in range(40):
+            coordinator.schedule(warm)
+        coordinator.join()
+        say(values=[float(r.fetch()) for r in results], runs=float(runs.numpy()),
+            trace_waited=trace_waits.is_set(),
+            outside_continued=outside_continued,
+            resumed_before_join=bool(resumed_at) and resumed_at[0] < joined_at,
+            ticks_while_trace_waits=len(ticks_while_trace_waits),
+            ran_after=[w.closures_run - b
+                       for w, b in zip(coordinator.workers, before)],
+            states=[w.state.value for w in coordinator.workers])
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker_stop":
         worker_stop()
+    elif sys.argv[1] == "trace_while_stopped":
+        trace_while_stopped()
     elif sys.argv[1] == "preempted_while_cancelling":
         preempted_while_cancelling()
     elif sys.argv[1] == "ps_loss_mid_read":

@@ -16,6 +16,7 @@ import time
 import tensorflow as tf
 
 from keras_ps import _constants
+from keras_ps import _exit_guard
 from keras_ps import _tf_adapter
 from keras_ps.cluster import _network
 from keras_ps.errors import ClusterUnreachableError
@@ -94,6 +95,9 @@ def connect(spec):
             cluster_device_filters=cluster_device_filters(jobs))
         # A new kind of eager op must not wait for a stopped task.
         _tf_adapter.eager_ops_as_plain_ops()
+        # Nor may a new function hold every thread while it waits for one.
+        _tf_adapter.register_functions_without_the_gil(
+            _exit_guard.tf_section)
         _current = Connection(jobs)
         return _current
 

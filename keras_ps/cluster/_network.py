@@ -65,11 +65,29 @@ def incarnation(address, timeout):
             get_status = channel.unary_unary(
                 "/tensorflow.WorkerService/GetStatus",
                 request_serializer=lambda _: b"",  # an empty GetStatusRequest
-                response_deserializer=_tf_adapter.device_incarnations)
+                response_deserializer=_device_incarnations)
             incarnations = get_status(None, timeout=timeout)
     except (grpc.RpcError, ValueError, IndexError):
         return None
     return incarnations[0] if incarnations else None
+
+
+def _device_incarnations(get_status_response):
+    """The incarnation of each device in a GetStatusResponse's bytes
+    (repeated DeviceAttributes, field 1)."""
+    incarnations, i, data = [], 0, get_status_response
+    while i < len(data):
+        if data[i] != 0x0A:  # field 1, length-delimited
+            raise ValueError(f"unexpected GetStatus field tag {data[i]}")
+        i, size, shift = i + 1, 0, 0
+        while True:  # a varint
+            byte = data[i]
+            i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
+            if not byte & 0x80:
+                break
+        incarnations.append(_tf_adapter.device_incarnation(data[i:i + size]))
+        i += size
+    return incarnations
 
 
 def wait_until_answers(address, timeout, process=None):

@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ps import _constants
+from keras_ps import _exit_guard
 from keras_ps import _tf_adapter
 from keras_ps.strategy._per_worker import IndexWatch
 from keras_ps.strategy._per_worker import PerWorkerValues
@@ -167,7 +168,8 @@ class PerWorkerDataset:
                 function = _tf_adapter.traced_once_each(tf.function(self._fn))
             drawn_before = None if shared is not None else _python_random_state()
             try:
-                dataset = function()
+                with _exit_guard.tf_section():  # see keras_ps._exit_guard
+                    dataset = function()
             except Exception as error:
                 name = getattr(self._fn, "__name__", self._fn)
                 error.add_note(

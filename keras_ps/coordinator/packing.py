@@ -7,9 +7,10 @@ pack, keeps the packed functions, and says when a new trace must wait.
 
 Pack sizes are exact powers of two, so each function is traced at most
 log2(max_pack) + 1 times, all early in a job. That matters because TF
-registers every newly traced function on every worker with a synchronous RPC
-while holding the GIL: with one worker stopped (SIGSTOP, a hung host) a new
-trace freezes the whole coordinator until that worker continues.
+registers every newly traced function on every worker with a synchronous RPC:
+with one worker stopped (SIGSTOP, a hung host) a new trace waits until that
+worker continues (only the tracing thread: keras_ps has TF register functions
+without holding the GIL, see `_tf_adapter.register_functions_without_the_gil`).
 
 A function marked with `loop_packable` (fit's and evaluate's step functions)
 is packed in a loop instead: one traced function runs any number of calls
@@ -21,12 +22,15 @@ stand-in (fit's steps in a loop for its steps written out) that runs in its
 place while tracing it would wait for a worker that may be hung.
 """
 
+import collections
+import contextlib
 import logging
 import threading
 import weakref
 
 import tensorflow as tf
 
+from keras_ps import _exit_guard
 from keras_ps import _native
 
 # Functions whose closures may run in a loop (see `loop_packable`).
@@ -95,6 +99,11 @@ class PackedFunctions:
         """`strategy`: the cluster the functions run on; they are traced for
         it (keras_ps._native.tracing_for: its tasks' C++ kernels)."""
         self._by_fn = weakref.WeakKeyDictionary()  # fn -> {count: packed}
+        # fn -> the counts whose trace finished. A trace under way is not
+        # counted: it may be waiting for a hung worker (see `prepare`).
+        self._traced = weakref.WeakKeyDictionary()
+        self._under_way = weakref.WeakKeyDictionary()  # fn -> {key: threads}
+        self._claims = {}  # thread id -> (fn, key) it was let through to trace
         self._lock = threading.Lock()
         self._strategy = strategy
 
@@ -112,8 +121,12 @@ class PackedFunctions:
         """The Pack running `calls` (each `(args, kwargs)`) of `fn`, traced:
         in a loop when `fn` is loop-packable and the calls share their
         arguments, else unrolled."""
-        with _native.tracing_for(self._strategy):
-            if fn in _LOOP_PACKABLE and _same_call(calls):
+        looped = fn in _LOOP_PACKABLE and _same_call(calls)
+        key = _LOOP if looped else len(calls)
+        # Not cut short by the process' exit: see keras_ps._exit_guard.
+        with _exit_guard.tf_section(), _native.tracing_for(self._strategy), \
+                self._tracing(fn, key):
+            if looped:
                 count = tf.constant(len(calls))
                 function = self._get(fn, _LOOP).get_concrete_function(
                     calls[0], count)
@@ -122,9 +135,54 @@ class PackedFunctions:
             function = self._get(fn, len(calls)).get_concrete_function(calls)
             return Pack(function, (calls,), list)
 
-    def is_traced(self, fn, count):
+    @contextlib.contextmanager
+    def _tracing(self, fn, key):
+        """Counts the pack as traced only once its trace returned: until
+        then it waits to be registered on every worker, a hung one too, and
+        the other workers' threads must not join that wait while a size
+        traced already, or a stand-in, can run (`without_new_trace`)."""
         with self._lock:
-            sizes = self._by_fn.get(fn, {})
+            claim = self._claims.pop(threading.get_ident(), None)
+            if claim is not None and claim != (fn, key):
+                self._under_way[claim[0]][claim[1]] -= 1
+                claim = None
+            new = key not in self._traced.get(fn, ())
+            if new and claim is None:
+                self._under_way.setdefault(fn, collections.Counter())[key] += 1
+        try:
+            yield
+            if new:
+                with self._lock:
+                    self._traced.setdefault(fn, set()).add(key)
+        finally:
+            if new:
+                with self._lock:
+                    self._under_way[fn][key] -= 1
+
+    def _claim(self, fn, count):
+        """Lets this thread trace the pack of `count` calls of `fn` unless
+        another thread's trace of it is under way (or let through): checked
+        and counted at once, so two threads never both start it."""
+        key = _LOOP if fn in _LOOP_PACKABLE else count
+        with self._lock:
+            keys = self._under_way.setdefault(fn, collections.Counter())
+            if keys[key] > 0:
+                return False
+            keys[key] += 1
+            self._claims[threading.get_ident()] = (fn, key)
+            return True
+
+    def release_claim(self):
+        """Forgets this thread's claim if its batch never reached `prepare`."""
+        with self._lock:
+            claim = self._claims.pop(threading.get_ident(), None)
+            if claim is not None:
+                self._under_way[claim[0]][claim[1]] -= 1
+
+    def is_traced(self, fn, count):
+        """Whether a pack of `count` calls of `fn` has a finished trace."""
+        with self._lock:
+            sizes = self._traced.get(fn, ())
             return count in sizes or _LOOP in sizes
 
     def clear(self):
@@ -132,11 +190,12 @@ class PackedFunctions:
         was given new variables), so `is_traced` tells the truth again."""
         with self._lock:
             self._by_fn = weakref.WeakKeyDictionary()
+            self._traced = weakref.WeakKeyDictionary()
 
     def sizes(self, fn):
-        """The packs of `fn` held: pack sizes, or "loop"."""
+        """The packs of `fn` traced: pack sizes, or "loop"."""
         with self._lock:
-            return sorted(self._by_fn.get(fn, {}), key=str)
+            return sorted(self._traced.get(fn, ()), key=str)
 
     def __len__(self):
         """How many (function, pack size) pairs are held."""
@@ -146,15 +205,18 @@ class PackedFunctions:
     def without_new_trace(self, batch, trace_is_safe):
         """(batch to run now, closures to put back).
 
-        While some worker may be hung (`trace_is_safe()` is False) and this
-        pack size is not traced yet, a function never traced gives way to
-        its traced stand-in (see `loop_packable`; the closures are changed),
-        and the batch shrinks to the largest size already traced; the rest
-        goes back to the queue. With no size traced the whole batch runs
-        (and its trace waits for the hung worker).
+        While this pack size is not traced yet, and some worker may be hung
+        (`trace_is_safe()` is False) or another thread's trace of it is
+        under way (which a worker stopped since then may hold), a function
+        never traced gives way to its traced stand-in (see `loop_packable`;
+        the closures are changed), and the batch shrinks to the largest
+        size already traced; the rest goes back to the queue. With no size
+        traced the whole batch runs (and its trace waits for the hung
+        worker, or for the trace under way).
         """
         fn = batch[0].fn
-        if self.is_traced(fn, len(batch)) or trace_is_safe():
+        if self.is_traced(fn, len(batch)) or (
+                trace_is_safe() and self._claim(fn, len(batch))):
             return batch, []
         stand_in = _STAND_INS.get(fn)
         if stand_in is not None and not self.sizes(fn) and \
@@ -163,7 +225,8 @@ class PackedFunctions:
                 _STOOD_IN.add(fn)
                 logger.info("[chief] a function not traced yet gives way "
                             "to its stand-in, traced already, while a "
-                            "worker may be hung (%s)", _name(fn))
+                            "worker may be hung or its trace is under way "
+                            "(%s)", _name(fn))
             for closure in batch:
                 closure.fn = stand_in
             fn = stand_in

@@ -156,6 +156,9 @@ class HangWatchdog:
                     f"call running {age:.0f}s and the worker does not answer",
                     WorkerState.HUNG, call)
                 continue
+            if call.tracing:  # it waits on every worker, not on this one
+                self._warn_if_long(w, age, _TRACE_WAITS, w.index, age)
+                continue
             fn = call.batch[0].fn
             seen = [t for t in (v.seconds_per_closure(fn) for v in workers)
                     if t is not None]
@@ -167,7 +170,8 @@ class HangWatchdog:
                 w.abandon_in_flight(reason, WorkerState.STUCK, call)
                 self._stuck[w.index] = f"{_stuck_call(call.batch[0])} {reason}"
             else:
-                self._warn_if_stuck(w, age, limit)
+                self._warn_if_long(w, age, _STUCK_WARNING, w.index, age,
+                                   w.address, self._then(limit))
         self._fail_if_every_worker_is_stuck(workers)
 
     def _fail_if_every_worker_is_stuck(self, workers):
@@ -184,7 +188,9 @@ class HangWatchdog:
         self._queue.mark_fatal(0, every_worker_stuck(
             {w.index: self._stuck.get(w.index, "a call") for w in members}))
 
-    def _warn_if_stuck(self, worker, age, limit):
+    def _warn_if_long(self, worker, age, message, *args):
+        """Logs `message % args` once a call is long (see STUCK_WARNING_S),
+        then again at each doubling of its age."""
         last = self._warned.get(worker.index)
         if last is not None and age < last:
             last = None  # a later call
@@ -192,21 +198,29 @@ class HangWatchdog:
                 last is not None and age < 2 * last):
             return
         self._warned[worker.index] = age
+        logger.warning(message, *args)
+
+    def _then(self, limit):
         if limit is not None:
-            then = (f"keras_ps gives it up as stuck at {limit:.0f}s (its "
+            return (f"keras_ps gives it up as stuck at {limit:.0f}s (its "
                     "closures then run on the other workers) unless a ps "
                     "does not answer")
-        elif self._config.stuck_timeout == 0:
-            then = ("keras_ps waits for it: "
+        if self._config.stuck_timeout == 0:
+            return ("keras_ps waits for it: "
                     f"{_constants.STUCK_TIMEOUT_ENV_VAR}=0 never gives a call up")
-        else:
-            then = ("keras_ps waits for it: no call of this function has "
-                    "finished yet to compare it with (set "
-                    f"{_constants.STUCK_TIMEOUT_ENV_VAR} to bound such a call)")
-        logger.warning(
-            "[worker:%d] a call has run %.0fs on %s, which answers probes; %s. "
-            "If this job's steps are not that long, that worker's call may "
-            "be stuck (a dump of its threads, e.g. py-spy dump or gdb, shows "
-            "where); restarting its process lets training go on: its "
-            "closures run on the other workers, and it is re-admitted.",
-            worker.index, age, worker.address, then)
+        return ("keras_ps waits for it: no call of this function has "
+                "finished yet to compare it with (set "
+                f"{_constants.STUCK_TIMEOUT_ENV_VAR} to bound such a call)")
+
+
+_STUCK_WARNING = (
+    "[worker:%d] a call has run %.0fs on %s, which answers probes; %s. If "
+    "this job's steps are not that long, that worker's call may be stuck (a "
+    "dump of its threads, e.g. py-spy dump or gdb, shows where); restarting "
+    "its process lets training go on: its closures run on the other "
+    "workers, and it is re-admitted.")
+_TRACE_WAITS = (
+    "[worker:%d] a new function has waited %.0fs to be registered: TF "
+    "registers it on every worker and waits for each, and one does not "
+    "answer (a stopped or hung process). It goes on when that worker "
+    "continues or dies; restart a worker that stays hung.")

@@ -77,11 +77,10 @@ class _Call:
         self.batch = batch
         self.started = time.monotonic()
         self.gate_hold = None
+        self.tracing = False  # in its trace: waits on every worker, not this
         self.settled = False  # its outcome was handled, or it was given up
         self.abandoned = False  # given up by the watchdog
-        # Its function ran to its end on the worker; what is left is copying
-        # the outputs to the coordinator.
-        self.ran = False
+        self.ran = False  # it ran on the worker; its outputs may be on the way
 
 
 class Worker:
@@ -137,14 +136,9 @@ class Worker:
     def wait_for_state(self, states, timeout):
         """Waits until the state is one of `states` (a state or a tuple)."""
         states = states if isinstance(states, tuple) else (states,)
-        deadline = time.monotonic() + timeout
         with self._state_lock:
-            while self.state not in states:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._state_changed.wait(remaining)
-            return True
+            return self._state_changed.wait_for(
+                lambda: self.state in states, timeout)
 
     def wait_until_runnable(self, timeout):
         """Waits until the worker takes closures (healthy or just re-admitted)."""
@@ -176,7 +170,10 @@ class Worker:
                 if batch:
                     queue.put_back(batch)
                 continue
-            self._process(batch)
+            try:
+                self._process(batch)
+            finally:
+                self._services.packing.release_claim()
             # Not held while waiting for work: the closures' arguments (a
             # dataset's iterators) are freed when the user drops them.
             batch = None
@@ -295,10 +292,17 @@ class Worker:
         # Traced outside any device scope, so one trace serves every worker
         # (a joining worker runs at once instead of tracing the step again);
         # the call below places the whole function on this worker.
-        pack = packing.prepare(fn, calls)
-        if len(batch) > 1 and not packing.is_traced(fn, 1):
-            # Size 1 is the fallback while a worker may be hung: have it ready.
-            packing.prepare(fn, calls[:1])
+        call.tracing = True
+        try:
+            pack = packing.prepare(fn, calls)
+            if len(batch) > 1 and not packing.is_traced(fn, 1):
+                # Size 1 is the fallback while a worker may be hung.
+                packing.prepare(fn, calls[:1])
+        finally:
+            call.tracing = False
+        if call.abandoned:  # its worker stopped while the trace waited
+            return None  # its closures run elsewhere; dropped by the caller
+        call.started = time.monotonic()  # the call proper, not the trace
         run = batch[0].cancellation.get_cancelable_function(pack.function)
         with tf.device(self.device), dispatch_scope(
                 self.index, self._services.num_workers()):

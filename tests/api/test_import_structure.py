@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(180)
 LAYERS = [
     # 0: foundations without TensorFlow's Python API at import.
     ["keras_ps._base_errors", "keras_ps._constants", "keras_ps._tf_adapter"],
-    ["keras_ps.errors", "keras_ps._native"],
+    ["keras_ps.errors", "keras_ps._native", "keras_ps._exit_guard"],
     ["keras_ps.cluster", "keras_ps.tables"],
     ["keras_ps._keras"],
     ["keras_ps.strategy", "keras_ps.backups"],
@@ -44,7 +44,7 @@ LAYERS = [
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
 # Private top-level modules (everything else at the top is public or a package).
 PRIVATE_TOP_LEVEL = {"keras_ps._base_errors", "keras_ps._constants",
-                     "keras_ps._tf_adapter"}
+                     "keras_ps._tf_adapter", "keras_ps._exit_guard"}
 # In-function imports of keras_ps modules allowed, each to keep TensorFlow
 # out of a process that must start without it (a comment there says so).
 LAZY_IMPORTS_ALLOWED = {

@@ -24,6 +24,7 @@ def test_public_names_import_in_fresh_process():
 def test_tf_internals_still_exist():
     """Fails loudly when a TF upgrade moves an internal keras_ps relies on."""
     from keras_ps import _tf_adapter
+    from keras_ps import _exit_guard
     import tensorflow as tf
 
     for hook in _tf_adapter.STRATEGY_HOOKS:
@@ -39,6 +40,10 @@ def test_tf_internals_still_exist():
     assert callable(_tf_adapter._internals().pywrap_tfe
                     .TFE_ContextSetRunEagerOpAsFunction)
     assert callable(_tf_adapter.get_server_def)
+    # TF's C function, called without the GIL: its library loads, and the
+    # address read from a function's Python wrapper names that function.
+    assert _tf_adapter.register_functions_without_the_gil(
+        _exit_guard.tf_section) is True
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3
     executor = _tf_adapter.new_async_executor()

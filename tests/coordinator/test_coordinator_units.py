@@ -232,6 +232,115 @@ def test_without_new_trace_shrinks_to_a_traced_size_only_when_unsafe():
     assert cache.without_new_trace(batch, lambda: False) == (batch[:2], batch[2:])
 
 
+def test_a_trace_under_way_is_not_a_traced_size():
+    # A trace waits while TF registers its pack on every worker, a hung one
+    # too. Until it returns, another worker's thread falls back to a size
+    # traced already instead of joining that wait: when a worker may be
+    # hung, and also when none seems to be (one may have stopped after the
+    # trace began, and its wait is not over).
+    import threading
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    in_trace, release, block = threading.Event(), threading.Event(), []
+
+    def step(x):  # Python: run again by each pack's trace
+        if block:
+            in_trace.set()
+            release.wait(60)
+        return x + 1
+
+    calls = [((tf.constant(i),), {}) for i in range(4)]
+    cache.prepare(step, calls[:2])
+    block.append(True)
+    tracer = threading.Thread(target=cache.prepare, args=(step, calls))
+    tracer.start()
+    try:
+        assert in_trace.wait(60)
+        batch = [Closure(step, args, {}, False) for args, _ in calls]
+        assert not cache.is_traced(step, 4) and cache.sizes(step) == [2]
+        assert cache.without_new_trace(batch, lambda: False) == (batch[:2],
+                                                                 batch[2:])
+        assert cache.without_new_trace(batch, lambda: True) == (batch[:2],
+                                                                batch[2:])
+    finally:
+        release.set()
+        tracer.join()
+    assert cache.is_traced(step, 4) and cache.sizes(step) == [2, 4]
+    assert cache.without_new_trace(batch, lambda: False) == (batch, [])
+
+
+def test_a_function_whose_trace_is_under_way_gives_way_to_its_stand_in():
+    # fit's steps written out, traced by one worker's thread: the others run
+    # the loop form meanwhile, even when no worker seems hung, instead of
+    # waiting for that trace (a worker stopped since may hold it).
+    import threading
+    from keras_ps.coordinator import packing
+    cache = packing.PackedFunctions()
+    in_trace, release = threading.Event(), threading.Event()
+    looped = packing.loop_packable(tf.function(lambda it: tf.constant(1)))
+
+    def slow_to_trace(it):
+        in_trace.set()
+        release.wait(60)
+        return tf.constant(2)
+
+    written_out = packing.loop_packable(tf.function(slow_to_trace),
+                                        stand_in=looped)
+    it = tf.constant(0)
+    cache.prepare(looped, [((it,), {})] * 2)
+    tracer = threading.Thread(target=cache.prepare,
+                              args=(written_out, [((it,), {})] * 2))
+    tracer.start()
+    try:
+        assert in_trace.wait(60)
+        closures = [Closure(written_out, (it,), {}, False) for _ in range(2)]
+        assert cache.without_new_trace(closures, lambda: True) == (closures, [])
+        assert all(c.fn is looped for c in closures)
+    finally:
+        release.set()
+        tracer.join()
+    closures = [Closure(written_out, (it,), {}, False) for _ in range(2)]
+    assert cache.without_new_trace(closures, lambda: True) == (closures, [])
+    assert all(c.fn is written_out for c in closures)
+
+
+def test_two_threads_never_both_start_the_same_new_trace():
+    # Two workers' threads take batches of a pack not traced yet at the same
+    # moment, with every worker answering: one is let through to trace it;
+    # the other runs a size traced already instead of waiting for that
+    # trace (a worker that stops meanwhile would hold both). Once its batch
+    # is done with (here: never reaching the trace), the claim is released.
+    import threading
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    step = tf.function(lambda x: x + 1)
+    calls = [((tf.constant(i),), {}) for i in range(4)]
+    cache.prepare(step, calls[:2])
+    batches = [[Closure(step, args, {}, False) for args, _ in calls]
+               for _ in range(2)]
+    got, done = [], threading.Event()
+
+    def take(batch):
+        got.append(cache.without_new_trace(batch, lambda: True))
+        done.wait(60)  # the claim is held until the batch is done with
+        cache.release_claim()
+
+    threads = [threading.Thread(target=take, args=(b,)) for b in batches]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sizes = sorted(len(run) for run, _ in got)
+    done.set()
+    for t in threads:
+        t.join()
+    assert sizes == [2, 4]
+    # Released: a thread may start that trace again.
+    assert cache.without_new_trace(batches[0], lambda: True) == (batches[0], [])
+    cache.release_claim()
+
+
 def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
     # fit's steps written out, handed out before a worker stopped: when the
     # call runs, the loop form (traced) runs in its place, never tracing
@@ -311,14 +420,15 @@ class _CallingWorker:
     `fn` per closure (None: none finished)."""
 
     def __init__(self, index, address, age, fn=None, closures=1,
-                 per_closure=None):
+                 per_closure=None, tracing=False):
         self.index, self.address, self.age = index, address, age
         self.fn, self.closures, self.per_closure = fn, closures, per_closure
+        self.tracing = tracing  # the call is still in its trace
         self.abandoned = []  # (reason, state)
 
     def in_flight_call(self):
         batch = [Closure(self.fn, (), {}, False) for _ in range(self.closures)]
-        return types.SimpleNamespace(batch=batch,
+        return types.SimpleNamespace(batch=batch, tracing=self.tracing,
                                      started=time.monotonic() - self.age)
 
     def seconds_per_closure(self, fn):
@@ -440,6 +550,43 @@ def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
         watcher.check()
         assert [state for _, state in stuck.abandoned][-1] is WorkerState.STUCK
         assert len(stuck.abandoned) == 2
+    finally:
+        server.stop(0)
+
+
+def test_a_call_in_its_trace_is_not_stuck_on_its_worker(caplog):
+    # Real probes at a real gRPC server. A trace waits while TF registers a
+    # new function on every worker, a hung one too: on a worker that
+    # answers, that wait is not a call stuck there (giving it up would
+    # blame a healthy worker), and the log says what it waits for. On a
+    # worker that does not answer, it is given up as hung like any call.
+    import grpc
+    import portpicker
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    step = object()
+    try:
+        limit = watchdog.stuck_after(None, 0.5, 1)
+        waiting = _CallingWorker(0, f"localhost:{port}", 10 * limit, fn=step,
+                                 per_closure=0.5, tracing=True)
+        silent = _CallingWorker(1, f"localhost:{portpicker.pick_unused_port()}",
+                                5.0, fn=step, tracing=True)
+        watcher = watchdog.HangWatchdog(lambda: [waiting, silent],
+                                        CoordinatorConfig(hang_timeout=2.0))
+        with caplog.at_level("WARNING", logger=watchdog.__name__):
+            watcher.check()
+        assert waiting.abandoned == []
+        assert any(f"[worker:0] a new function has waited {10 * limit:.0f}s"
+                   in m and "one does not answer" in m for m in caplog.messages)
+        assert [state for _, state in silent.abandoned] == [WorkerState.HUNG]
+        # Its trace done, the same call that long is given up as stuck.
+        waiting.tracing = False
+        watcher.check()
+        assert [state for _, state in waiting.abandoned] == [WorkerState.STUCK]
     finally:
         server.stop(0)
 

@@ -132,6 +132,28 @@ def test_worker_stopped_does_not_hang_training():
 
 
 @pytest.mark.timeout(240)
+def test_function_traced_while_a_worker_is_stopped_freezes_no_other_thread():
+    # TF registers a newly traced function on every worker and waits for the
+    # stopped one. That wait used to hold the GIL, freezing every thread of
+    # the coordinator's process, so the thread that would continue the
+    # worker never ran. Now it runs while the trace waits, and continues the
+    # worker before the outside process that saves a frozen run does.
+    # The hang watchdog gives the stopped worker's call up while its trace
+    # waits: its closures run on the other worker, and it is not run after.
+    result = run_job("trace_while_stopped", timeout=220,
+                     KERAS_PS_HANG_TIMEOUT="3")
+    assert result["trace_waited"] is True, result
+    assert result["outside_continued"] is False, result
+    assert result["resumed_before_join"] is True, result
+    assert result["ticks_while_trace_waits"] > 0, result
+    assert result["values"] == [6.0] * 5
+    assert result["runs"] == 5.0  # each once: the call given up did not run
+    # The worker works on: both take closures after it.
+    assert result["states"] == ["healthy", "healthy"]
+    assert all(n > 0 for n in result["ran_after"]), result
+
+
+@pytest.mark.timeout(240)
 def test_closure_of_a_killed_worker_is_cancelled_after_another_error():
     # As TF's coordinator: a long closure's worker is SIGKILLed while another
     # closure fails; join() raises that error, the long closure's fetch()
