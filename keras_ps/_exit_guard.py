@@ -10,8 +10,8 @@ pack sizes while training runs, so a script that ends just after an error
 (a lost ps) could abort that way. Every such trace on a keras_ps thread runs
 inside `tf_section()`: at exit, before Python ends its threads, the
 interpreter waits for the sections under way (up to `_EXIT_WAIT` seconds),
-and a keras_ps thread that reaches a section, or leaves one, from then on
-stops there for good.
+and a keras_ps thread that reaches a section from then on stops there for
+good (it holds none of the locks the exit needs).
 """
 
 import atexit
@@ -52,7 +52,6 @@ class tf_section:
         with _lock:
             _under_way -= 1
             _lock.notify_all()
-        _stop_here_if_exiting()
         return False
 
 
