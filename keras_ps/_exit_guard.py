@@ -15,6 +15,7 @@ good (it holds none of the locks the exit needs).
 """
 
 import atexit
+import contextlib
 import logging
 import threading
 
@@ -31,28 +32,24 @@ _exiting = False
 _never = threading.Event()
 
 
-def _stop_here_if_exiting():
-    if _exiting and threading.current_thread() is not threading.main_thread():
-        _never.wait()  # a daemon thread: the process ends around it
-
-
-class tf_section:
-    """A context manager around a TF call that must not be cut short by the
-    interpreter's exit (a trace, a function's registration)."""
-
-    def __enter__(self):
-        global _under_way
-        _stop_here_if_exiting()
-        with _lock:
+@contextlib.contextmanager
+def tf_section():
+    """Around a TF call that must not be cut short by the interpreter's exit
+    (a trace, a function's registration)."""
+    global _under_way
+    with _lock:  # checked and counted at once: the exit sees every section
+        stop = _exiting and threading.current_thread() is not \
+            threading.main_thread()
+        if not stop:
             _under_way += 1
-        return self
-
-    def __exit__(self, *exc_info):
-        global _under_way
+    if stop:
+        _never.wait()  # a daemon thread: the process ends around it
+    try:
+        yield
+    finally:
         with _lock:
             _under_way -= 1
             _lock.notify_all()
-        return False
 
 
 @atexit.register
