@@ -149,13 +149,16 @@ class PackedFunctions:
             new = key not in self._traced.get(fn, ())
             if new and claim is None:
                 self._under_way.setdefault(fn, collections.Counter())[key] += 1
+            # A claim is counted already, also when another thread traced
+            # its size since: it is given back below either way.
+            counted = new or claim is not None
         try:
             yield
             if new:
                 with self._lock:
                     self._traced.setdefault(fn, set()).add(key)
         finally:
-            if new:
+            if counted:
                 with self._lock:
                     self._under_way[fn][key] -= 1
 

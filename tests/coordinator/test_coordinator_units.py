@@ -341,6 +341,25 @@ def test_two_threads_never_both_start_the_same_new_trace():
     cache.release_claim()
 
 
+def test_a_claim_whose_size_another_thread_traced_meanwhile_is_given_back():
+    # A thread is let through to trace a pack size, and before its batch
+    # reaches the trace another thread traces that size. Its claim is given
+    # back when its pack is prepared: the size is no longer under way.
+    import threading
+    from keras_ps.coordinator.packing import PackedFunctions
+    cache = PackedFunctions()
+    step = tf.function(lambda x: x + 1)
+    calls = [((tf.constant(i),), {}) for i in range(4)]
+    batch = [Closure(step, args, {}, False) for args, _ in calls]
+    assert cache.without_new_trace(batch, lambda: True) == (batch, [])
+    other = threading.Thread(target=cache.prepare, args=(step, calls))
+    other.start()
+    other.join()
+    assert cache.is_traced(step, 4)
+    cache.prepare(step, calls)  # this thread's batch, traced already
+    assert cache._under_way[step][4] == 0
+
+
 def test_a_function_not_traced_gives_way_to_its_stand_in_only_when_unsafe():
     # fit's steps written out, handed out before a worker stopped: when the
     # call runs, the loop form (traced) runs in its place, never tracing
