@@ -142,23 +142,19 @@ class PackedFunctions:
         the other workers' threads must not join that wait while a size
         traced already, or a stand-in, can run (`without_new_trace`)."""
         with self._lock:
-            claim = self._claims.pop(threading.get_ident(), None)
-            if claim is not None and claim != (fn, key):
-                self._under_way[claim[0]][claim[1]] -= 1
-                claim = None
+            # This thread's claim becomes its count here, in one step: no
+            # other thread sees the size free in between.
+            self._give_back_claim()
             new = key not in self._traced.get(fn, ())
-            if new and claim is None:
+            if new:
                 self._under_way.setdefault(fn, collections.Counter())[key] += 1
-            # A claim is counted already, also when another thread traced
-            # its size since: it is given back below either way.
-            counted = new or claim is not None
         try:
             yield
             if new:
                 with self._lock:
                     self._traced.setdefault(fn, set()).add(key)
         finally:
-            if counted:
+            if new:
                 with self._lock:
                     self._under_way[fn][key] -= 1
 
@@ -178,9 +174,12 @@ class PackedFunctions:
     def release_claim(self):
         """Forgets this thread's claim if its batch never reached `prepare`."""
         with self._lock:
-            claim = self._claims.pop(threading.get_ident(), None)
-            if claim is not None:
-                self._under_way[claim[0]][claim[1]] -= 1
+            self._give_back_claim()
+
+    def _give_back_claim(self):  # under self._lock
+        claim = self._claims.pop(threading.get_ident(), None)
+        if claim is not None:
+            self._under_way[claim[0]][claim[1]] -= 1
 
     def is_traced(self, fn, count):
         """Whether a pack of `count` calls of `fn` has a finished trace."""
