@@ -21,7 +21,8 @@ Usage:
       KILLS is a JSON list of [epoch, batch, [ps indices]]: at the end of
       that batch (first time seen, before the backup of that batch) those
       ps are SIGKILLed and started again on their addresses at once, as a
-      restart policy does; [] runs undisturbed. With IN_RESTORE (a ps
+      restart policy does (on fit's thread; a fourth element "beside"
+      restarts them on a thread of their own); [] runs undisturbed. With IN_RESTORE (a ps
       index), that ps is killed and restarted while the first recovery
       reads the backup. Reports iterations, accuracy and the recovery logs.
   python tests/_fit_job.py worker_stop_unroll
@@ -334,14 +335,20 @@ def ps_restart(backup_dir, kill):
 
 class _KillAndRestartPs(keras.callbacks.Callback):
     """SIGKILLs ps tasks at given (epoch, batch) and starts them again at
-    once: a restart policy brings them back before anyone notices."""
+    once: a restart policy brings them back before anyone notices.
+
+    A kill [epoch, batch, indices] restarts the ps on fit's own thread, so
+    the next step finds them back with nothing on them; [epoch, batch,
+    indices, "beside"] restarts them on a thread of their own, as a restart
+    policy does beside the job, and fit goes on at once."""
 
     def __init__(self, cluster, kills):
         super().__init__()
         self.cluster = cluster
-        self.kills = {(epoch, batch): indices for epoch, batch, indices in kills}
+        self.kills = {(k[0], k[1]): (k[2], k[3:] == ["beside"]) for k in kills}
         self.done = []
-        self.killed_at = None
+        self.killed_at = self.back_at = None
+        self._beside = []
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -350,13 +357,28 @@ class _KillAndRestartPs(keras.callbacks.Callback):
         key = (self._epoch, batch)
         if key in self.kills and key not in self.done:
             self.done.append(key)
+            indices, beside = self.kills[key]
             self.killed_at = time.monotonic()
-            for index in self.kills[key]:
+            for index in indices:
                 self.cluster.kill("ps", index)
-            for index in self.kills[key]:
-                self.cluster.restart("ps", index)
-            print(f"KILLED AND RESTARTED ps {self.kills[key]} at {key}",
-                  flush=True)
+            if beside:
+                thread = threading.Thread(target=self._restart, args=(indices,))
+                thread.start()
+                self._beside.append(thread)
+            else:
+                self._restart(indices)
+            print(f"KILLED AND RESTARTED ps {indices} at {key}", flush=True)
+
+    def _restart(self, indices):
+        for index in indices:
+            self.cluster.restart("ps", index)
+        self.back_at = time.monotonic()
+
+    def join(self):
+        """Waits for the restarts on threads of their own (before the
+        cluster is shut down, so that none starts a ps after it)."""
+        for thread in self._beside:
+            thread.join()
 
 
 class _KillInRestore(keras_ps.callbacks.BackupAndRestore):
@@ -389,9 +411,14 @@ def ps_recover(backup_dir, kills, in_restore=None, recover_ps=True):
                 dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
                 callbacks=[killer, backup], verbose=0)
         except Exception as error:  # what the user sees, reported to the test
+            raised_at = time.monotonic()
+            killer.join()
             say(error=type(error).__name__, message=str(error),
-                seconds=time.monotonic() - killer.killed_at)
+                seconds=raised_at - killer.killed_at,
+                seconds_after_back=raised_at - killer.back_at
+                if killer.back_at and killer.back_at < raised_at else None)
             sys.exit(1)
+        killer.join()
         x, y = data(seed=1, n=1024)
         _, accuracy = model.evaluate(x, y, batch_size=128, verbose=0)
         say(iterations=int(model.optimizer.iterations.numpy()),
