@@ -20,6 +20,7 @@ import os
 import threading
 import time
 
+from keras_ps import _exit_guard
 from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups._chain import BackupEntry
@@ -48,6 +49,12 @@ class PendingDelta:
         self._outcome = {}
 
         def finish():
+            # Not cut short by the process' exit (keras_ps._exit_guard): the
+            # exit waits for the delta to be written and published.
+            with _exit_guard.tf_section():
+                _finish()
+
+        def _finish():
             try:
                 with _backup_chain.write_failures(
                         path, os.path.dirname(path), f"delta {entry_id}",
@@ -122,15 +129,20 @@ class Compaction:
         self.generation = generation
         self.root_entries = [] if root is None else list(root[0])
         self.kind = "full" if root is None else "delta"
+        self.description = "full backup" if root is None else "merged delta"
         self.entry = self.error = self.seconds = None
         self.stopped = False
+        self._stop_lock = threading.Lock()
 
         def write():
             started = time.monotonic()
             try:
-                with _tf_adapter.own_executor():
+                # Its traces are not cut short by the process' exit
+                # (keras_ps._exit_guard), and the exit stops it at its
+                # next block.
+                with _exit_guard.tf_section(), _tf_adapter.own_executor():
                     files, table_rows = writer.write_in_blocks(
-                        path + os.sep, lambda: self.stopped, before_block,
+                        path + os.sep, self._should_stop, before_block,
                         since=None if root is None else root[1])
                 entry = _backup_chain.new_entry(entry_id, self.kind, folder,
                                                 files, table_rows, None)
@@ -141,8 +153,8 @@ class Compaction:
                 self.seconds = time.monotonic() - started
                 logger.info("[chief] %s %d written while training went on: "
                             "%d bytes in %.2fs; the next backup publishes it",
-                            "full backup" if root is None else "merged delta",
-                            entry_id, entry["bytes"], self.seconds)
+                            self.description, entry_id, entry["bytes"],
+                            self.seconds)
             except Exception as error:  # noqa: BLE001  (logged by save())
                 self.error = error
 
@@ -150,18 +162,27 @@ class Compaction:
             target=write, daemon=True, name=f"keras_ps-compaction-{entry_id}")
         self.thread.start()
         logger.info("[chief] compaction: %s %d being written while "
-                    "training goes on", "full backup" if root is None else
-                    "merged delta", entry_id)
+                    "training goes on", self.description, entry_id)
 
     @property
     def running(self):
         return self.thread.is_alive()
 
-    def stop(self, reason):
+    def _should_stop(self):
+        """Asked before each block: stopped, or the process exits."""
+        if not self.stopped and _exit_guard.exiting():
+            self.stop("the process exits (the published backups are as "
+                      "they were)", level=logging.WARNING)
+        return self.stopped
+
+    def stop(self, reason, level=logging.INFO):
         """Stops the write before its next block (without waiting)."""
-        self.stopped = True
-        logger.info("[chief] the %s %d being written in the background is "
-                    "dropped: %s", self.kind, self.entry_id, reason)
+        with self._stop_lock:  # each device's thread may ask at once
+            if self.stopped:
+                return
+            self.stopped = True
+        logger.log(level, "[chief] the %s %d being written in the background "
+                   "is dropped: %s", self.description, self.entry_id, reason)
 
 
 class BackgroundWrites:

@@ -8,13 +8,13 @@ fingerprint and row range. Applying a chain of entries is
 keras_ps.backups._apply.
 """
 
-import concurrent.futures
 import functools
 import threading
 
 import numpy as np
 import tensorflow as tf
 
+from keras_ps import _exit_guard
 from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.backups import _row_files
@@ -410,13 +410,34 @@ def _rows_to_write(dirty, rows, since):
 
 def per_device(function, devices):
     """[function(device) for device in devices], run at once, each in a
-    thread with its own eager executor (an error stays in its thread)."""
+    thread with its own eager executor (an error stays in its thread; the
+    first device's error is raised).
+
+    The threads are daemons in exit sections (keras_ps._exit_guard): the
+    process' exit waits for them (up to its limit) instead of for the
+    whole of their work, and work that asks `_exit_guard.exiting()` between
+    its steps (a compaction's blocks) stops at the next."""
     if len(devices) <= 1:
         return [function(d) for d in devices]
+    results, errors = [None] * len(devices), [None] * len(devices)
 
-    def run(device):
-        with _tf_adapter.own_executor():
-            return function(device)
+    def run(i, section):
+        try:
+            with section, _tf_adapter.own_executor():
+                results[i] = function(devices[i])
+        except BaseException as error:  # noqa: BLE001  (raised below)
+            errors[i] = error
 
-    with concurrent.futures.ThreadPoolExecutor(len(devices)) as pool:
-        return list(pool.map(run, devices))
+    with _exit_guard.tf_section():
+        threads = [threading.Thread(target=run, args=(i, section), daemon=True,
+                                    name=f"keras_ps-backup-{devices[i]}")
+                   for i, section in enumerate(
+                       _exit_guard.helper_sections(len(devices)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results

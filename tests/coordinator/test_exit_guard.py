@@ -2,6 +2,7 @@
 the trace instead of ending the thread inside TF's C++ call (which aborted
 the process: "terminate called ... FATAL: exception not rethrown")."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -88,3 +89,112 @@ def test_a_thread_reaching_a_section_after_the_exit_began_stops_there():
                           capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["STOPPED"], proc.stdout
+
+
+# A section inside another of the same thread is part of it: once the exit
+# began, the thread goes on through it (stopping there would hold the outer
+# section, and the exit would wait for it in vain).
+NESTED_SCRIPT = textwrap.dedent("""
+    import threading
+
+    from keras_ps import _exit_guard
+
+    inside, go = threading.Event(), threading.Event()
+
+    def work():
+        with _exit_guard.tf_section():
+            inside.set()
+            go.wait()
+            with _exit_guard.tf_section():
+                print("NESTED", flush=True)
+
+    threading.Thread(target=work, daemon=True).start()
+    inside.wait()
+    waited = []
+    exit_wait = threading.Thread(  # what the exit does
+        target=lambda: waited.append(_exit_guard.wait_for_sections(20)))
+    exit_wait.start()
+    with _exit_guard._lock:
+        _exit_guard._lock.wait_for(lambda: _exit_guard._exiting, 60)
+    go.set()
+    exit_wait.join()
+    print(waited[0], flush=True)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_section_inside_a_section_goes_on_after_the_exit_began():
+    proc = subprocess.run([sys.executable, "-c", NESTED_SCRIPT],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["NESTED", "True"], proc.stdout
+
+
+# fit with incremental backups on a LocalCluster; a callback raises (a
+# user's error) as soon as a compaction is being written in the background:
+# the script ends while its thread traces and writes blocks (of 4 KB: about
+# 8,000 of them, seconds of writing). With one ps the thread makes the TF
+# calls itself; with two, a thread per ps does.
+COMPACTION_SCRIPT = textwrap.dedent("""
+    import os
+    import sys
+
+    os.environ["KERAS_PS_SAVE_CHUNK_BYTES"] = "4096"
+
+    import keras
+    import numpy as np
+
+    import keras_ps
+
+    backup_dir, num_ps = sys.argv[1], int(sys.argv[2])
+    rows = 200_000
+
+
+    class RaiseWhileCompacting(keras.callbacks.Callback):
+        def __init__(self, backup):
+            super().__init__()
+            self.backup = backup
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.backup._incremental.compacting:
+                raise RuntimeError("the user's error while compacting")
+
+
+    # Not shut down when the script ends (no `with`): as on a real cluster,
+    # the ps answer until this process is gone (its tasks end with it).
+    cluster = keras_ps.LocalCluster(num_workers=1, num_ps=num_ps)
+    strategy = keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=(
+            keras_ps.partitioners.FixedShardsPartitioner(num_ps)))
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((8,), dtype="int32"),
+            keras.layers.Embedding(rows, 16), keras.layers.Flatten(),
+            keras.layers.Dense(1)])
+        model.compile(keras_ps.optimizers.LazyAdam(1e-3), "mse")
+    x = np.random.default_rng(0).integers(0, rows, (256 * 40, 8))
+    y = np.zeros((256 * 40, 1), "float32")
+    backup = keras_ps.callbacks.BackupAndRestore(
+        backup_dir, save_freq=2, incremental=True, max_deltas=2)
+    model.fit(x.astype("int32"), y, batch_size=256, epochs=1,
+              steps_per_epoch=40, verbose=0,
+              callbacks=[backup, RaiseWhileCompacting(backup)])
+    print("NEVER RAISED", flush=True)
+""")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_a_script_ending_during_a_compaction_stops_it_and_exits(num_ps,
+                                                                tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", COMPACTION_SCRIPT, str(tmp_path / "backup"),
+         str(num_ps)], capture_output=True, text=True, timeout=280,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    # The user's error, then an exit that stopped the compaction at its
+    # next block (not after its thousands of blocks), never an abort.
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: the user's error while compacting" in proc.stderr
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert "being written in the background is dropped: the process " \
+           "exits" in proc.stderr, proc.stderr[-3000:]
