@@ -96,6 +96,7 @@ def test_a_thread_reaching_a_section_after_the_exit_began_stops_there():
 # section, and the exit would wait for it in vain).
 NESTED_SCRIPT = textwrap.dedent("""
     import threading
+    import time
 
     from keras_ps import _exit_guard
 
@@ -114,8 +115,9 @@ NESTED_SCRIPT = textwrap.dedent("""
     exit_wait = threading.Thread(  # what the exit does
         target=lambda: waited.append(_exit_guard.wait_for_sections(20)))
     exit_wait.start()
-    with _exit_guard._lock:
-        _exit_guard._lock.wait_for(lambda: _exit_guard._exiting, 60)
+    deadline = time.monotonic() + 60
+    while not _exit_guard.exiting() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the exit's wait began
     go.set()
     exit_wait.join()
     print(waited[0], flush=True)
