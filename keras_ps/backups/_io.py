@@ -429,14 +429,21 @@ def per_device(function, devices):
             errors[i] = error
 
     with _exit_guard.tf_section():
+        sections = _exit_guard.helper_sections(len(devices))
         threads = [threading.Thread(target=run, args=(i, section), daemon=True,
                                     name=f"keras_ps-backup-{devices[i]}")
-                   for i, section in enumerate(
-                       _exit_guard.helper_sections(len(devices)))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
+                   for i, section in enumerate(sections)]
+        started = 0
+        try:
+            for thread in threads:
+                thread.start()
+                started += 1
+        finally:  # a thread that could not start: its section ends here
+            for section in sections[started:]:
+                with section:
+                    pass
+            for thread in threads[:started]:
+                thread.join()
     for error in errors:
         if error is not None:
             raise error

@@ -200,3 +200,43 @@ def test_a_script_ending_during_a_compaction_stops_it_and_exits(num_ps,
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     assert "being written in the background is dropped: the process " \
            "exits" in proc.stderr, proc.stderr[-3000:]
+
+
+# The per-ps backup threads' sections are counted before the threads start.
+# When one cannot start (Python out of threads), the caller gets the error,
+# the thread that did start is waited for, and the section of the one that
+# never started ends: the exit does not wait its limit for a thread that
+# does not exist.
+THREAD_START_SCRIPT = textwrap.dedent("""
+    import threading
+
+    from keras_ps import _exit_guard
+    from keras_ps.backups import _io
+
+    start = threading.Thread.start
+
+    def start_but_the_second_backup_thread(thread):
+        if thread.name == "keras_ps-backup-ps1":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    threading.Thread.start = start_but_the_second_backup_thread
+    ran = []
+    try:
+        _io.per_device(ran.append, ["ps0", "ps1"])
+    except RuntimeError as error:
+        print("RAISED", error, flush=True)
+    print("RAN", *ran, flush=True)
+    print("EXIT WAITS FOR NOTHING", _exit_guard.wait_for_sections(5))
+""")
+
+
+@pytest.mark.timeout(120)
+def test_a_backup_thread_that_cannot_start_leaves_no_section_behind():
+    proc = subprocess.run([sys.executable, "-c", THREAD_START_SCRIPT],
+                          capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [
+        "RAISED can't start new thread", "RAN ps0",
+        "EXIT WAITS FOR NOTHING True"], proc.stdout
+    assert "still run after" not in proc.stderr, proc.stderr[-3000:]
