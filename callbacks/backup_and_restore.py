@@ -8,6 +8,8 @@ import shutil
 
 import tensorflow as tf
 
+from keras_ps.callbacks import _backup_modes
+from keras_ps.callbacks._preemption import PreemptionNotice
 from keras_ps.backups import _chain
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
@@ -45,9 +47,20 @@ class BackupAndRestore(ResumableCallback):
     Args:
         backup_dir: where backups live (created if missing). Use one
             directory per training job.
-        save_freq: `"epoch"` (at each epoch end) or an integer `N` (every `N`
-            steps, and at each epoch end).
+        save_freq: `"epoch"` (at each epoch end), an integer `N` (every `N`
+            steps, and at each epoch end), or False (only before a
+            preemption: needs `save_before_preemption=True`).
         delete_checkpoint: delete `backup_dir` when training finishes.
+        save_before_preemption: True: SIGTERM (a preemption notice, a
+            Kubernetes pod deletion, `docker stop`) during `fit` is held
+            until the next step boundary, where a backup is written; then
+            it goes to the handler it had before `fit` (by default the
+            process ends, exit status 143), and the job started again
+            resumes at that step. `fit` must run in the main thread (Python
+            runs signal handlers there). After the last step, the backup
+            directory is kept, so a restart finds training done. The backup
+            must fit in the grace period (30 s by default on Kubernetes and
+            Google Cloud): see docs/ps_recovery.md.
         incremental: `"auto"` (default), True or False. True: backups are
             those of `keras_ps.IncrementalBackup`: a full backup, then at
             each `save_freq` a delta holding only the table rows the
@@ -123,8 +136,9 @@ class BackupAndRestore(ResumableCallback):
     """
 
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True,
-                 recover_ps=True, incremental="auto", max_deltas=20,
-                 max_delta_bytes=None, background_deltas=False):
+                 save_before_preemption=False, recover_ps=True,
+                 incremental="auto", max_deltas=20, max_delta_bytes=None,
+                 background_deltas=False):
         if incremental not in ("auto", True, False):
             raise ValueError(
                 "incremental must be 'auto', True or False. Received: "
@@ -138,15 +152,30 @@ class BackupAndRestore(ResumableCallback):
             raise ValueError(
                 "BackupAndRestore needs a backup directory. Received: "
                 f"backup_dir={backup_dir!r}.")
-        if save_freq != "epoch" and not (
+        if save_freq != "epoch" and save_freq is not False and not (
                 isinstance(save_freq, int) and not isinstance(save_freq, bool)
                 and save_freq > 0):
             raise ValueError(
-                "save_freq must be 'epoch' or a positive integer number of "
-                f"steps. Received: save_freq={save_freq!r}.")
+                "save_freq must be 'epoch', a positive integer number of "
+                "steps, or False (backups before a preemption only). "
+                f"Received: save_freq={save_freq!r}.")
+        if not isinstance(save_before_preemption, bool):
+            raise ValueError(
+                "save_before_preemption must be True or False. Received: "
+                f"save_before_preemption={save_before_preemption!r}.")
+        if save_freq is False and not save_before_preemption:
+            raise ValueError(
+                "save_freq=False writes backups only before a preemption, "
+                "but save_before_preemption is False: nothing would be "
+                "backed up. Fix: save_freq='epoch' or a number of steps, or "
+                "save_before_preemption=True.")
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.save_before_preemption = save_before_preemption
+        self.short_lead = save_before_preemption  # acts within executions
+        self._notice = PreemptionNotice()
+        self._resume_point = None  # (epoch, step) of the newest backup
         self._state_path = os.path.join(self.backup_dir, _STATE_FILE)
         self._resume = None
         self._epoch = 0
@@ -174,52 +203,18 @@ class BackupAndRestore(ResumableCallback):
         Raises:
             ValueError: the backup was written by a different model.
         """
+        if self.save_before_preemption:
+            _backup_modes.check_preemption_mode(self.model)
+            self._notice.install()
         os.makedirs(self.backup_dir, exist_ok=True)
         self._resume = None
         self.restored_state = None
-        self._incremental = self._incremental_backup()
+        self._incremental = _backup_modes.incremental_writer(
+            self.model, self.incremental, self._incremental_path,
+            self._incremental_options, AUTO_INCREMENTAL_MIN_BYTES)
         if self.recover_ps == LOST_SHARDS:
-            self._check_lost_shards_mode()
+            _backup_modes.check_lost_shards_mode(self.model)
         self.restore_latest()
-
-    def _check_lost_shards_mode(self):
-        strategy = self.model.distribute_strategy
-        if (isinstance(strategy, ParameterServerStrategy)
-                and strategy.extended.placed.has_resources()):
-            raise ValueError(
-                f"recover_ps={LOST_SHARDS!r} restores only the lost ps' "
-                "variables, but this model keeps state on the ps that is not "
-                "a variable (a keras_ps.layers.DynamicEmbedding's key maps), "
-                "which would no longer match its rows. Fix: "
-                "recover_ps=True (every ps restored to the newest backup).")
-
-    def _incremental_backup(self):
-        """The IncrementalBackup that writes the backups, or None (each
-        backup a Keras weights file)."""
-        if self.incremental is False:
-            return None
-        backup = IncrementalBackup(self.model, self._incremental_path,
-                                   **self._incremental_options)
-        if self.incremental == "auto":
-            try:
-                size = backup.table_bytes()
-            except ValueError as error:  # optimizer not built, or a table
-                logger.info(           # that saves its own state
-                    "[chief] full backups (incremental='auto'): %s", error)
-                return None
-            if size < AUTO_INCREMENTAL_MIN_BYTES:
-                return None
-            try:
-                backup.check()
-            except ValueError as error:
-                logger.warning(
-                    "[chief] full backups (incremental='auto'): %s", error)
-                return None
-            logger.info("[chief] incremental backups: %.0f MiB of tables",
-                        size / 2**20)
-        else:
-            backup.check()
-        return backup
 
     def restore_latest(self):
         """Loads the newest backup into the model and its optimizer.
@@ -343,17 +338,48 @@ class BackupAndRestore(ResumableCallback):
         self._steps_since_save = 0
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.save_freq == "epoch":
-            return
         self._steps_since_save += batch - self._last_step_seen
         self._last_step_seen = batch
-        if self._steps_since_save >= self.save_freq:
+        if self._notice.received or (
+                self.save_freq not in ("epoch", False)
+                and self._steps_since_save >= self.save_freq):
             self._backup(self._epoch, batch + 1)
+        self._end_if_preempted()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._backup(epoch + 1, 0)
+        if self.save_freq is not False or self._notice.received:
+            self._backup(epoch + 1, 0)
+        self._end_if_preempted()
 
     def on_train_end(self, logs=None):
+        end = ((self.params or {}).get("epochs", self._epoch + 1), 0)
+        if self._notice.received and self._resume_point != end:
+            self._backup(*end)  # a job started again finds training done
+        self._finish_writes()
+        if self._notice.received:
+            logger.warning("[chief] training ended after SIGTERM: %s is "
+                           "kept", self.backup_dir)
+        elif self.delete_checkpoint and os.path.isdir(self.backup_dir):
+            shutil.rmtree(self.backup_dir, ignore_errors=True)
+
+    def on_fit_exit(self):
+        if self._notice.received:
+            self._notice.deliver()  # after the last backup, or fit's error
+        self._notice.uninstall()
+
+    # -- preemption notices -------------------------------------------------------
+    def _end_if_preempted(self):
+        """After SIGTERM, once the backup is written and published: the
+        signal goes to its previous handler (by default the process ends)."""
+        if not self._notice.received:
+            return
+        self._finish_writes()
+        logger.warning("[chief] SIGTERM: backup %d (epoch %d, step %d) "
+                       "written; passing the signal on", self._serial,
+                       *self._resume_point)
+        self._notice.deliver()
+
+    def _finish_writes(self):
         if self._incremental is not None:
             # A full backup still being written in the background is
             # dropped (the next fit starts it again); the chain stays.
@@ -366,8 +392,6 @@ class BackupAndRestore(ResumableCallback):
             except Exception as error:  # noqa: BLE001  (logged, as in fit)
                 logger.warning("[chief] the last delta was not published "
                                "(%s: %s)", type(error).__name__, error)
-        if self.delete_checkpoint and os.path.isdir(self.backup_dir):
-            shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     # -- backups ----------------------------------------------------------------------
     def _backup(self, epoch, step):
@@ -397,6 +421,7 @@ class BackupAndRestore(ResumableCallback):
             except FileNotFoundError:
                 pass
         self._steps_since_save = 0
+        self._resume_point = (epoch, step)
         logger.info("[chief] backup %d written: epoch %d, step %d",
                     self._serial, epoch, step)
 

@@ -4,6 +4,13 @@ Usage:
   python tests/_fit_job.py backup CLUSTER_SPEC_JSON BACKUP_DIR
       fit with BackupAndRestore(save_freq=4) on an existing cluster; the test
       SIGKILLs this process mid-epoch and starts it again.
+  python tests/_fit_job.py preempt CLUSTER_SPEC_JSON BACKUP_DIR mid|at_end|-
+      fit(epochs=2, steps_per_epoch=100) with BackupAndRestore(
+      save_freq=False, save_before_preemption=True) on an existing cluster.
+      mid: at the end of batch 19 of epoch 0 (after BackupAndRestore's
+      hook), prints WAITING FOR SIGTERM and waits until the test's SIGTERM
+      has come. at_end: a callback after BackupAndRestore SIGTERMs this
+      process at the end of the last epoch. -: neither.
   python tests/_fit_job.py worker_kill 0|1
       fit on its own 3-worker LocalCluster; with 1, SIGKILL worker 2 in the
       middle of epoch 2.
@@ -106,6 +113,52 @@ def backup(spec_json, backup_dir):
                         callbacks=[backup_cb, _Progress()], verbose=0)
     say(iterations=int(model.optimizer.iterations.numpy()),
         planned=EPOCHS * STEPS, epochs=history.epoch,
+        resumed=backup_cb.resume_position())
+
+
+PREEMPT_EPOCHS, PREEMPT_STEPS = 2, 100
+
+
+class _WaitForSigterm(keras.callbacks.Callback):
+    def __init__(self, backup):
+        super().__init__()
+        self.backup = backup
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == (0, 19):
+            print("WAITING FOR SIGTERM", flush=True)
+            deadline = time.monotonic() + 120
+            while (not self.backup._notice.received
+                   and time.monotonic() < deadline):
+                time.sleep(0.01)  # the handler runs in this thread
+
+
+class _TermSelfAtTheEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == PREEMPT_EPOCHS - 1:
+            print("SIGTERM to self after the last epoch", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def preempt(spec_json, backup_dir, mode):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    model = build(keras_ps.ParameterServerStrategy(resolver))
+    backup_cb = keras_ps.callbacks.BackupAndRestore(
+        backup_dir, save_freq=False, save_before_preemption=True)
+    callbacks = [backup_cb, _Progress()]
+    if mode == "mid":
+        callbacks.append(_WaitForSigterm(backup_cb))
+    if mode == "at_end":
+        callbacks.append(_TermSelfAtTheEnd())
+    history = model.fit(dataset_creator(), epochs=PREEMPT_EPOCHS,
+                        steps_per_epoch=PREEMPT_STEPS, callbacks=callbacks,
+                        verbose=0)
+    say(iterations=int(model.optimizer.iterations.numpy()),
+        planned=PREEMPT_EPOCHS * PREEMPT_STEPS, epochs=history.epoch,
         resumed=backup_cb.resume_position())
 
 
@@ -506,6 +559,8 @@ if __name__ == "__main__":
                         format="%(asctime)s %(name)s %(message)s")
     if sys.argv[1] == "backup":
         backup(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "preempt":
+        preempt(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "ps_restart":
         ps_restart(sys.argv[2], sys.argv[3] == "1")
     elif sys.argv[1] == "keras_backup":

@@ -3,6 +3,7 @@ steps loop in keras_ps/training/training.py and the shards loop in
 keras_ps/training/sharded_fit.py), and the callbacks that tell it where to
 resume (`ResumableCallback`)."""
 
+import collections
 import logging
 import time
 
@@ -272,6 +273,60 @@ class ResumableCallback(keras.callbacks.Callback):
     def describe(self):
         """Where the backups are, for error messages."""
         return type(self).__name__
+
+    # Whether `fit` must keep its batch-end calls close to the steps that
+    # run (a callback that acts on a signal within a few executions).
+    short_lead = False
+
+    def on_fit_exit(self):
+        """Called when keras_ps' `fit` returns or raises (Keras calls
+        `on_train_end` only when it returns)."""
+
+
+# Executions per healthy worker that `fit` schedules ahead of the ones that
+# ended, for a callback with `short_lead` (otherwise an epoch's executions
+# are all scheduled at once, and its batch-end calls made before they run).
+SHORT_LEAD_PER_WORKER = 4
+
+
+class Lead:
+    """Holds `fit`'s loop to a few executions ahead of the workers when a
+    callback of `callback_list` asks for it (else costs nothing)."""
+
+    def __init__(self, callback_list, coordinator):
+        self._on = any(getattr(c, "short_lead", False)
+                       for c in callback_list.callbacks)
+        self._coordinator = coordinator
+        self._remotes = collections.deque()
+
+    def scheduled(self, remote):
+        if not self._on:
+            return
+        self._remotes.append(remote)
+        most = SHORT_LEAD_PER_WORKER * max(1, self._coordinator.num_healthy())
+        while len(self._remotes) > most:
+            self._wait_ended(self._remotes.popleft())
+
+    def _wait_ended(self, remote):
+        # Finished, failed or cancelled; a lost ps, no worker left or a
+        # scheduled function's error is raised here as `join` raises it.
+        while remote.status is RemoteValueStatus.PENDING:
+            self._coordinator.done()
+            self._coordinator.raise_if_no_workers()
+            try:
+                remote.get(timeout=0.5)
+            except Exception:  # noqa: BLE001  (its status tells; errors above)
+                pass
+
+
+def fit_exited(callbacks):
+    """Tells the ResumableCallbacks among `callbacks` (a list, a
+    CallbackList or None) that `fit` returned or raised."""
+    if isinstance(callbacks, keras.callbacks.CallbackList):
+        callbacks = callbacks.callbacks
+    for callback in callbacks or ():
+        if isinstance(callback, ResumableCallback):
+            callback.on_fit_exit()
 
     def resume_position(self):
         """(epoch, step within the epoch) to resume at, or None (fresh start)."""

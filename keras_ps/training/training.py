@@ -9,6 +9,7 @@ flight; metrics live on the parameter servers and are read from there at the
 end of each epoch.
 """
 
+import inspect
 import logging
 
 import keras
@@ -135,6 +136,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                     start_step)
     progress = _fit_epochs.Progress(
         steps_per_epoch, _fit_epochs.recovering_callback(callback_list) is not None)
+    lead = _fit_epochs.Lead(callback_list, coordinator)
 
     def train_from(position):
         start_epoch, start_step = position
@@ -154,6 +156,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 progress.reached = progress.at(epoch, begin + count)
                 progress.scheduled(progress.at(epoch, begin),
                                    progress.reached, remote)
+                lead.scheduled(remote)
                 logs = StepLogs(remote, tracker)
                 _batch_end(callback_list, begin + count - 1, logs,
                            "on_train_batch_end")
@@ -281,5 +284,22 @@ def _is_keras_ps_model(model):
                       ParameterServerStrategy)
 
 
-fit_routing.install(_is_keras_ps_model,
-                    {"fit": fit, "evaluate": evaluate, "predict": predict})
+_FIT_SIGNATURE = inspect.signature(fit)
+
+
+def _fit_telling_callbacks(model, *args, **kwargs):
+    """`fit`, then `on_fit_exit` of its ResumableCallbacks, whether it
+    returned or raised."""
+    try:
+        callbacks = _FIT_SIGNATURE.bind(model, *args, **kwargs).arguments.get(
+            "callbacks")
+    except TypeError:
+        callbacks = None  # fit raises the TypeError itself
+    try:
+        return fit(model, *args, **kwargs)
+    finally:
+        _fit_epochs.fit_exited(callbacks)
+
+
+fit_routing.install(_is_keras_ps_model, {
+    "fit": _fit_telling_callbacks, "evaluate": evaluate, "predict": predict})

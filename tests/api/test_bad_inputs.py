@@ -755,9 +755,24 @@ def backup_restore_other_model(env):
 
 
 @case("backup_save_freq_zero", ValueError,
-      "save_freq=0", "'epoch' or a positive integer")
+      "save_freq=0", "'epoch', a positive integer number of steps, or False")
 def backup_save_freq_zero(env):
     keras_ps.callbacks.BackupAndRestore(env.tmp(), save_freq=0)
+
+
+@case("backup_save_freq_false_alone", ValueError,
+      "save_before_preemption is False", "nothing would be backed up",
+      "Fix: save_freq='epoch' or a number of steps, or "
+      "save_before_preemption=True")
+def backup_save_freq_false_alone(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), save_freq=False)
+
+
+@case("backup_save_before_preemption_not_a_bool", ValueError,
+      "save_before_preemption='yes'", "True or False")
+def backup_save_before_preemption_not_a_bool(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(),
+                                        save_before_preemption="yes")
 
 
 @case("backup_incremental_not_a_choice", ValueError,

@@ -1,0 +1,67 @@
+"""Which backups `BackupAndRestore` writes, and the checks of its modes."""
+
+import logging
+
+from keras_ps.backups.incremental_backup import IncrementalBackup
+from keras_ps.strategy import ParameterServerStrategy
+from keras_ps.training._fit_epochs import LOST_SHARDS
+
+logger = logging.getLogger(__name__)
+
+
+def incremental_writer(model, incremental, path, options, auto_min_bytes):
+    """The IncrementalBackup that writes `model`'s backups under `path`, or
+    None (each backup a Keras weights file). `incremental`: True, False or
+    "auto" (True from `auto_min_bytes` of row-tracked tables with their
+    slots, on a folder every ps shares)."""
+    if incremental is False:
+        return None
+    backup = IncrementalBackup(model, path, **options)
+    if incremental == "auto":
+        try:
+            size = backup.table_bytes()
+        except ValueError as error:  # optimizer not built, or a table
+            logger.info(           # that saves its own state
+                "[chief] full backups (incremental='auto'): %s", error)
+            return None
+        if size < auto_min_bytes:
+            return None
+        try:
+            backup.check()
+        except ValueError as error:
+            logger.warning(
+                "[chief] full backups (incremental='auto'): %s", error)
+            return None
+        logger.info("[chief] incremental backups: %.0f MiB of tables",
+                    size / 2**20)
+    else:
+        backup.check()
+    return backup
+
+
+def check_lost_shards_mode(model):
+    """Raises ValueError when `model` keeps state on the ps that a restore
+    of the lost ps' variables alone would leave out of step."""
+    strategy = model.distribute_strategy
+    if (isinstance(strategy, ParameterServerStrategy)
+            and strategy.extended.placed.has_resources()):
+        raise ValueError(
+            f"recover_ps={LOST_SHARDS!r} restores only the lost ps' "
+            "variables, but this model keeps state on the ps that is not "
+            "a variable (a keras_ps.layers.DynamicEmbedding's key maps), "
+            "which would no longer match its rows. Fix: "
+            "recover_ps=True (every ps restored to the newest backup).")
+
+
+def check_preemption_mode(model):
+    """Raises ValueError when `model`'s fit is not keras_ps' (which gives
+    SIGTERM back when it ends, also by an error)."""
+    if not isinstance(model.distribute_strategy, ParameterServerStrategy):
+        raise ValueError(
+            "BackupAndRestore(save_before_preemption=True) needs a model "
+            "made under keras_ps.ParameterServerStrategy (keras_ps' fit "
+            "gives SIGTERM back when fit ends, also by an error). "
+            f"Received: model {model.name!r} under "
+            f"{type(model.distribute_strategy).__name__}. Fix: build "
+            "the model under the strategy's scope, or pass "
+            "save_before_preemption=False.")
