@@ -16,7 +16,8 @@ the same number of epochs undisturbed and compares. Report (stdout and, with
 
     .venv/bin/python benchmarks/chaos.py --kills 6 --stops 2 --out benchmarks/CHAOS.md
 
-tests/system/test_chaos.py runs a short version (2 kills, 1 stop) in the suite.
+tests/system/test_chaos.py runs a short version (1 kill, 1 stop) in the suite
+and a long one (8 kills, 3 stops) apart (-m slow).
 """
 
 import argparse

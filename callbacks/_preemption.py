@@ -63,7 +63,17 @@ class PreemptionNotice:
     def deliver(self):
         """Uninstalls, then raises the noted SIGTERM again for the previous
         handler: with Python's default the process ends by the signal (exit
-        status 143); a handler of the program's runs (and may raise)."""
+        status 143); a handler of the program's runs (and may raise).
+
+        Raises:
+            SystemExit: (status 143) the default action was dropped: the
+                kernel ignores a signal without a handler sent to the first
+                process of a PID namespace, which a container's command is
+                (`docker stop` would otherwise wait for its SIGKILL).
+        """
+        default = self._previous in (None, signal.SIG_DFL)
         self.uninstall()
         self.received = False
         signal.raise_signal(SIGNAL)
+        if default:
+            raise SystemExit(128 + SIGNAL)
