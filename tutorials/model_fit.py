@@ -13,7 +13,9 @@ with keras_ps in place of `tf.distribute.ParameterServerStrategy`:
    compiled with `steps_per_execution`;
 4. `model.fit` with TensorBoard, ModelCheckpoint and keras_ps'
    BackupAndRestore (kill this script and start it again with the same
-   `--workdir`: it resumes from the last backup);
+   `--workdir`: it resumes from the last backup; stop it with SIGTERM, as
+   `docker stop` or a preemption notice does, and it first writes a backup
+   at the next step, so it resumes there);
 5. exactly-once `model.evaluate`, and the saved `.keras` file loaded as a
    plain Keras model, with no cluster;
 6. checkpoints for a sidecar evaluator (`keras_ps.callbacks.SidecarCheckpoint`);
@@ -260,7 +262,8 @@ def train(args, resolver):
         keras.callbacks.TensorBoard(log_dir=log_dir),
         keras.callbacks.ModelCheckpoint(
             os.path.join(ckpt_dir, "model-{epoch:02d}.keras")),
-        keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq),
+        keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=backup_freq,
+                                            save_before_preemption=True),
         # For the sidecar evaluator (the evaluator task), if one runs.
         keras_ps.callbacks.SidecarCheckpoint(
             os.path.join(args.workdir, "sidecar")),

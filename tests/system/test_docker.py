@@ -628,3 +628,46 @@ def test_chief_ps_and_worker_crashes_recover(make_cluster):
     # ps and workers keep serving until `down`.
     for name in ("ps0", "ps1", "worker0", "worker1"):
         assert cluster.state(name)["Status"] == "running", name
+
+
+@pytest.mark.slow  # the suite has the same in a PID namespace: test_preemption
+@pytest.mark.timeout(1500)
+def test_docker_stop_of_the_chief_backs_up_first_and_start_resumes_there(
+        make_cluster):
+    """`docker stop` sends the chief's command, the container's first
+    process, SIGTERM and a SIGKILL after the grace period. The tutorial's
+    BackupAndRestore(save_before_preemption=True) writes a backup at the
+    next step and exits 143 by itself (a SIGKILL would be 137); `docker
+    start` resumes at that backup's step and finishes."""
+    epochs, steps_per_epoch, per_execution = 6, 40, 2
+    planned = epochs * steps_per_epoch
+    cluster = make_cluster(chief_command=[
+        "python", TRAIN_SCRIPT, "--workdir", "/shared", "--epochs", str(epochs),
+        "--steps_per_epoch", str(steps_per_epoch), "--steps_per_execution",
+        str(per_execution), "--backup_freq", "epoch"])
+    cluster.run("up", "-d", timeout=300)
+
+    def chief_runs():
+        return cluster.logs("chief").split("embedding shards:")[1:]
+
+    poll(lambda: chief_runs() and re.search(r"^Epoch 2/", chief_runs()[0], re.M),
+         300, "the chief's second epoch")
+    docker("stop", "-t", "120", cluster.container("chief"), timeout=240)
+    stopped = cluster.state("chief")
+    first = chief_runs()[0]
+    assert stopped["ExitCode"] == 128 + signal.SIGTERM, first[-4000:]
+    noticed = re.search(r"SIGTERM: backup \d+ \(epoch (\d+), step (\d+)\) "
+                        r"written; passing the signal on", first)
+    assert noticed, first[-4000:]
+    at = tuple(map(int, noticed.groups()))
+
+    docker("start", cluster.container("chief"))
+    poll(lambda: len(chief_runs()) == 2 and cluster.state("chief")["Status"]
+         == "exited", 600, "the restarted chief's end")
+    second = chief_runs()[1]
+    assert cluster.state("chief")["ExitCode"] == 0, second[-4000:]
+    restored = re.search(r"restored backup .*: epoch (\d+), step (\d+)", second)
+    assert restored and tuple(map(int, restored.groups())) == at, second[-4000:]
+    steps = number(r"^Training steps: (\d+)$", second)
+    assert planned <= steps <= planned + 2 * 2 * per_execution, second[-3000:]
+    print(f"\nSIGTERM backup at epoch {at[0]} step {at[1]}; resumed there")
