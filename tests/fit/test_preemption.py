@@ -295,3 +295,35 @@ def test_save_before_preemption_refuses_a_model_outside_keras_ps(tmp_path):
     with pytest.raises(ValueError, match="keras_ps.ParameterServerStrategy"):
         model.fit(x, y, epochs=1, callbacks=[backup], verbose=0)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_in_a_sharded_fit_backs_up_the_epochs_ledger(strategy,
+                                                            tmp_path):
+    # With a ShardedInput a batch end is a shard done: the notice's backup
+    # holds the shards done so far, and a new fit resumes after them.
+    x, y = _data()
+    data = keras_ps.ShardedInput((x, y), batch_size=32, records_per_shard=64,
+                                 seed=0)  # 8 shards
+    backup_dir = str(tmp_path / "backup")
+    backup = keras_ps.callbacks.BackupAndRestore(
+        backup_dir, save_freq=False, save_before_preemption=True,
+        delete_checkpoint=False)
+    written = []
+
+    class Seen(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            state = read_backup_state(backup_dir)
+            if state and state not in written:
+                written.append(state)
+
+    with _Program() as program:
+        _model(strategy).fit(data, epochs=1, verbose=0,
+                             callbacks=[_SigtermAt(0, 2), backup, Seen()])
+    assert program.calls == 1
+    assert (written[0]["epoch"], written[0]["step"]) == (0, 3), written
+    assert written[0]["extra"], written  # the shard ledger
+    again = keras_ps.callbacks.BackupAndRestore(backup_dir)
+    history = _model(strategy).fit(data, epochs=1, verbose=0, callbacks=[again])
+    assert again.resume_position() == (0, 3)
+    assert history.history["shards_done"] == [8.0]
