@@ -274,6 +274,10 @@ class ResumableCallback(keras.callbacks.Callback):
         """Where the backups are, for error messages."""
         return type(self).__name__
 
+    def resume_position(self):
+        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
+        return None
+
     # Whether `fit` must keep its batch-end calls close to the steps that
     # run (a callback that acts on a signal within a few executions).
     short_lead = False
@@ -327,7 +331,3 @@ def fit_exited(callbacks):
     for callback in callbacks or ():
         if isinstance(callback, ResumableCallback):
             callback.on_fit_exit()
-
-    def resume_position(self):
-        """(epoch, step within the epoch) to resume at, or None (fresh start)."""
-        return None
