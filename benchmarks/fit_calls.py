@@ -56,7 +56,9 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
            "keras_ps_adagrad_unrolled3", "keras_ps_adagrad_unrolled5",
            "keras_ps_adagrad_unrolled1", "keras_ps_lazyadam_unrolled1",
            "keras_ps_lazyadam_unrolled5", "keras_ps_lazyadam_tfops",
-           "keras_ps_lazyadam_tfops_unrolled5", "keras_ps_adagrad_tfops_unrolled5")
+           "keras_ps_lazyadam_tfops_unrolled5", "keras_ps_adagrad_tfops_unrolled5",
+           "keras_ps_adagrad_unrolled_preemptible",
+           "keras_ps_lazyadam_unrolled_preemptible")
 # A system named "<system>_unrolled" is <system> with its steps_per_execution
 # steps written out instead of a tf.while_loop (KERAS_PS_UNROLL_STEPS);
 # "<system>_unrolled<K>" writes out K steps in each iteration of the loop
@@ -67,7 +69,12 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # "<system>_ungrouped" moves one tensor per variable between processes
 # instead of one per ps (KERAS_PS_GROUP_TRANSFERS=0); "<system>_tfops" runs
 # LazyAdam's and Adagrad's row updates as TF's ops instead of keras_ps' C++
-# kernels (KERAS_PS_NATIVE=0, in the tasks too).
+# kernels (KERAS_PS_NATIVE=0, in the tasks too); "<system>_preemptible" gives
+# every fit call a BackupAndRestore(save_freq=False,
+# save_before_preemption=True): no backup is written, but fit stays at most
+# 4 executions per worker ahead of those that ended.
+PREEMPTIBLE = "_preemptible"
+_EXTRA_CALLBACKS = []  # build() adds the preemptible system's callback
 UNROLLED = "_unrolled"
 UNGROUPED = "_ungrouped"
 TF_OPS = "_tfops"
@@ -101,6 +108,8 @@ def build(system, rows, metrics=("accuracy",)):
     strategy, the DatasetCreator and the Keras module in use; every
     benchmark of later fit calls builds these the same way."""
     native = system.startswith("tf_native")
+    preemptible = system.endswith(PREEMPTIBLE)
+    system = system.removesuffix(PREEMPTIBLE)
     base, unrolled, per_iteration = system.partition(UNROLLED)
     if base.endswith(TF_OPS):
         os.environ["KERAS_PS_NATIVE"] = "0"  # LocalCluster's tasks inherit it
@@ -138,6 +147,11 @@ def build(system, rows, metrics=("accuracy",)):
         strategy = keras_ps.ParameterServerStrategy(
             cluster.resolver, variable_partitioner=FixedShardsPartitioner(2))
         creator = keras_ps.DatasetCreator(dataset_fn_for(tf, rows))
+        if preemptible:
+            import tempfile
+            _EXTRA_CALLBACKS.append(keras_ps.callbacks.BackupAndRestore(
+                tempfile.mkdtemp(), save_freq=False,
+                save_before_preemption=True))
     keras.utils.set_random_seed(0)
     with strategy.scope():
         if optimizer_name == "lazyadam":
@@ -164,7 +178,7 @@ def timed_fit(keras, model, creator, epochs, steps, cpu_marks=None):
 
     start = time.perf_counter()
     model.fit(creator, epochs=epochs, steps_per_epoch=steps, verbose=0,
-              callbacks=[EpochTimer()])
+              callbacks=[EpochTimer()] + _EXTRA_CALLBACKS)
     marks = [start] + epoch_ends
     return [b - a for a, b in zip(marks, marks[1:])]
 
@@ -347,6 +361,20 @@ def ratios(runs):
             f"- {system} / {TF_NATIVE}, {len(pairs)} pairs: steady steps/s "
             f"{spread(steady)}x; whole call 2, TF's time / ours {spread(whole)}x; "
             f"start-up of call 3 shorter than TF's in {shorter} of {len(pairs)}")
+    for system in (s for s in SYSTEMS if s in ran and s.endswith(PREEMPTIBLE)
+                   and s.removesuffix(PREEMPTIBLE) in ran):
+        base = system.removesuffix(PREEMPTIBLE)
+        pairs = _pairs(runs, system, base)
+        if not pairs:
+            continue
+        steady = [ours["steady_steps_per_s"] / theirs["steady_steps_per_s"]
+                  for ours, theirs in pairs]
+        whole = [theirs["whole_call_s"][0] / ours["whole_call_s"][0]
+                 for ours, theirs in pairs]
+        lines.append(
+            f"- {system} / {base}, {len(pairs)} pairs: steady steps/s "
+            f"{spread(steady)}x; whole call 2, {base}'s time / ours "
+            f"{spread(whole)}x")
     for system in (s for s in SYSTEMS if s in ran and _twin(s) in ran):
         pairs = _pairs(runs, system, _twin(system))
         if not pairs:
