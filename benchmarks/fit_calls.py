@@ -71,8 +71,8 @@ SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
 # LazyAdam's and Adagrad's row updates as TF's ops instead of keras_ps' C++
 # kernels (KERAS_PS_NATIVE=0, in the tasks too); "<system>_preemptible" gives
 # every fit call a BackupAndRestore(save_freq=False,
-# save_before_preemption=True): no backup is written, but fit stays at most
-# 4 executions per worker ahead of those that ended.
+# save_before_preemption=True): no backup is written, but fit schedules only
+# about 2 s of executions ahead of those that ended.
 PREEMPTIBLE = "_preemptible"
 _EXTRA_CALLBACKS = []  # build() adds the preemptible system's callback
 UNROLLED = "_unrolled"

@@ -34,7 +34,7 @@ fixed held-out set of 10,240 examples, computed on the coordinator in numpy.
 
 --preemptible adds keras_ps with BackupAndRestore(save_freq=False,
 save_before_preemption=True): no backup is written (no SIGTERM comes), but
-`fit` keeps at most 4 executions per worker ahead of those that ended; its
+`fit` schedules only about 2 s of executions ahead of those that ended; its
 steps/s against plain keras_ps' is that bound's cost.
 """
 
