@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import tensorflow as tf
 
@@ -51,16 +52,13 @@ class BackupAndRestore(ResumableCallback):
             steps, and at each epoch end), or False (only before a
             preemption: needs `save_before_preemption=True`).
         delete_checkpoint: delete `backup_dir` when training finishes.
-        save_before_preemption: True: SIGTERM (a preemption notice, a
-            Kubernetes pod deletion, `docker stop`) during `fit` is held
-            until the next step boundary, where a backup is written; then
-            it goes to the handler it had before `fit` (by default the
-            process ends, exit status 143), and the job started again
-            resumes at that step. `fit` must run in the main thread (Python
-            runs signal handlers there). After the last step, the backup
-            directory is kept, so a restart finds training done. The backup
-            must fit in the grace period (30 s by default on Kubernetes and
-            Google Cloud): see docs/ps_recovery.md.
+        save_before_preemption: True: SIGTERM (a preemption notice, a pod
+            deletion, `docker stop`) during `fit` waits for the next step
+            boundary, where a backup is written, then goes to its handler
+            from before `fit` (by default the process ends, status 143);
+            the job started again resumes at that step. `fit` must run in
+            the main thread. After the last step the backup directory is
+            kept, so a restart finds training done. See docs/model_fit.md.
         incremental: `"auto"` (default), True or False. True: backups are
             those of `keras_ps.IncrementalBackup`: a full backup, then at
             each `save_freq` a delta holding only the table rows the
@@ -363,9 +361,12 @@ class BackupAndRestore(ResumableCallback):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
 
     def on_fit_exit(self):
-        if self._notice.received:
-            self._notice.deliver()  # after the last backup, or fit's error
-        self._notice.uninstall()
+        if not self._notice.received:
+            return self._notice.uninstall()
+        error = sys.exc_info()[1]  # fit's, when it raised after the signal
+        logger.warning("[chief] fit ended%s after SIGTERM; passing the "
+                       "signal on", f" by {error!r}" if error else "")
+        self._notice.deliver()
 
     # -- preemption notices -------------------------------------------------------
     def _end_if_preempted(self):

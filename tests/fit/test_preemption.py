@@ -4,6 +4,7 @@ again resumes at that step. The signals are real: sent by this process to
 the job's, or by the job to itself."""
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -246,9 +247,11 @@ def test_sigterm_goes_to_the_programs_handler_after_the_backup(strategy,
 
 @pytest.mark.timeout(240)
 def test_sigterm_then_an_error_in_fit_hands_the_signal_over_after_it(
-        strategy, tmp_path):
+        strategy, tmp_path, caplog):
     # fit ends by the program's error before the next step boundary: the
-    # handler is given back and the signal delivered as fit raises.
+    # handler is given back and the signal delivered as fit raises, with
+    # the error in the log (a process the signal ends prints no traceback).
+    caplog.set_level(logging.WARNING)
     x, y = _data()
     model = _model(strategy)
     backup = keras_ps.callbacks.BackupAndRestore(
@@ -260,6 +263,8 @@ def test_sigterm_then_an_error_in_fit_hands_the_signal_over_after_it(
                       verbose=0)
         assert signal.getsignal(signal.SIGTERM) is program
     assert program.calls == 1
+    assert ("fit ended by RuntimeError(\"the program's own error\") after "
+            "SIGTERM; passing the signal on") in caplog.text, caplog.text
 
 
 @pytest.mark.timeout(240)
