@@ -10,11 +10,8 @@ would have lost. Python runs signal handlers in the main thread only, so
 `fit` must run there.
 """
 
-import logging
 import signal
 import threading
-
-logger = logging.getLogger(__name__)
 
 SIGNAL = signal.SIGTERM
 
@@ -46,10 +43,8 @@ class PreemptionNotice:
         self._installed = True
 
     def _note(self, signum, frame):
-        if not self.received:
-            logger.warning(
-                "[chief] SIGTERM received: a backup is written at the next "
-                "step boundary, then the signal takes its course")
+        # Nothing else here: a handler runs between two bytecodes of the
+        # main thread, which may be writing the same log stream.
         self.received = True
 
     def uninstall(self):

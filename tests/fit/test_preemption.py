@@ -97,7 +97,6 @@ def test_sigterm_mid_epoch_backs_up_then_ends_and_the_job_resumes_there(
     # the execution of steps 20-21.
     assert job.returncode == (128 + signal.SIGTERM if as_pid_1
                               else -signal.SIGTERM), output[-3000:]
-    assert "SIGTERM received" in output, output[-3000:]
     assert "written; passing the signal on" in output, output[-3000:]
     state = read_backup_state(backup_dir)
     assert (state["epoch"], state["step"]) == (0, 22), state
