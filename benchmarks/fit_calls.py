@@ -340,6 +340,17 @@ def _twin(system):
     return system.replace("_lazyadam", "_adagrad")
 
 
+def _against(system, other, pairs, whose):
+    """The line of `system` over `other`: steady steps/s and call 2's time."""
+    steady = [ours["steady_steps_per_s"] / theirs["steady_steps_per_s"]
+              for ours, theirs in pairs]
+    whole = [theirs["whole_call_s"][0] / ours["whole_call_s"][0]
+             for ours, theirs in pairs]
+    return (f"- {system} / {other}, {len(pairs)} pairs: steady steps/s "
+            f"{spread(steady)}x; whole call 2, {whose} time / ours "
+            f"{spread(whole)}x")
+
+
 def ratios(runs):
     """Bullet lines of the ratios a repeat's runs give (each system ran in its
     own process, the systems of a repeat one after the other): every keras_ps
@@ -350,31 +361,19 @@ def ratios(runs):
     lines = []
     for system in (s for s in SYSTEMS if s in ran and s != TF_NATIVE):
         pairs = _pairs(runs, system, TF_NATIVE)
-        if not pairs:
-            continue
-        steady = [ours["steady_steps_per_s"] / tf["steady_steps_per_s"]
-                  for ours, tf in pairs]
-        whole = [tf["whole_call_s"][0] / ours["whole_call_s"][0]
-                 for ours, tf in pairs]
-        shorter = sum(ours["startup_s"] < tf["startup_s"] for ours, tf in pairs)
-        lines.append(
-            f"- {system} / {TF_NATIVE}, {len(pairs)} pairs: steady steps/s "
-            f"{spread(steady)}x; whole call 2, TF's time / ours {spread(whole)}x; "
-            f"start-up of call 3 shorter than TF's in {shorter} of {len(pairs)}")
+        if pairs:
+            shorter = sum(ours["startup_s"] < tf["startup_s"]
+                          for ours, tf in pairs)
+            lines.append(
+                _against(system, TF_NATIVE, pairs, "TF's")
+                + f"; start-up of call 3 shorter than TF's in {shorter} of "
+                f"{len(pairs)}")
     for system in (s for s in SYSTEMS if s in ran and s.endswith(PREEMPTIBLE)
                    and s.removesuffix(PREEMPTIBLE) in ran):
         base = system.removesuffix(PREEMPTIBLE)
         pairs = _pairs(runs, system, base)
-        if not pairs:
-            continue
-        steady = [ours["steady_steps_per_s"] / theirs["steady_steps_per_s"]
-                  for ours, theirs in pairs]
-        whole = [theirs["whole_call_s"][0] / ours["whole_call_s"][0]
-                 for ours, theirs in pairs]
-        lines.append(
-            f"- {system} / {base}, {len(pairs)} pairs: steady steps/s "
-            f"{spread(steady)}x; whole call 2, {base}'s time / ours "
-            f"{spread(whole)}x")
+        if pairs:
+            lines.append(_against(system, base, pairs, f"{base}'s"))
     for system in (s for s in SYSTEMS if s in ran and _twin(s) in ran):
         pairs = _pairs(runs, system, _twin(system))
         if not pairs:
