@@ -469,6 +469,14 @@ def make_cluster(image, tmp_path):
             docker("network", "rm", network, check=False)
 
 
+def chief_command(epochs, steps_per_epoch, per_execution, backup_freq):
+    """The chief's command of a fault run: the tutorial, on /shared."""
+    return ["python", TRAIN_SCRIPT, "--workdir", "/shared", "--epochs",
+            str(epochs), "--steps_per_epoch", str(steps_per_epoch),
+            "--steps_per_execution", str(per_execution), "--backup_freq",
+            str(backup_freq)]
+
+
 def number(pattern, text):
     match = re.search(pattern, text, re.M)
     assert match, f"no {pattern!r} in:\n{text[-3000:]}"
@@ -540,10 +548,8 @@ def test_chief_ps_and_worker_crashes_recover(make_cluster):
     with the planned steps."""
     epochs, steps_per_epoch, per_execution = 8, 40, 2
     planned = epochs * steps_per_epoch
-    cluster = make_cluster(chief_command=[
-        "python", TRAIN_SCRIPT, "--workdir", "/shared", "--epochs", str(epochs),
-        "--steps_per_epoch", str(steps_per_epoch), "--steps_per_execution",
-        str(per_execution), "--backup_freq", "10"])
+    cluster = make_cluster(chief_command=chief_command(
+        epochs, steps_per_epoch, per_execution, backup_freq=10))
     cluster.run("up", "-d", timeout=300)
 
     def chief_log_after(count, pattern):
@@ -641,10 +647,8 @@ def test_docker_stop_of_the_chief_backs_up_first_and_start_resumes_there(
     start` resumes at that backup's step and finishes."""
     epochs, steps_per_epoch, per_execution = 6, 40, 2
     planned = epochs * steps_per_epoch
-    cluster = make_cluster(chief_command=[
-        "python", TRAIN_SCRIPT, "--workdir", "/shared", "--epochs", str(epochs),
-        "--steps_per_epoch", str(steps_per_epoch), "--steps_per_execution",
-        str(per_execution), "--backup_freq", "epoch"])
+    cluster = make_cluster(chief_command=chief_command(
+        epochs, steps_per_epoch, per_execution, backup_freq="epoch"))
     cluster.run("up", "-d", timeout=300)
 
     def chief_runs():
