@@ -173,7 +173,7 @@ class BackupAndRestore(ResumableCallback):
         self.save_before_preemption = save_before_preemption
         self.short_lead = save_before_preemption  # acts within executions
         self._notice = PreemptionNotice()
-        self._resume_point = None  # (epoch, step) of the newest backup
+        self._newest_backup_at = None  # (epoch, step)
         self._state_path = os.path.join(self.backup_dir, _STATE_FILE)
         self._resume = None
         self._epoch = 0
@@ -351,7 +351,7 @@ class BackupAndRestore(ResumableCallback):
 
     def on_train_end(self, logs=None):
         end = ((self.params or {}).get("epochs", self._epoch + 1), 0)
-        if self._notice.received and self._resume_point != end:
+        if self._notice.received and self._newest_backup_at != end:
             self._backup(*end)  # a job started again finds training done
         self._finish_writes()
         if self._notice.received:
@@ -377,7 +377,7 @@ class BackupAndRestore(ResumableCallback):
         self._finish_writes()
         logger.warning("[chief] SIGTERM: backup %d (epoch %d, step %d) "
                        "written; passing the signal on", self._serial,
-                       *self._resume_point)
+                       *self._newest_backup_at)
         self._notice.deliver()
 
     def _finish_writes(self):
@@ -422,7 +422,7 @@ class BackupAndRestore(ResumableCallback):
             except FileNotFoundError:
                 pass
         self._steps_since_save = 0
-        self._resume_point = (epoch, step)
+        self._newest_backup_at = (epoch, step)
         logger.info("[chief] backup %d written: epoch %d, step %d",
                     self._serial, epoch, step)
 
