@@ -10,6 +10,7 @@ import sys
 import tensorflow as tf
 
 from keras_ps.callbacks import _backup_modes
+from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
 from keras_ps.backups import _chain
 from keras_ps.coordinator import ClusterCoordinator
@@ -124,6 +125,12 @@ class BackupAndRestore(ResumableCallback):
             one. For step-based `fit` (not a `ShardedInput`), and not with a
             `keras_ps.layers.DynamicEmbedding` (its key maps are not
             variables).
+        double_checkpoint: Keras 3's argument. True: a Keras weights backup
+            keeps the one before it, which is restored (with a warning)
+            when the newest file cannot be read; twice the disk. False
+            (default): such a file ends `fit` with `BackupCorruptError`
+            naming it. Incremental backups always keep the chain before the
+            newest full backup and fall back to the newest intact one.
 
     Example:
     ```python
@@ -136,7 +143,7 @@ class BackupAndRestore(ResumableCallback):
     def __init__(self, backup_dir, save_freq="epoch", delete_checkpoint=True,
                  save_before_preemption=False, recover_ps=True,
                  incremental="auto", max_deltas=20, max_delta_bytes=None,
-                 background_deltas=False):
+                 background_deltas=False, double_checkpoint=False):
         if incremental not in ("auto", True, False):
             raise ValueError(
                 "incremental must be 'auto', True or False. Received: "
@@ -157,10 +164,11 @@ class BackupAndRestore(ResumableCallback):
                 "save_freq must be 'epoch', a positive integer number of "
                 "steps, or False (backups before a preemption only). "
                 f"Received: save_freq={save_freq!r}.")
-        if not isinstance(save_before_preemption, bool):
-            raise ValueError(
-                "save_before_preemption must be True or False. Received: "
-                f"save_before_preemption={save_before_preemption!r}.")
+        for name, value in (("save_before_preemption", save_before_preemption),
+                            ("double_checkpoint", double_checkpoint)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False. Received: "
+                                 f"{name}={value!r}.")
         if save_freq is False and not save_before_preemption:
             raise ValueError(
                 "save_freq=False writes backups only before a preemption, "
@@ -171,6 +179,7 @@ class BackupAndRestore(ResumableCallback):
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
+        self.double_checkpoint = double_checkpoint
         self.short_lead = save_before_preemption  # acts within executions
         self._notice = PreemptionNotice()
         self._newest_backup_at = None  # (epoch, step)
@@ -232,29 +241,29 @@ class BackupAndRestore(ResumableCallback):
             return None
         if state.get("weights") is None:
             return self._restore_incremental()
-        weights = os.path.join(self.backup_dir, state["weights"])
-        try:
-            self.model.load_weights(weights)
-        except ValueError as error:
-            # Keras reports every failed assignment as a ValueError, a lost
-            # ps' among them: that one is the ps' loss, not a wrong model.
-            self._raise_if_ps_lost(error)
-            detail = " ".join(str(error).split())
-            if len(detail) > 300:
-                detail = detail[:300] + "..."
-            raise ValueError(
-                f"The backup {weights!r} was written by a different model and "
-                f"does not load into model {self.model.name!r}: "
-                f"{detail} Received: backup_dir="
-                f"{self.backup_dir!r}. Fix: give a changed model its own "
-                "backup_dir, or delete the backup directory to train from "
-                "scratch.") from error
+        state = _weights_files.load(self.model, self.backup_dir, state,
+                                    self._mismatch)
         self._serial = state["serial"]
         self._resume = (state["epoch"], state["step"])
         self.restored_state = state.get("extra", {})
         logger.info("[chief] restored backup %s: epoch %d, step %d",
-                    weights, state["epoch"], state["step"])
+                    state["weights"], state["epoch"], state["step"])
         return self._resume
+
+    def _mismatch(self, weights, error):
+        # Keras reports every failed assignment as a ValueError, a lost
+        # ps' among them: that one is the ps' loss, not a wrong model.
+        self._raise_if_ps_lost(error)
+        detail = " ".join(str(error).split())
+        if len(detail) > 300:
+            detail = detail[:300] + "..."
+        raise ValueError(
+            f"The backup {weights!r} was written by a different model and "
+            f"does not load into model {self.model.name!r}: "
+            f"{detail} Received: backup_dir="
+            f"{self.backup_dir!r}. Fix: give a changed model its own "
+            "backup_dir, or delete the backup directory to train from "
+            "scratch.") from error
 
     def restore_lost_shards(self, lost):
         """Loads the newest backup into the variables of the ps in `lost`
@@ -403,40 +412,21 @@ class BackupAndRestore(ResumableCallback):
         extra = {key: provide() for key, provide in self.state_providers.items()}
         state = {"epoch": epoch, "step": step, "serial": self._serial,
                  "extra": extra}
-        name = None
         if self._incremental is not None:
             # Published by the manifest's rename; the state file follows.
             entry = self._incremental.save(metadata=state)
             state = dict(state, weights=None, incremental=entry.id,
                          kind=entry.kind)
             _chain.write_atomically(self._state_path, json.dumps(state))
+            _weights_files.remove_unlisted(self.backup_dir, state)
         else:
-            name = f"backup-{self._serial}.weights.h5"
-            state = dict(state, weights=name)
-            self._write_weights(state, os.path.join(self.backup_dir, name),
-                                previous)
-        if (previous is not None and previous.get("weights")
-                and previous["weights"] != name):
-            try:
-                os.remove(os.path.join(self.backup_dir, previous["weights"]))
-            except FileNotFoundError:
-                pass
+            _weights_files.write(self.model, self.backup_dir,
+                                 self._state_path, state, previous,
+                                 self.double_checkpoint)
         self._steps_since_save = 0
         self._newest_backup_at = (epoch, step)
         logger.info("[chief] backup %d written: epoch %d, step %d",
                     self._serial, epoch, step)
-
-    def _write_weights(self, state, path, previous):
-        """Writes the Keras weights file `path`, then publishes `state`; a
-        failed write raises BackupWriteError, the new file removed."""
-        still = ("there is no earlier backup to restore" if previous is None
-                 else f"backup {previous.get('serial')} (epoch "
-                 f"{previous.get('epoch')}, step {previous.get('step')}) "
-                 "restores as it did")
-        with _chain.write_failures(path, self.backup_dir, str(self._serial),
-                                   still):
-            self.model.save_weights(path, overwrite=True)
-            _chain.write_atomically(self._state_path, json.dumps(state))
 
     def _read_state(self):
         try:

@@ -89,11 +89,13 @@ class StuckCallError(_TFErrorMixin, tf.errors.DeadlineExceededError):
 
 
 class BackupCorruptError(_TFErrorMixin, tf.errors.DataLossError):
-    """A file of an incremental backup is missing, truncated or altered.
+    """A file of a backup is missing, truncated or altered.
 
     The message names the file. `keras_ps.IncrementalBackup.restore` then
     falls back to the newest backup whose files are all intact (unless
-    asked not to), and `keras_ps.callbacks.BackupAndRestore` does the same.
+    asked not to), and `keras_ps.callbacks.BackupAndRestore` does the same;
+    a backup written as a Keras weights file falls back to the one before
+    it with `double_checkpoint=True`, and is raised otherwise.
     """
 
     def __init__(self, message):

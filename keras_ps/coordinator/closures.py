@@ -94,8 +94,15 @@ class Closure:
         """The closure of `schedule(fn, args, kwargs)`.
 
         Raises:
-            ScheduleUsageError: an argument is a RemoteValue.
+            ScheduleUsageError: `fn` is not a tf.function, or an argument is
+                a RemoteValue.
         """
+        if not isinstance(fn, (tf.types.experimental.PolymorphicFunction,
+                               tf.types.experimental.ConcreteFunction)):
+            raise ScheduleUsageError(
+                "coordinator.schedule needs a tf.function. Received: "
+                f"fn={getattr(fn, '__name__', fn)!r} of type "
+                f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
         per_worker = False
         listener = None
         for value in tf.nest.flatten((args, kwargs)):
@@ -261,6 +268,42 @@ class ClosureQueue:
             self._cancellation.start_cancel()
             self._cancellation = _tf_adapter.new_cancellation_manager()
 
+    def abandon(self):
+        """Cancels every pending closure, as an application error does, but
+        records no error; closures in flight run on, and if their worker is
+        lost they are cancelled instead of run again (an old generation),
+        as is an error they raise."""
+        with self._cv:
+            self._generation += 1
+            self._cancel_pending_locked()
+            self._cv.notify_all()
+
+    def drain(self, grace, timeout, why):
+        """Waits up to `grace` seconds for the calls in flight to end, then
+        cancels those still running (logging `why`) and waits until
+        `timeout` seconds from now in all.
+
+        Returns:
+            True when no call is in flight, False when some still are.
+        """
+        now = time.monotonic()
+        with self._cv:
+            if self._wait_no_inflight_locked(now + min(grace, timeout)):
+                return True
+            logger.warning("[chief] cancelling %d calls in flight %s",
+                           self._inflight, why)
+            self._cancellation.start_cancel()
+            self._cancellation = _tf_adapter.new_cancellation_manager()
+            return self._wait_no_inflight_locked(now + timeout)
+
+    def _wait_no_inflight_locked(self, deadline):
+        while self._inflight > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._cv.wait(remaining)
+        return True
+
     def clear_after_fatal(self, timeout):
         """Waits until no closure is in flight, then forgets the errors, so
         the queue takes work again (after the lost ps was given its
@@ -269,13 +312,9 @@ class ClosureQueue:
         Returns:
             False when calls were still in flight after `timeout` seconds.
         """
-        deadline = time.monotonic() + timeout
         with self._cv:
-            while self._inflight > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._cv.wait(remaining)
+            if not self._wait_no_inflight_locked(time.monotonic() + timeout):
+                return False
             self._fatal = None
             self._error = None
             self._generation += 1

@@ -36,11 +36,8 @@ _by_strategy_lock = threading.Lock()
 # themselves (those that touch the lost ps fail at once: servers fail fast)
 # before it cancels them.
 _PS_LOSS_GRACE = 2.0
-
-
-def _is_tf_function(fn):
-    return isinstance(fn, (tf.types.experimental.PolymorphicFunction,
-                           tf.types.experimental.ConcreteFunction))
+# Seconds `cancel_scheduled` waits for the calls in flight, cancelled or not.
+_ABANDON_TIMEOUT = 10.0
 
 
 class ClusterCoordinator:
@@ -171,11 +168,6 @@ class ClusterCoordinator:
             The first error of an earlier scheduled function, once.
             ParameterServerUnavailableError: a ps was lost.
         """
-        if not _is_tf_function(fn):
-            raise errors.ScheduleUsageError(
-                "coordinator.schedule needs a tf.function. Received: "
-                f"fn={getattr(fn, '__name__', fn)!r} of type "
-                f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
         closure = Closure.of(fn, tuple(args or ()), dict(kwargs or {}))
         self._queue.put(closure)
         return closure.remote_value
@@ -312,17 +304,23 @@ class ClusterCoordinator:
         Raises:
             ParameterServerUnavailableError: calls in flight at `deadline`.
         """
-        grace = min(deadline, time.monotonic() + _PS_LOSS_GRACE)
-        if self._queue.clear_after_fatal(max(0.0, grace - time.monotonic())):
-            return
-        logger.warning("[chief] cancelling calls in flight since a ps loss")
-        self._queue.cancel_in_flight()
-        if not self._queue.clear_after_fatal(
-                max(0.0, deadline - time.monotonic())):
+        if not (self._queue.drain(_PS_LOSS_GRACE,
+                                  max(0.0, deadline - time.monotonic()),
+                                  "since a ps loss")
+                and self._queue.clear_after_fatal(0)):
             raise errors.ParameterServerUnavailableError(
                 "Calls in flight did not end after a parameter server's "
                 "loss, even cancelled, so its variables cannot be made again "
                 "safely. Restart the job and resume from the last checkpoint.")
+
+    def cancel_scheduled(self, timeout=_ABANDON_TIMEOUT):
+        """Cancels the functions not yet run (their `fetch()` raises
+        `CancelledError`) and waits for those running (cancelled after
+        `_PS_LOSS_GRACE` s), ignoring their errors: `fit` and `evaluate` do
+        this when they raise (a callback's error, Ctrl-C). Returns False
+        when calls still ran after `timeout` s (a hung worker's)."""
+        self._queue.abandon()
+        return self._queue.drain(_PS_LOSS_GRACE, timeout, "after an error")
 
     def update_workers(self, addresses):
         """Follows a new worker membership while training runs.

@@ -4,6 +4,7 @@ keras_ps/training/sharded_fit.py), and the callbacks that tell it where to
 resume (`ResumableCallback`)."""
 
 import collections
+import contextlib
 import logging
 import time
 
@@ -120,6 +121,24 @@ class Progress:
                 f"{self.unit}_rolled_back": self.rolled_back}
         self.recoveries = self.rolled_back = 0
         return logs
+
+
+@contextlib.contextmanager
+def cancelled_on_error(coordinator):
+    """When the block raises (a callback's error, Ctrl-C), what it scheduled
+    on `coordinator` is cancelled and waited for: no step of a `fit` or
+    `evaluate` that raised runs after it, and the next call starts on an
+    idle cluster (as TF's, whose steps of a fit that raised run on)."""
+    try:
+        yield
+    except ParameterServerUnavailableError:
+        coordinator.cancel_scheduled(timeout=0)  # they fail by themselves
+        raise
+    except BaseException:
+        if not coordinator.cancel_scheduled():
+            logger.warning("[chief] calls of the call that raised still run "
+                           "(a hung worker?); what they return is dropped")
+        raise
 
 
 def recovering_callback(callback_list):

@@ -135,9 +135,10 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                 break
         return training_logs
 
-    training_logs = _fit_epochs.train_with_ps_recovery(
-        coordinator, recovering, train_from,
-        (start_epoch, resume[1] if resume is not None else 0), progress)
+    with _fit_epochs.cancelled_on_error(coordinator):
+        training_logs = _fit_epochs.train_with_ps_recovery(
+            coordinator, recovering, train_from,
+            (start_epoch, resume[1] if resume is not None else 0), progress)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
 

@@ -174,9 +174,10 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 break
         return training_logs
 
-    training_logs = _fit_epochs.train_with_ps_recovery(
-        coordinator, _fit_epochs.recovering_callback(callback_list),
-        train_from, (start_epoch, start_step), progress)
+    with _fit_epochs.cancelled_on_error(coordinator):
+        training_logs = _fit_epochs.train_with_ps_recovery(
+            coordinator, _fit_epochs.recovering_callback(callback_list),
+            train_from, (start_epoch, start_step), progress)
     coordinator.release_iterators(iterator)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
@@ -222,8 +223,10 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
             raise ValueError(
                 "Exact evaluation visits every example once and ignores "
                 f"`steps`. Received: steps={steps}, exact=True. Drop one.")
-        logs = exact_evaluation.evaluate_exactly_once(
-            model, coordinator, inputs.exact_input(x, y, sample_weight, batch_size))
+        with _fit_epochs.cancelled_on_error(coordinator):
+            logs = exact_evaluation.evaluate_exactly_once(
+                model, coordinator,
+                inputs.exact_input(x, y, sample_weight, batch_size))
     else:
         logs = _evaluate_steps(model, coordinator, x, y, sample_weight,
                                batch_size, steps, callbacks, verbose)
@@ -246,13 +249,15 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     callback_list.on_test_begin()
     model.reset_metrics()
     tracker = StepLogsTracker()
-    for begin, count in _executions(steps, per_execution):
-        callback_list.on_test_batch_begin(begin)
-        remote = coordinator.schedule(
-            steps_fn.get(count, coordinator.trace_is_safe), args=(iterator,))
-        _batch_end(callback_list, begin + count - 1, StepLogs(remote, tracker),
-                   "on_test_batch_end")
-    coordinator.join()
+    with _fit_epochs.cancelled_on_error(coordinator):
+        for begin, count in _executions(steps, per_execution):
+            callback_list.on_test_batch_begin(begin)
+            remote = coordinator.schedule(
+                steps_fn.get(count, coordinator.trace_is_safe),
+                args=(iterator,))
+            _batch_end(callback_list, begin + count - 1,
+                       StepLogs(remote, tracker), "on_test_batch_end")
+        coordinator.join()
     coordinator.release_iterators(iterator)
     logs = python_logs(model.get_metrics_result())
     callback_list.on_test_end(logs)

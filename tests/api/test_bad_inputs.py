@@ -775,6 +775,12 @@ def backup_save_before_preemption_not_a_bool(env):
                                         save_before_preemption="yes")
 
 
+@case("backup_double_checkpoint_not_a_bool", ValueError,
+      "double_checkpoint='yes'", "True or False")
+def backup_double_checkpoint_not_a_bool(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), double_checkpoint="yes")
+
+
 @case("backup_incremental_not_a_choice", ValueError,
       "incremental='yes'", "'auto', True or False")
 def backup_incremental_not_a_choice(env):

@@ -441,6 +441,30 @@ def test_error_cancels_a_long_function_in_flight(coordinator):
     assert ok.fetch() == 5
 
 
+def test_cancel_scheduled_drops_pending_and_running_functions(coordinator):
+    # A custom loop that ends for its own reason: long functions run on
+    # every worker and more wait; all end cancelled, nothing is raised later.
+    @tf.function
+    def long_running():
+        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
+                             [tf.constant(0)])[0]
+
+    remotes = [coordinator.schedule(long_running)
+               for _ in range(coordinator.num_workers + 3)]
+    deadline = time.monotonic() + 60
+    while sum(w.in_flight_seconds() is not None
+              for w in coordinator.workers) < coordinator.num_workers:
+        assert time.monotonic() < deadline, "the long functions never started"
+        time.sleep(0.01)
+    assert coordinator.cancel_scheduled() is True
+    assert coordinator.is_idle()
+    for remote in remotes:
+        with pytest.raises(tf.errors.CancelledError):
+            remote.fetch()
+    coordinator.join()  # no error left behind
+    assert coordinator.schedule(tf.function(lambda: tf.constant(5))).fetch() == 5
+
+
 def test_per_worker_dataset_build_element_spec_and_iterator_type_spec(
         coordinator):
     dataset = coordinator.create_per_worker_dataset(
