@@ -128,7 +128,7 @@ def cancelled_on_error(coordinator):
     """When the block raises (a callback's error, Ctrl-C), what it scheduled
     on `coordinator` is cancelled and waited for: no step of a `fit` or
     `evaluate` that raised runs after it, and the next call starts on an
-    idle cluster (as TF's, whose steps of a fit that raised run on)."""
+    idle cluster (under TF's coordinator they run on)."""
     try:
         yield
     except ParameterServerUnavailableError:
