@@ -261,13 +261,6 @@ class ClosureQueue:
             error, self._error = self._error, None
             raise error
 
-    def cancel_in_flight(self):
-        """Cancels the calls in flight (their closures end as cancelled);
-        later closures are not affected."""
-        with self._cv:
-            self._cancellation.start_cancel()
-            self._cancellation = _tf_adapter.new_cancellation_manager()
-
     def abandon(self):
         """Cancels every pending closure, as an application error does, but
         records no error; closures in flight run on, and if their worker is
@@ -292,6 +285,7 @@ class ClosureQueue:
                 return True
             logger.warning("[chief] cancelling %d calls in flight %s",
                            self._inflight, why)
+            # Their closures end as cancelled; later closures are not.
             self._cancellation.start_cancel()
             self._cancellation = _tf_adapter.new_cancellation_manager()
             return self._wait_no_inflight_locked(now + timeout)
