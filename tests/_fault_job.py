@@ -3,6 +3,7 @@
 Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
                                    worker_state_lost|worker_stop|
                                    trace_while_stopped|
+                                   trace_waits_for_an_idle_stopped_worker|
                                    preempted_while_cancelling|
                                    ps_loss_mid_read
 """
@@ -17,6 +18,7 @@ import tensorflow as tf
 
 import keras_ps
 from _results import say
+from keras_ps.coordinator import packing as packing_lib
 from keras_ps.cluster._network import probe
 
 
@@ -491,6 +493,74 @@ def trace_while_stopped():
                        for w, b in zip(coordinator.workers, before)],
             states=[w.state.value for w in coordinator.workers])
 
+def trace_waits_for_an_idle_stopped_worker():
+    """A worker stops while idle, during another worker's trace of a new
+    pack size (slowed by a sleep in its Python, which runs only while
+    tracing). TF registers the traced function on every worker,
+    so that trace waits for the stopped one, and no call of the stopped
+    worker ages to show it. The watchdog sets it aside and gives the
+    waiting call up (the function has a size traced already): the third
+    worker runs its closures, and `join` returns while the worker is still
+    stopped. A process outside continues it after 90 s, so a job that
+    waits for it fails the test instead of hanging."""
+    with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            runs = tf.Variable(0.0)
+        # A trace of seconds (as of fit's steps written out): packs of 2
+        # sleep in their Python, which runs while they are traced only.
+        pack = packing_lib._pack
+
+        def slow_pack(fn):
+            python = pack(fn).python_function
+
+            def run_all(calls):
+                if len(calls) == 2:
+                    time.sleep(4.0)
+                return python(calls)
+
+            return tf.function(run_all)
+
+        packing_lib._pack = slow_pack
+
+        @tf.function
+        def step():
+            runs.assign_add(1.0)
+
+        for _ in range(3):  # size 1 traced
+            coordinator.schedule(step).fetch()
+        results = [coordinator.schedule(step) for _ in range(6)]
+        # One worker takes 2 and traces their pack (4 s in `step`'s body);
+        # the others run the other 4 with the size traced, then are idle.
+        deadline = time.monotonic() + 60
+        while float(runs.numpy()) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        calls = {w.index: w.in_flight_call() for w in coordinator.workers}
+        tracing = [i for i, c in calls.items() if c is not None and c.tracing]
+        stopped = next(i for i, c in calls.items() if c is None)
+        cluster.pause("worker", stopped)
+        outside = subprocess.Popen([sys.executable, "-c", (
+            "import os, signal, time; time.sleep(90); "
+            f"os.kill({cluster.pid('worker', stopped)}, signal.SIGCONT)")])
+        paused_at = time.monotonic()
+        coordinator.join()
+        joined_after = time.monotonic() - paused_at
+        outside_continued = outside.poll() is not None
+        states = [w.state.value for w in coordinator.workers]
+        ran = float(runs.numpy())
+        cluster.resume("worker", stopped)
+        outside.kill()
+        back = [w.wait_until_runnable(120) for w in coordinator.workers]
+        for _ in range(30):
+            coordinator.schedule(step)
+        coordinator.join()
+        say(tracing=tracing, stopped=stopped, joined_after=joined_after,
+            outside_continued=outside_continued, states_at_join=states,
+            runs_at_join=ran, done=[r.fetch() is None for r in results],
+            back=back, runs=float(runs.numpy()))
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "worker_stop":
         worker_stop()
@@ -500,5 +570,7 @@ if __name__ == "__main__":
         preempted_while_cancelling()
     elif sys.argv[1] == "ps_loss_mid_read":
         ps_loss_mid_read()
+    elif sys.argv[1] == "trace_waits_for_an_idle_stopped_worker":
+        trace_waits_for_an_idle_stopped_worker()
     else:
         main(sys.argv[1])

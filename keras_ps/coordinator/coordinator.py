@@ -136,7 +136,8 @@ class ClusterCoordinator:
         self._watchdog = None
         if config.hang_timeout > 0:
             self._watchdog = watchdog.HangWatchdog(
-                lambda: list(self._workers), config, self._dead_ps, self._queue)
+                lambda: list(self._workers), config, self._dead_ps,
+                self._queue, self._packing)
             self._watchdog.start()
 
     # -- public API ------------------------------------------------------------

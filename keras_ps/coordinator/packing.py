@@ -199,6 +199,14 @@ class PackedFunctions:
         with self._lock:
             return sorted(self._traced.get(fn, ()), key=str)
 
+    def has_fallback(self, fn):
+        """Whether closures of `fn` can run without a new trace, as
+        `without_new_trace` runs them: a pack of `fn`, or of its stand-in,
+        is traced."""
+        stand_in = _STAND_INS.get(fn)
+        return bool(self.sizes(fn)) or (
+            stand_in is not None and bool(self.sizes(stand_in)))
+
     def __len__(self):
         """How many (function, pack size) pairs are held."""
         with self._lock:

@@ -1,7 +1,9 @@
 """The hang watchdog: gives up a worker's call that will not return.
 
 A call on a worker that does not answer probes (a stopped or hung process)
-is given up after the hang timeout; a call on a worker that answers is given
+is given up after the hang timeout, and so is an idle worker that does not
+answer while another worker's trace waits for it (with the waiting call,
+when its closures can run elsewhere without a new trace); a call on a worker that answers is given
 up as stuck only when it has run far longer than finished calls of its
 function (`stuck_after`). The worker thread then requeues the call's
 closures (`Worker.abandon_in_flight`). A closure stuck on two workers, or a
@@ -17,6 +19,7 @@ from keras_ps import _constants
 from keras_ps.cluster._network import probe
 from keras_ps.errors import StuckCallError
 from keras_ps.coordinator.worker_states import GONE
+from keras_ps.coordinator.worker_states import RUNNABLE
 from keras_ps.coordinator.worker_states import WorkerState
 
 logger = logging.getLogger(__name__)
@@ -112,12 +115,16 @@ class HangWatchdog:
     worker's fault); before that, a call past `STUCK_WARNING_S` is logged.
     """
 
-    def __init__(self, workers, config, dead_ps=dict, queue=None):
+    def __init__(self, workers, config, dead_ps=dict, queue=None,
+                 packing=None):
         self._workers = workers  # () -> the current Worker objects
         self._config = config
         self._dead_ps = dead_ps  # () -> {index: address} of silent ps
         # Failed (mark_fatal) when every worker is stuck; None: never.
         self._queue = queue
+        # The PackedFunctions: whether a call waiting in its trace can run
+        # elsewhere without one (None: never assumed).
+        self._packing = packing
         # Worker index -> the call it was last given up as stuck on.
         self._stuck = {}
         self._stopping = threading.Event()
@@ -157,7 +164,8 @@ class HangWatchdog:
                     WorkerState.HUNG, call)
                 continue
             if call.tracing:  # it waits on every worker, not on this one
-                self._warn_if_long(w, age, _TRACE_WAITS, w.index, age)
+                if not self._set_aside_for_trace(w, call, age, workers):
+                    self._warn_if_long(w, age, _TRACE_WAITS, w.index, age)
                 continue
             fn = call.batch[0].fn
             seen = [t for t in (v.seconds_per_closure(fn) for v in workers)
@@ -173,6 +181,37 @@ class HangWatchdog:
                 self._warn_if_long(w, age, _STUCK_WARNING, w.index, age,
                                    w.address, self._then(limit))
         self._fail_if_every_worker_is_stuck(workers)
+
+    def _set_aside_for_trace(self, tracing, call, age, workers):
+        """`tracing`'s call has waited `age` s in its trace, which TF makes
+        wait for every worker. Workers that do not answer are set aside as
+        hung, idle ones too (nothing else would notice them: no call of
+        theirs ages). If the call's closures can run elsewhere without a
+        new trace, the waiting call is given up as well, so training goes
+        on without the silent workers instead of waiting for them (the
+        tracing thread itself waits on; its worker is re-admitted once the
+        trace returns). False when every other worker answers."""
+        silent = [m for m in workers if m is not tracing
+                  and m.state not in GONE
+                  and not probe(m.address, self._config.probe_timeout)]
+        if not silent:
+            return False
+        names = [m.index for m in silent]
+        for m in silent:
+            # One with a call is given up by the look at its own call.
+            if m.state in RUNNABLE and m.in_flight_call() is None:
+                m.transition(WorkerState.HUNG, (
+                    f"does not answer while worker {tracing.index}'s trace "
+                    f"has waited {age:.0f}s for it"))
+        if self._packing is not None and \
+                self._packing.has_fallback(call.batch[0].fn):
+            tracing.abandon_in_flight(
+                f"its trace has waited {age:.0f}s for workers {names}, which "
+                "do not answer; its closures run on the others, with a form "
+                "traced already", WorkerState.HUNG, call)
+        else:
+            self._warn_if_long(tracing, age, _TRACE_WAITS, tracing.index, age)
+        return True
 
     def _fail_if_every_worker_is_stuck(self, workers):
         """Stuck workers come back only when their calls return: with no

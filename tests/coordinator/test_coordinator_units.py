@@ -444,6 +444,7 @@ class _CallingWorker:
         self.fn, self.closures, self.per_closure = fn, closures, per_closure
         self.tracing = tracing  # the call is still in its trace
         self.abandoned = []  # (reason, state)
+        self.state = WorkerState.HEALTHY
 
     def in_flight_call(self):
         batch = [Closure(self.fn, (), {}, False) for _ in range(self.closures)]
@@ -606,6 +607,74 @@ def test_a_call_in_its_trace_is_not_stuck_on_its_worker(caplog):
         waiting.tracing = False
         watcher.check()
         assert [state for _, state in waiting.abandoned] == [WorkerState.STUCK]
+    finally:
+        server.stop(0)
+
+
+class _IdleWorker:
+    """A worker with no call, at a real address; records its moves."""
+
+    def __init__(self, index, address):
+        self.index, self.address = index, address
+        self.state = WorkerState.HEALTHY
+        self.moves = []
+
+    def in_flight_call(self):
+        return None
+
+    def transition(self, state, reason):
+        self.moves.append((state, reason))
+        self.state = state
+
+
+class _Packing:
+    def __init__(self, fallback):
+        self.fallback = fallback
+
+    def has_fallback(self, fn):
+        return self.fallback
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_a_trace_waiting_for_an_idle_silent_worker_sets_it_aside(fallback):
+    # A trace waits for every worker; an idle worker that does not answer
+    # has no call to age, so only the waiting trace shows it. It is set
+    # aside as hung; the waiting call is given up too when its closures can
+    # run elsewhere without a new trace (else nothing could run them).
+    import grpc
+    import portpicker
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    try:
+        waiting = _CallingWorker(0, f"localhost:{port}", 5.0, tracing=True)
+        silent = _IdleWorker(1, f"localhost:{portpicker.pick_unused_port()}")
+        answering = _IdleWorker(2, f"localhost:{port}")
+        watcher = watchdog.HangWatchdog(
+            lambda: [waiting, silent, answering],
+            CoordinatorConfig(hang_timeout=2.0, probe_timeout=2.0),
+            packing=_Packing(fallback))
+        watcher.check()
+        assert [state for state, _ in silent.moves] == [WorkerState.HUNG]
+        assert "worker 0's trace has waited 5s for it" in silent.moves[0][1]
+        assert answering.moves == []
+        if fallback:
+            assert [state for _, state in waiting.abandoned] == \
+                [WorkerState.HUNG]
+            assert "waited 5s for workers [1]" in waiting.abandoned[0][0]
+        else:
+            assert waiting.abandoned == []
+        # A trace that waits while every other worker answers is left alone.
+        quiet = watchdog.HangWatchdog(
+            lambda: [waiting, answering],
+            CoordinatorConfig(hang_timeout=2.0, probe_timeout=2.0),
+            packing=_Packing(True))
+        waiting.abandoned.clear()
+        quiet.check()
+        assert waiting.abandoned == [] and answering.moves == []
     finally:
         server.stop(0)
 

@@ -154,6 +154,28 @@ def test_function_traced_while_a_worker_is_stopped_freezes_no_other_thread():
 
 
 @pytest.mark.timeout(240)
+def test_a_trace_waiting_for_an_idle_stopped_worker_does_not_hold_training():
+    # A worker stops while idle, during another's trace of a new pack size:
+    # the trace waits for it (TF registers functions on every worker), and
+    # no call of the stopped worker ages to show it. It is set aside, the
+    # waiting call is given up, and the third worker runs its closures with
+    # the size traced: join returns while the worker is still stopped
+    # (before, it waited until a process outside continued it, 90 s).
+    result = run_job("trace_waits_for_an_idle_stopped_worker", timeout=220,
+                     KERAS_PS_HANG_TIMEOUT="3")
+    assert result["outside_continued"] is False, result
+    assert result["joined_after"] < 60, result
+    stopped, tracing = result["stopped"], result["tracing"]
+    assert len(tracing) == 1 and stopped != tracing[0], result
+    assert result["states_at_join"][stopped] == "hung", result
+    assert result["states_at_join"][tracing[0]] == "hung", result
+    # Each closure ran once (the call given up in its trace did not run),
+    # and after SIGCONT every worker is back and the next closures run.
+    assert result["runs_at_join"] == 9.0 and all(result["done"]), result
+    assert result["back"] == [True, True, True] and result["runs"] == 39.0
+
+
+@pytest.mark.timeout(240)
 def test_closure_of_a_killed_worker_is_cancelled_after_another_error():
     # As TF's coordinator: a long closure's worker is SIGKILLed while another
     # closure fails; join() raises that error, the long closure's fetch()
