@@ -191,8 +191,9 @@ class HangWatchdog:
         on without the silent workers instead of waiting for them (the
         tracing thread itself waits on; its worker is re-admitted once the
         trace returns). False when every other worker answers."""
+        # Stopped or hung ones (a FAILED one was seen dead, not stopped).
         silent = [m for m in workers if m is not tracing
-                  and m.state not in GONE
+                  and m.state in (*RUNNABLE, WorkerState.HUNG)
                   and not probe(m.address, self._config.probe_timeout)]
         if not silent:
             return False
