@@ -534,11 +534,19 @@ def trace_waits_for_an_idle_stopped_worker():
         # One worker takes 2 and traces their pack (4 s in `step`'s body);
         # the others run the other 4 with the size traced, then are idle.
         deadline = time.monotonic() + 60
-        while float(runs.numpy()) < 7 and time.monotonic() < deadline:
+        while True:
+            calls = {w.index: w.in_flight_call() for w in coordinator.workers}
+            tracing = [i for i, c in calls.items()
+                       if c is not None and c.tracing]
+            idle = [i for i, c in calls.items() if c is None]
+            if float(runs.numpy()) >= 7 and tracing and idle:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no trace with an idle worker beside it "
+                                   f"in 60 s: runs {float(runs.numpy())}, "
+                                   f"tracing {tracing}, idle {idle}")
             time.sleep(0.01)
-        calls = {w.index: w.in_flight_call() for w in coordinator.workers}
-        tracing = [i for i, c in calls.items() if c is not None and c.tracing]
-        stopped = next(i for i, c in calls.items() if c is None)
+        stopped = idle[0]
         cluster.pause("worker", stopped)
         outside = subprocess.Popen([sys.executable, "-c", (
             "import os, signal, time; time.sleep(90); "
