@@ -229,8 +229,7 @@ class ClosureQueue:
                 self._generation += 1
                 # Long functions still running elsewhere are cancelled, as
                 # TF's coordinator does: their fetch() raises CancelledError.
-                self._cancellation.start_cancel()
-                self._cancellation = _tf_adapter.new_cancellation_manager()
+                self._cancel_in_flight_locked()
             self._cancel_pending_locked()
             self._cv.notify_all()
 
@@ -249,6 +248,12 @@ class ClosureQueue:
                 self._fatal = error
             self._cancel_pending_locked()
             self._cv.notify_all()
+
+    def _cancel_in_flight_locked(self):
+        """Cancels the calls in flight (their closures end as cancelled) and
+        takes a new cancellation manager, so later closures are not."""
+        self._cancellation.start_cancel()
+        self._cancellation = _tf_adapter.new_cancellation_manager()
 
     def _cancel_pending_locked(self):
         while self._pending:
@@ -285,9 +290,7 @@ class ClosureQueue:
                 return True
             logger.warning("[chief] cancelling %d calls in flight %s",
                            self._inflight, why)
-            # Their closures end as cancelled; later closures are not.
-            self._cancellation.start_cancel()
-            self._cancellation = _tf_adapter.new_cancellation_manager()
+            self._cancel_in_flight_locked()
             return self._wait_no_inflight_locked(now + timeout)
 
     def _wait_no_inflight_locked(self, deadline):
