@@ -2,7 +2,8 @@
 
 Modules: `coordinator` (the public ClusterCoordinator), `closures` (the
 queue), `packing` (several calls in one remote call), `worker` (one thread
-per worker task), `worker_states` (its states and moves), `failure_handling`
+per worker task), `worker_states` (its states and moves), `membership` (the
+workers by index: who joins, leaves, is healthy), `failure_handling`
 (the failure policy, re-admission), `watchdog` (calls that never return: hung
 and stuck ones), `datasets` (per-worker datasets), `iterator_release` (the
 iterators of earlier calls), `worker_context` (the worker's index inside a

@@ -13,6 +13,7 @@ from keras_ps import errors
 from keras_ps.cluster import _network
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import iterator_release
+from keras_ps.coordinator import membership
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator.closures import Closure
@@ -105,10 +106,9 @@ class ClusterCoordinator:
         self._gate = SharedExclusiveLock()
         # Per-worker datasets, alive while the user or an iterator holds them.
         self._datasets = weakref.WeakSet()
-        self._unhealthy_since = None
-        self._membership_lock = threading.Lock()
+        self._workers = membership.Workers(config)
         self._readmission = failure_handling.Readmission(
-            self._gate, self._members_by_index, lambda: self.num_workers,
+            self._gate, self._workers.members_by_index, self._workers.count,
             lambda: list(self._datasets))
         self._release = iterator_release.IteratorRelease(
             lambda: self._readmission.generation)
@@ -117,16 +117,14 @@ class ClusterCoordinator:
         self._services = worker_lib.WorkerServices(
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
-            num_workers=lambda: self.num_workers, num_healthy=self.num_healthy,
-            dead_ps=self._dead_ps, trace_is_safe=self.trace_is_safe,
-            on_admitted=self._on_worker_admitted,
+            num_workers=self._workers.count,
+            num_healthy=self._workers.num_healthy, dead_ps=self._dead_ps,
+            trace_is_safe=self._workers.trace_is_safe,
+            on_admitted=self._workers.admitted,
             local_device=strategy_lib.COORDINATOR_DEVICE)
-        self._workers = [worker_lib.Worker(self._services, i, address)
-                         for i, address in enumerate(spec["worker"])]
         for i, address in enumerate(spec["worker"]):
             self._readmission.record_incarnation(i, address)
-        for w in self._workers:
-            w.start()
+        self._workers.start(self._services, spec["worker"])
         # A resolver that watches membership (the elastic one) moves workers
         # in and out while training runs.
         self._membership_watch = None
@@ -136,7 +134,7 @@ class ClusterCoordinator:
         self._watchdog = None
         if config.hang_timeout > 0:
             self._watchdog = watchdog.HangWatchdog(
-                lambda: list(self._workers), config, self._dead_ps,
+                self._workers.all, config, self._dead_ps,
                 self._queue, self._packing)
             self._watchdog.start()
 
@@ -147,12 +145,12 @@ class ClusterCoordinator:
 
     @property
     def num_workers(self):
-        return len(self._workers)
+        return self._workers.count()
 
     @property
     def workers(self):
         """The Worker objects (index, address, state, closures_run)."""
-        return tuple(self._workers)
+        return tuple(self._workers.all())
 
     def schedule(self, fn, args=None, kwargs=None):
         """Schedules `fn(*args, **kwargs)` on some worker; returns a RemoteValue.
@@ -213,7 +211,8 @@ class ClusterCoordinator:
             if self._release.enabled:
                 self._dropped.start()
             dataset = PerWorkerDataset(dataset_fn, self.strategy, self._gate,
-                                       self._members, self._unreachable,
+                                       self._workers.members,
+                                       self._workers.mark_unreachable,
                                        self._dropped.dropped)
             self._datasets.add(dataset)
         return dataset
@@ -223,7 +222,7 @@ class ClusterCoordinator:
         stalling the workers, as fit and evaluate do when they end; see
         keras_ps/coordinator/iterator_release.py. Empty after."""
         with self._gate.shared():
-            self._release.release(iterators, list(self._workers))
+            self._release.release(iterators, self._workers.all())
 
     def lost_parameter_servers(self):
         """{index: address} of the ps that do not hold this job's variables
@@ -287,7 +286,8 @@ class ClusterCoordinator:
             # Under the gate: a worker's re-admission traces its datasets.
             retraced = _tf_adapter.retrace_all_functions()
             self._readmission.restart_iterators([  # the rollback's data
-                w.index for w in self._workers if w.state in worker_lib.RUNNABLE])
+                w.index for w in self._workers.all()
+                if w.state in worker_lib.RUNNABLE])
         recovery = _ps_state.PsRecovery(
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,
@@ -333,22 +333,7 @@ class ClusterCoordinator:
                 datasets created); a missing one leaves (its closures run
                 elsewhere). Nobody is restarted.
         """
-        with self._membership_lock:
-            addresses = list(addresses)
-            for index, address in enumerate(addresses):
-                current = self._workers[index] if index < len(self._workers) \
-                    else None
-                if current is not None and current.address == address and \
-                        current.state is not worker_lib.WorkerState.LEFT:
-                    continue
-                if current is not None:
-                    current.leave("left the membership" if address is None
-                                  else f"replaced by {address}")
-                if address is not None:
-                    self._join(index, address)
-            for w in self._workers[len(addresses):]:
-                w.leave("left the membership")
-            self._unhealthy_since = None
+        self._workers.update(addresses)
 
     def shutdown(self):
         """Stops the worker threads and the watchdog; pending calls are cancelled.
@@ -361,38 +346,15 @@ class ClusterCoordinator:
             self._watchdog.stop()
         if self._membership_watch is not None:
             self._membership_watch.stop()
-        for w in self._workers:
-            w.stop()
+        self._workers.stop()
         self._queue.stop()
         self._dropped.stop()
         self._release.close()
 
-    # -- membership and health ---------------------------------------------------
-    def _join(self, index, address):
-        worker = worker_lib.Worker(self._services, index, address,
-                                   state=worker_lib.WorkerState.JOINING)
-        if index < len(self._workers):
-            self._workers[index] = worker
-        else:
-            self._workers.extend(
-                worker_lib.Worker(self._services, i, None,
-                                  state=worker_lib.WorkerState.LEFT)
-                for i in range(len(self._workers), index))
-            self._workers.append(worker)
-        logger.info("[worker:%d] %s joins", index, address)
-        worker.start()
-
-    def _members(self):
-        """For each worker index: is it in the cluster now?"""
-        return [w.state in worker_lib.IN_CLUSTER for w in self._workers]
-
-    def _members_by_index(self):
-        return {w.index: w.address for w in self._workers
-                if w.state in worker_lib.IN_CLUSTER}
-
+    # -- workers and parameter servers -----------------------------------------
     def num_healthy(self):
         """How many workers take closures now."""
-        return sum(w.state in worker_lib.RUNNABLE for w in self._workers)
+        return self._workers.num_healthy()
 
     def _dead_ps(self):
         """{index: address} of the ps whose variables are lost: those that do
@@ -407,13 +369,6 @@ class ClusterCoordinator:
         with self._gate.shared():
             return self.strategy.ps_holds_state(index)
 
-    def _unreachable(self, index):
-        self._workers[index].transition(
-            worker_lib.WorkerState.FAILED, "does not answer")
-
-    def _on_worker_admitted(self):
-        self._unhealthy_since = None
-
     def is_idle(self):
         """True when no scheduled function is queued or running (unlike
         `done`, it never raises)."""
@@ -422,28 +377,9 @@ class ClusterCoordinator:
     def raise_if_no_workers(self):
         """Raises NoWorkersAvailableError when no worker has been healthy for
         KERAS_PS_NO_WORKER_TIMEOUT seconds (`join` calls it while it waits)."""
-        if self.num_healthy():
-            self._unhealthy_since = None
-            return
-        now = time.monotonic()
-        if self._unhealthy_since is None:
-            self._unhealthy_since = now
-            logger.warning("[chief] no healthy worker; waiting for one to return")
-        timeout = self.config.no_worker_timeout
-        if timeout and now - self._unhealthy_since > timeout:
-            raise errors.NoWorkersAvailableError(
-                f"No worker has been reachable for {timeout:.0f}s "
-                f"(workers: {[w.address for w in self._workers]}). Restart the "
-                "worker tasks, or raise KERAS_PS_NO_WORKER_TIMEOUT.")
+        self._workers.raise_if_none_healthy()
 
     def trace_is_safe(self):
-        """False while a worker may be hung (given up as hung, or a member
-        not answering a probe now): a function run for the first time is
-        registered on every worker, and waits for a hung one."""
-        for w in list(self._workers):
-            if w.state is worker_lib.WorkerState.HUNG:
-                return False
-            if w.state in worker_lib.IN_CLUSTER and not _network.probe(
-                    w.address, self.config.probe_timeout):
-                return False
-        return True
+        """False while a worker may be hung: a function run for the first
+        time is registered on every worker, and waits for a hung one."""
+        return self._workers.trace_is_safe()
