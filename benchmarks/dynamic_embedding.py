@@ -75,7 +75,7 @@ def _status_mb(pid, field):
 def make_stream(vocabulary, lifetime, alpha):
     """`(batch_ids(t, salt), labels(ids, seed))`, pure TF functions."""
     import tensorflow as tf
-    from keras_ps.tables.dynamic import hashing
+    from keras_ps.dynamic_embedding import hashing
 
     top = float(vocabulary + 1) ** (1.0 - alpha)
 
@@ -104,7 +104,7 @@ def make_stream(vocabulary, lifetime, alpha):
 def build_models(strategy, capacity, tower=()):
     import keras
     import keras_ps
-    from keras_ps.tables.dynamic import hashing
+    from keras_ps.dynamic_embedding import hashing
 
     models = {}
     with strategy.scope():

@@ -10,9 +10,8 @@ row blocks (`_blockwise_init`), and weights files and TF checkpoints written
 a block or a slice of rows at a time (`_row_chunks`). The Keras hooks that
 put these under Keras layers and optimizers are in `keras_ps._keras`;
 `keras_ps.optimizers.LazyAdam` is the row-wise Adam; backups of tables are in
-`keras_ps.backups`. `dynamic` (`DynamicEmbedding`, public as
-`keras_ps.layers`) is the dynamic-vocabulary table: a Keras layer on the
-strategy, a layer above the rest of this package, which never imports it.
+`keras_ps.backups`; the dynamic-vocabulary table (`DynamicEmbedding`), a
+Keras layer on the strategy, is `keras_ps.dynamic_embedding`.
 """
 
 from keras_ps.tables.sharded_variable import ShardedVariable

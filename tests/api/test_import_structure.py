@@ -31,7 +31,7 @@ LAYERS = [
     ["keras_ps.cluster", "keras_ps.tables"],
     ["keras_ps._keras"],
     ["keras_ps.strategy", "keras_ps.backups"],
-    ["keras_ps.coordinator", "keras_ps.elastic", "keras_ps.tables.dynamic"],
+    ["keras_ps.coordinator", "keras_ps.elastic", "keras_ps.dynamic_embedding"],
     ["keras_ps.shards"],
     ["keras_ps.training"],
     ["keras_ps.sidecar"],

@@ -23,9 +23,9 @@ import keras_ps
 from _paths import TESTS
 from _results import last_report
 from _results import reports
-from keras_ps.tables.dynamic import hashing
-from keras_ps.tables.dynamic import policies
-from keras_ps.tables.dynamic import slots as slots_lib
+from keras_ps.dynamic_embedding import hashing
+from keras_ps.dynamic_embedding import policies
+from keras_ps.dynamic_embedding import slots as slots_lib
 
 pytestmark = pytest.mark.timeout(300)
 

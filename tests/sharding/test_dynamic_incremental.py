@@ -17,7 +17,7 @@ import keras_ps
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import incremental_backup
 from keras_ps.tables import _sharded_weights
-from keras_ps.tables.dynamic import slots as slots_lib
+from keras_ps.dynamic_embedding import slots as slots_lib
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import api
-from keras_ps.tables.dynamic import slots as slots_lib
+from keras_ps.dynamic_embedding import api
+from keras_ps.dynamic_embedding import slots as slots_lib
 
 pytestmark = pytest.mark.timeout(240)
 

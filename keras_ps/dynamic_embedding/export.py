@@ -12,7 +12,7 @@ installed.
 import keras
 import numpy as np
 
-from keras_ps.tables.dynamic.layer import DynamicEmbedding
+from keras_ps.dynamic_embedding.layer import DynamicEmbedding
 
 
 def _oov_token(keys, key_dtype):

@@ -15,13 +15,13 @@ and when it would let more than FALSE_ADMISSIONS of one-off keys in, halves
 them all (old sightings fade; a key must reach `min_count` within a while).
 
 Eviction: pure functions of a shard's `last_seen` steps (-1: free slot), so
-the policies are unit-testable on plain tensors; keras_ps.tables.dynamic.slots
+the policies are unit-testable on plain tensors; keras_ps.dynamic_embedding.slots
 applies them.
 """
 
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import hashing
+from keras_ps.dynamic_embedding import hashing
 
 FREE = -1
 

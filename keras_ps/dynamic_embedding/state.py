@@ -14,8 +14,8 @@ import logging
 import numpy as np
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import hashing
-from keras_ps.tables.dynamic import slots as slots_lib
+from keras_ps.dynamic_embedding import hashing
+from keras_ps.dynamic_embedding import slots as slots_lib
 
 logger = logging.getLogger(__name__)
 

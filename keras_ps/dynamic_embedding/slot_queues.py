@@ -11,7 +11,7 @@ shard's lock only.
 
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import policies
+from keras_ps.dynamic_embedding import policies
 
 # Entries of the LRU cache, as a fraction of the shard's slots (at least
 # `_MIN_QUEUE`): one `top_k` over the shard serves this many evictions.

@@ -6,11 +6,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_ps.tables.dynamic import api
-from keras_ps.tables.dynamic import hashing
-from keras_ps.tables.dynamic import placement
-from keras_ps.tables.dynamic import slots as slots_lib
-from keras_ps.tables.dynamic import state as state_lib
+from keras_ps.dynamic_embedding import api
+from keras_ps.dynamic_embedding import hashing
+from keras_ps.dynamic_embedding import placement
+from keras_ps.dynamic_embedding import slots as slots_lib
+from keras_ps.dynamic_embedding import state as state_lib
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_ps.tables import _dirty_rows
-from keras_ps.tables.dynamic import policies
-from keras_ps.tables.dynamic import slot_queues
+from keras_ps.dynamic_embedding import policies
+from keras_ps.dynamic_embedding import slot_queues
 
 logger = logging.getLogger(__name__)
 
