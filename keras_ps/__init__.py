@@ -4,9 +4,10 @@ The public names below are loaded on first use (PEP 562), so processes that
 never run TensorFlow code (the elastic agent, the rendezvous server) and
 `python -m keras_ps.server` start without importing TensorFlow's Python API.
 Loading any of them but `KerasPSError`, `cluster`, `LocalCluster`,
-`create_in_process_cluster`, `elastic` and `partitioners` first imports `keras_ps.training`, which installs keras_ps' Keras
-hooks (keras_ps/_keras): Model.fit routing, sharded weights, atomic updates and
-optimizer updates on the parameter servers.
+`create_in_process_cluster`, `elastic` and `partitioners` first imports
+`keras_ps.training`, which installs keras_ps' Keras hooks (keras_ps/_keras):
+Model.fit routing, sharded weights, atomic updates and optimizer updates on the
+parameter servers.
 """
 
 import importlib

@@ -1,8 +1,9 @@
 """Every use of TensorFlow internals (`tensorflow.python...`) in keras_ps.
 
 TF 2.21 has no public API for these; each function says which one is missing.
-tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so a TF upgrade that moves them fails
-loudly there, not deep inside training. Supported range: see setup.cfg.
+tests/api/test_public_api.py (test_tf_internals_still_exist) exercises each so
+a TF upgrade that moves them fails loudly there, not deep inside training.
+Supported range: see setup.cfg.
 """
 
 import ctypes

@@ -50,9 +50,10 @@ class ClusterCoordinator:
     run again on another worker. The first error a function raises comes out
     once from `schedule`, `join` or `done`; functions still pending then are
     cancelled, and so are those running on other workers (their `fetch()`
-    raises `CancelledError`; the datasets of a worker whose call was
-    cancelled are made again, as after a restart). Consecutive closures of one function are packed into a single
-    remote call (up to `max_pack`), which is what makes dispatch cheap.
+    raises `CancelledError`; the datasets of a worker whose call was cancelled
+    are made again, as after a restart). Consecutive closures of one function
+    are packed into a single remote call (up to `max_pack`), which is what
+    makes dispatch cheap.
 
     Args:
         strategy: a `keras_ps.ParameterServerStrategy`.

@@ -12,18 +12,19 @@ fit call after one of 3 s, and 14-15 s after one of 27 s, in 1 to 3 of every 4
 calls, with TF's own ClusterCoordinator as with keras_ps.
 
 So fit and evaluate hand their iterators over instead of dropping them,
-and so does the coordinator for the iterators of a custom loop that the
-user drops (`DroppedIterators`: a new `iter(per_worker_dataset)` each
-epoch). Each worker has a release line: a queue on the worker, and a dataset on the worker
+and so does the coordinator for the iterators of a custom loop that the user
+drops (`DroppedIterators`: a new `iter(per_worker_dataset)` each epoch). Each
+worker has a release line: a queue on the worker, and a dataset on the worker
 whose own background thread takes each iterator from the queue and holds it
 until the next one arrives, then drops it. The coordinator's handle is never
-the last one, and the destruction (and its wait) runs on tf.data's thread.
-A worker thus keeps one released iterator (its buffers and threads) until the
-next release. The hand-over runs on an asynchronous executor and is waited
-for at most a few seconds, so a hung worker cannot hold the caller longer. A
+the last one, and the destruction (and its wait) runs on tf.data's thread. A
+worker thus keeps one released iterator (its buffers and threads) until the
+next release. The hand-over runs on an asynchronous executor and is waited for
+at most a few seconds, so a hung worker cannot hold the caller longer. A
 hand-over that fails (the worker died) is seen at the next one, which then
-drops its iterator the plain way and makes the line again; after the cluster is pushed to the tasks again (a worker
-re-admitted, a ps recovered) every line is made again.
+drops its iterator the plain way and makes the line again; after the cluster is
+pushed to the tasks again (a worker re-admitted, a ps recovered) every line is
+made again.
 """
 
 import atexit

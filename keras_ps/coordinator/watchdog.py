@@ -1,13 +1,13 @@
 """The hang watchdog: gives up a worker's call that will not return.
 
-A call on a worker that does not answer probes (a stopped or hung process)
-is given up after the hang timeout, and so is an idle worker that does not
-answer while another worker's trace waits for it (with the waiting call,
-when its closures can run elsewhere without a new trace); a call on a worker that answers is given
-up as stuck only when it has run far longer than finished calls of its
-function (`stuck_after`). The worker thread then requeues the call's
-closures (`Worker.abandon_in_flight`). A closure stuck on two workers, or a
-stuck call on every worker, fails the job with `StuckCallError` naming the
+A call on a worker that does not answer probes (a stopped or hung process) is
+given up after the hang timeout, and so is an idle worker that does not answer
+while another worker's trace waits for it (with the waiting call, when its
+closures can run elsewhere without a new trace); a call on a worker that
+answers is given up as stuck only when it has run far longer than finished
+calls of its function (`stuck_after`). The worker thread then requeues the
+call's closures (`Worker.abandon_in_flight`). A closure stuck on two workers,
+or a stuck call on every worker, fails the job with `StuckCallError` naming the
 calls and the fix.
 """
 

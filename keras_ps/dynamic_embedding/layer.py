@@ -45,9 +45,10 @@ class DynamicEmbedding(keras.layers.Layer):
     (`keras_ps.IncrementalBackup`, `BackupAndRestore(incremental=True)`)
     write the rows changed since the previous backup and each ps' per-row
     keys and counters whole, and restore into as many ps.
-    `keras_ps.layers.export_plain_model` turns a trained model into plain
-    Keras (`IntegerLookup`/`StringLookup` + `Embedding`). The metrics `<name>_live_rows`, `<name>_admissions` and
-    `<name>_evictions` (running totals) appear in the training logs.
+    `keras_ps.layers.export_plain_model` turns a trained model into plain Keras
+    (`IntegerLookup`/`StringLookup` + `Embedding`). The metrics
+    `<name>_live_rows`, `<name>_admissions` and `<name>_evictions` (running
+    totals) appear in the training logs.
 
     Args:
         output_dim: size of each row.
