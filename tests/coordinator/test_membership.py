@@ -121,12 +121,23 @@ def test_no_healthy_worker_raises_after_the_timeout(monkeypatch):
         workers.raise_if_none_healthy()
 
 
-def test_an_admission_restarts_the_no_worker_clock(monkeypatch):
+def _admitted(workers):
+    workers.admitted()  # a worker came back, then was lost again
+
+
+def _seen_healthy(workers):
+    workers[0].state = WorkerState.HEALTHY  # join sees it healthy once
+    workers.raise_if_none_healthy()
+    workers[0].state = WorkerState.FAILED
+
+
+@pytest.mark.parametrize("back", [_admitted, _seen_healthy])
+def test_a_worker_back_restarts_the_no_worker_clock(monkeypatch, back):
     workers = _start(monkeypatch, no_worker_timeout=30.0)
     clock = _all_failed(workers, monkeypatch)
     workers.raise_if_none_healthy()
     clock[0] += 29
-    workers.admitted()  # a worker came back (then was lost again)
+    back(workers)
     workers.raise_if_none_healthy()
     clock[0] += 29
     workers.raise_if_none_healthy()  # within the timeout of the new clock
@@ -135,22 +146,12 @@ def test_an_admission_restarts_the_no_worker_clock(monkeypatch):
         workers.raise_if_none_healthy()
 
 
-def test_a_healthy_worker_resets_the_clock_and_zero_waits_forever(monkeypatch):
-    workers = _start(monkeypatch, no_worker_timeout=30.0)
+def test_a_no_worker_timeout_of_zero_waits_forever(monkeypatch):
+    workers = _start(monkeypatch)  # no_worker_timeout=0, the default
     clock = _all_failed(workers, monkeypatch)
     workers.raise_if_none_healthy()
-    clock[0] += 29
-    workers[0].state = WorkerState.HEALTHY
-    workers.raise_if_none_healthy()
-    workers[0].state = WorkerState.FAILED
-    clock[0] += 29
-    workers.raise_if_none_healthy()  # the clock started again at the last call
-
-    forever = _start(monkeypatch)  # no_worker_timeout=0, the default
-    clock = _all_failed(forever, monkeypatch)
-    forever.raise_if_none_healthy()
     clock[0] += 1e6
-    forever.raise_if_none_healthy()
+    workers.raise_if_none_healthy()
 
 
 def test_stop_stops_every_worker(workers):
