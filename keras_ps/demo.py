@@ -141,7 +141,6 @@ def _demo_callback(cluster, coordinator, evaluator_output, kill_at_step,
             super().__init__()
             self.killed_at = None
             self.restart_thread = None
-            self.restarted = threading.Event()
             self.training = True
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -170,7 +169,6 @@ def _demo_callback(cluster, coordinator, evaluator_output, kill_at_step,
             cluster.restart("worker", 1)
             print("\n>>> restarted worker 1 on the same address; the "
                   "coordinator re-admits it when it answers", flush=True)
-            self.restarted.set()
             if coordinator.workers[1].wait_until_runnable(timeout=120) and \
                     self.training:
                 print("\n>>> worker 1 re-admitted: it runs steps again",
@@ -250,6 +248,8 @@ def _wait_for_evaluator(evaluator, evaluator_output):
 
 def _summary(args, steps, elapsed, coordinator, demo, history, evaluator,
              evaluator_output, paths):
+    from keras_ps.coordinator import WorkerState  # TF imported by now
+
     print("\nSummary")
     print(f"  steps: {steps} in {elapsed:.1f}s ({steps / elapsed:.1f} "
           f"steps/s, {args.batch} examples per step)")
@@ -258,9 +258,13 @@ def _summary(args, steps, elapsed, coordinator, demo, history, evaluator,
         if demo.killed_at is not None and w.index == 1:
             note = (f" (killed at step {demo.killed_at}"
                     + (", restarted" if demo.restart_thread else "") + ")")
+        state = w.state.value
+        if w.state is WorkerState.READMITTED:
+            # Runnable, but no call of it had ended when training did.
+            state = "re-admitted, training ended before its next call"
         print(f"  worker {w.index}: "
               f"{w.closures_run * args.steps_per_execution} steps, "
-              f"{w.state.value}{note}")
+              f"{state}{note}")
     train_accuracy = history.history["accuracy"][-1]
     print(f"  training accuracy (last epoch): {train_accuracy:.3f}")
     if evaluator_output.accuracy is not None:
@@ -336,7 +340,9 @@ def _run(args, checkpoint_dir, log_dir, export_path, task_logs):
         elapsed = time.perf_counter() - start
         steps = int(model.optimizer.iterations.numpy())
         if demo.restart_thread is not None:
-            demo.restarted.wait(60)
+            # The summary shows worker 1 back: wait for its re-admission
+            # (bounded: the thread gives up after 60 + 120 s).
+            demo.restart_thread.join(200)
 
         _wait_for_evaluator(evaluator, evaluator_output)
         _summary(args, steps, elapsed, coordinator, demo, history,

@@ -60,6 +60,11 @@ def test_demo_trains_survives_worker_kill_and_reports(tmp_path):
     # got before the kill and after re-admission depends on the machine.
     assert per_worker[0] >= 100 and set(per_worker) == {0, 1}
     assert "killed at step 100" in summary
+    # Worker 1 ends healthy, or, when training ended just as it came back,
+    # says so in words (not only the state's name).
+    assert re.search(r"worker 1: \d+ steps, (healthy|re-admitted, training "
+                     r"ended before its next call) \(killed at step 100, "
+                     r"restarted\)", summary), summary
     # Always answering 0 scores 0.75 on the rule; learning it scores ~1.
     accuracy = float(_number(
         r"final accuracy \(evaluator, held-out data\): ([\d.]+)", summary))
