@@ -164,7 +164,7 @@ def main(mode):
                     coordinator.schedule(step, args=(iterator,))
                 coordinator.join()
                 raise RuntimeError("the ps loss was not seen")
-            except keras_ps.errors.ParameterServerUnavailableError as e:
+            except keras_ps.errors.ParameterServerUnavailableError:
                 seen = time.monotonic() - start
             cluster.restart("ps", 0)
             recovery = coordinator.recover_parameter_servers(timeout=60)
