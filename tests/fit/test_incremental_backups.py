@@ -364,8 +364,8 @@ def test_a_lost_ps_is_recovered_from_full_plus_deltas(tmp_path):
 
 
 # Run apart (-m slow): it hung once in five runs; 12 of 12 passed after the
-# per-worker dataset lifetime fix, and 40 of 40 later (20 beside the whole
-# suite), but the hang's cause was never shown.
+# per-worker dataset lifetime fix, and 120 of 120 later (100 beside the whole
+# suite or the fault tests), but the hang's cause was never shown.
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_delta_written_across_a_ps_loss_is_dropped_without_a_wait(tmp_path):
