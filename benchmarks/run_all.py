@@ -1,5 +1,9 @@
 """Every side-by-side benchmark in one go; writes RESULTS.md and scaling.png.
 
+They go to out/benchmarks/ (ignored by git) unless `--out` names another
+folder: benchmarks/RESULTS.md is the project's record of every measurement,
+written by hand around these runs, and not a run's default output.
+
     .venv/bin/python benchmarks/run_all.py                # 3 repeats, ~50 min on 2 cores
     .venv/bin/python benchmarks/run_all.py --repeats 5
     .venv/bin/python benchmarks/run_all.py --quick --out /tmp/bench   # smoke run
@@ -43,6 +47,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(os.path.dirname(HERE), "out", "benchmarks")
 sys.path.insert(0, HERE)
 
 import ctl_dispatch  # noqa: E402
@@ -387,8 +392,9 @@ def main():
                         help="short runs of every benchmark (a smoke test, not a measurement)")
     parser.add_argument("--only", default="",
                         help=f"comma-separated subset of {','.join(ALL)}")
-    parser.add_argument("--out", default=HERE,
-                        help="directory for RESULTS.md and scaling.png (default: benchmarks/)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="directory for RESULTS.md and the plots (default: out/benchmarks/; "
+                             "benchmarks/RESULTS.md, the project's record, is never the default)")
     args = parser.parse_args()
     if args.repeats < 1:
         raise SystemExit(f"--repeats must be >= 1. Received: --repeats {args.repeats}.")

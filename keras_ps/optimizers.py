@@ -2,7 +2,7 @@
 
 Keras' SGD (without momentum), Adagrad and Ftrl (without L2 shrinkage) already
 update only the looked-up rows of a table on the ps under a keras_ps strategy,
-with Keras' exact result (see README, "Large embedding tables"). Adam cannot:
+with Keras' exact result (see docs/large_tables.md). Adam cannot:
 its dense update moves every row at every step, even with a zero gradient.
 `LazyAdam` is the explicit row-wise variant.
 """

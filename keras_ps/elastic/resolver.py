@@ -39,6 +39,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         poll_interval: Longest time one watch call is held on the server;
             changes are reported as soon as they happen regardless.
         startup_timeout: Seconds `cluster_spec()` waits for `min_workers`.
+        rpc_layer: The protocol `master(task_type, task_id)` puts before
+            a task's address ("grpc": `grpc://HOST:PORT`), as TF's
+            resolvers take it.
 
     Example:
     ```python
