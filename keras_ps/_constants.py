@@ -119,18 +119,37 @@ PS_RECOVERY_TIMEOUT_ENV_VAR = "KERAS_PS_PS_RECOVERY_TIMEOUT"
 DEFAULT_PS_RECOVERY_TIMEOUT = 300.0
 
 
-def env_float(name, default):
-    """Reads a float knob; a malformed value is an error that names it."""
+def _check_bounds(name, raw, value, default, minimum, above):
+    """`value` (parsed from `raw`) within the knob's bounds, or an error
+    that names the variable, its value and the default."""
+    wanted = None
+    if value != value or value in (float("inf"), float("-inf")):
+        wanted = "a finite number"
+    elif above is not None and not value > above:
+        wanted = f"greater than {above}"
+    elif minimum is not None and not value >= minimum:
+        wanted = f"at least {minimum}"
+    if wanted:
+        raise ValueError(
+            f"Environment variable {name} must be {wanted}. Received: "
+            f"{name}={raw!r}. Unset it to use the default {default}.")
+    return value
+
+
+def env_float(name, default, minimum=None, above=None):
+    """Reads a float knob; a malformed value, one below `minimum`, one not
+    above `above`, NaN or an infinity is an error that names it."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return float(default)
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise ValueError(
             f"Environment variable {name} must be a number. Received: "
             f"{name}={raw!r}. Unset it to use the default {default}."
         ) from None
+    return _check_bounds(name, raw, value, default, minimum, above)
 
 
 def env_seconds_or_auto(name):
@@ -139,26 +158,31 @@ def env_seconds_or_auto(name):
     if raw is None or raw.strip() in ("", "auto"):
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
+        value = None
+    if value is None or not -float("inf") < value < float("inf"):
         raise ValueError(
             f"Environment variable {name} must be a number of seconds or "
             f"'auto'. Received: {name}={raw!r}. Unset it (or set 'auto') for "
-            "the default, or 0 to turn it off.") from None
+            "the default, or 0 to turn it off.")
+    return value
 
 
-def env_int(name, default):
-    """Reads an int knob; a malformed value is an error that names it."""
+def env_int(name, default, minimum=None):
+    """Reads an int knob; a malformed value or one below `minimum` is an
+    error that names it."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return int(default)
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError:
         raise ValueError(
             f"Environment variable {name} must be an integer. Received: "
             f"{name}={raw!r}. Unset it to use the default {default}."
         ) from None
+    return _check_bounds(name, raw, value, default, minimum, None)
 
 # The most bytes of one weight that saving or loading a Keras weights file
 # (`model.save`, `save_weights`, `load_weights`, `load_model`) moves at once

@@ -195,6 +195,10 @@ def main(argv=None):
     parser.add_argument("--no-restart", action="store_true",
                         help="do not restart the killed worker")
     args = parser.parse_args(argv)
+    for flag in ("epochs", "steps_per_epoch", "steps_per_execution", "batch"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be a positive integer. Received: "
+                         f"--{flag}={getattr(args, flag)}.")
     if args.output_dir and os.path.isdir(args.output_dir) and \
             os.listdir(args.output_dir):
         # Old checkpoints there would be evaluated and resumed as this run's.

@@ -67,8 +67,7 @@ def _task(args):
         raise ClusterConfigError(
             "--job_name is required with --cluster_spec. Received: no "
             "--job_name. Pass --job_name ps or --job_name worker.")
-    if args.job_name in cluster_lib.TASK_TYPES:
-        _check_job(args.job_name)
+    _check_job(args.job_name)
     try:
         spec = json.loads(args.cluster_spec)
     except json.JSONDecodeError as e:
@@ -77,6 +76,15 @@ def _task(args):
             f"{args.cluster_spec[:200]!r}. Expected JSON like "
             '{"ps": ["host:port"], "worker": ["host:port"]}.'
         ) from None
+    tasks = spec.get(args.job_name) if isinstance(spec, dict) else None
+    if isinstance(tasks, list) and not 0 <= args.task_index < len(tasks):
+        raise ClusterConfigError(
+            "--task_index is out of range. Received: --task_index="
+            f"{args.task_index}, but --cluster_spec lists {len(tasks)} "
+            f"{args.job_name} task(s). "
+            + (f"Pass --task_index from 0 to {len(tasks) - 1}." if tasks else
+               f"Add this task's address to --cluster_spec's {args.job_name!r} "
+               "list."))
     config = {"cluster": spec,
               "task": {"type": args.job_name, "index": args.task_index}}
     cluster, job, index = cluster_lib.parse_tf_config(config)

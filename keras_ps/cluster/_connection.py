@@ -104,7 +104,8 @@ def connect(spec):
 
 def _wait_until_tasks_answer(jobs):
     timeout = _constants.env_float(_constants.CONNECT_TIMEOUT_ENV_VAR,
-                                   _constants.DEFAULT_CONNECT_TIMEOUT)
+                                   _constants.DEFAULT_CONNECT_TIMEOUT,
+                                   minimum=0)
     deadline = time.monotonic() + timeout
     waiting = [(job, i, address) for job in ("ps", "worker")
                for i, address in enumerate(jobs[job])]

@@ -46,8 +46,8 @@ class CoordinatorConfig:
         if isinstance(self.max_pack, bool) or not isinstance(self.max_pack, int) \
                 or self.max_pack < 1:
             raise ValueError(
-                f"max_pack must be at least 1. Received: {self.max_pack_source}="
-                f"{self.max_pack}. Use 1 to turn packing off, or leave it "
+                f"max_pack must be an integer of at least 1. Received: "
+                f"{self.max_pack_source}={self.max_pack!r}. Use 1 to turn packing off, or leave it "
                 f"unset for the default {_constants.DEFAULT_MAX_PACK}.")
         for name in ("probe_timeout", "recovery_interval"):
             value = getattr(self, name)
@@ -98,22 +98,22 @@ class CoordinatorConfig:
             max_pack_source=source,
             probe_timeout=_constants.env_float(
                 _constants.PROBE_TIMEOUT_ENV_VAR,
-                _constants.DEFAULT_PROBE_TIMEOUT),
+                _constants.DEFAULT_PROBE_TIMEOUT, above=0),
             recovery_interval=_constants.env_float(
                 _constants.RECOVERY_INTERVAL_ENV_VAR,
-                _constants.DEFAULT_RECOVERY_INTERVAL),
+                _constants.DEFAULT_RECOVERY_INTERVAL, above=0),
             readmit_workers=bool(_constants.env_int(
                 _constants.READMIT_WORKERS_ENV_VAR,
                 _constants.DEFAULT_READMIT_WORKERS)),
             no_worker_timeout=_constants.env_float(
                 _constants.NO_WORKER_TIMEOUT_ENV_VAR,
-                _constants.DEFAULT_NO_WORKER_TIMEOUT),
+                _constants.DEFAULT_NO_WORKER_TIMEOUT, minimum=0),
             hang_timeout=_constants.env_float(
                 _constants.HANG_TIMEOUT_ENV_VAR,
-                _constants.DEFAULT_HANG_TIMEOUT),
+                _constants.DEFAULT_HANG_TIMEOUT, minimum=0),
             stuck_timeout=_constants.env_seconds_or_auto(
                 _constants.STUCK_TIMEOUT_ENV_VAR),
             ps_recovery_timeout=_constants.env_float(
                 _constants.PS_RECOVERY_TIMEOUT_ENV_VAR,
-                _constants.DEFAULT_PS_RECOVERY_TIMEOUT),
+                _constants.DEFAULT_PS_RECOVERY_TIMEOUT, minimum=0),
         )

@@ -217,7 +217,8 @@ class PerWorkerDataset:
         KERAS_PS_CONNECT_TIMEOUT seconds for one to be re-admitted, which
         makes its dataset."""
         timeout = _constants.env_float(_constants.CONNECT_TIMEOUT_ENV_VAR,
-                                       _constants.DEFAULT_CONNECT_TIMEOUT)
+                                       _constants.DEFAULT_CONNECT_TIMEOUT,
+                                       minimum=0)
         deadline = time.monotonic() + timeout
         while True:
             for dataset in list(self._datasets):

@@ -31,7 +31,7 @@ _state = threading.local()
 def chunk_bytes():
     """The most bytes of a weight moved at once (read at each save and load)."""
     return _constants.env_int(_constants.SAVE_CHUNK_BYTES_ENV_VAR,
-                              _constants.DEFAULT_SAVE_CHUNK_BYTES)
+                              _constants.DEFAULT_SAVE_CHUNK_BYTES, minimum=1)
 
 
 def rows_per_chunk(shape, dtype):

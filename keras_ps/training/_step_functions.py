@@ -39,9 +39,11 @@ class StepFunctions:
         self._step_name = step_name
         self._functions = {}
         self._unroll = _constants.env_int(_constants.UNROLL_STEPS_ENV_VAR,
-                                          _constants.DEFAULT_UNROLL_STEPS)
+                                          _constants.DEFAULT_UNROLL_STEPS,
+                                          minimum=0)
         self._unroll_after = _constants.env_int(
-            _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER)
+            _constants.UNROLL_AFTER_ENV_VAR, _constants.DEFAULT_UNROLL_AFTER,
+            minimum=0)
         self._looped = collections.Counter()  # count -> loop form handed out
         self._deferred = set()  # counts whose written-out form waited
         self._found_traits = None  # see _traits

@@ -83,7 +83,7 @@ def evaluate_exactly_once(model, coordinator, dataset):
     initial = [np.asarray(v.numpy()) for v in variables]
     num_shards = coordinator.num_workers * _constants.env_int(
         _constants.EVAL_SHARDS_PER_WORKER_ENV_VAR,
-        _constants.DEFAULT_EVAL_SHARDS_PER_WORKER)
+        _constants.DEFAULT_EVAL_SHARDS_PER_WORKER, minimum=1)
     fn = _shard_function(model, variables, serialized(dataset), num_shards)
     initial_state = [tf.constant(value) for value in initial]
     remotes = [coordinator.schedule(fn, args=(tf.constant(i, tf.int64),

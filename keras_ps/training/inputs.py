@@ -195,6 +195,21 @@ def exact_input(x, y, sample_weight, batch_size):
         batch_size or DEFAULT_BATCH_SIZE)
 
 
+def check_validation_freq(validation_freq):
+    """Keras' forms: validate every N epochs (a positive int), or after the
+    epochs listed (1 for the first)."""
+    if isinstance(validation_freq, int) and not isinstance(validation_freq,
+                                                           bool):
+        good = validation_freq >= 1
+    else:
+        good = isinstance(validation_freq, (list, tuple, set, range))
+    if not good:
+        raise ValueError(
+            "validation_freq must be a positive integer (validate every N "
+            "epochs) or a list of the epochs to validate after (1 for the "
+            f"first). Received: validation_freq={validation_freq!r}.")
+
+
 def should_validate(epoch, validation_freq):
     """Whether `fit` evaluates `validation_data` after `epoch` (0-based)."""
     if isinstance(validation_freq, int):

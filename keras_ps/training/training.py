@@ -88,6 +88,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     as Keras' `Model.fit`; `steps_per_epoch` is required, except with a
     `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
+    inputs.check_validation_freq(validation_freq)
     if isinstance(x, shards.ShardedInput):
         # Dynamic data shards: the epoch is every shard once (training/sharded_fit.py).
         inputs.no_targets(x, y, sample_weight)
@@ -221,8 +222,9 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
     if exact:
         if steps is not None:
             raise ValueError(
-                "Exact evaluation visits every example once and ignores "
-                f"`steps`. Received: steps={steps}, exact=True. Drop one.")
+                "Exact evaluation visits every example once, so it cannot "
+                f"stop after `steps`. Received: steps={steps}, exact=True. "
+                "Drop one.")
         with _fit_epochs.cancelled_on_error(coordinator):
             logs = exact_evaluation.evaluate_exactly_once(
                 model, coordinator,

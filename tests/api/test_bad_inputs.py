@@ -429,6 +429,22 @@ def env_hang_timeout_not_number(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_probe_timeout_negative", ValueError,
+      "KERAS_PS_PROBE_TIMEOUT='-1'", "must be greater than 0",
+      "Unset it to use the default")
+def env_probe_timeout_negative(env):
+    _with_env("KERAS_PS_PROBE_TIMEOUT", "-1",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_hang_timeout_not_finite", ValueError,
+      "KERAS_PS_HANG_TIMEOUT='nan'", "must be a finite number",
+      "Unset it to use the default")
+def env_hang_timeout_not_finite(env):
+    _with_env("KERAS_PS_HANG_TIMEOUT", "nan",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
 @case("env_stuck_timeout_not_seconds", ValueError,
       "KERAS_PS_STUCK_TIMEOUT='20s'", "number of seconds or 'auto'",
       "0 to turn it off")
@@ -491,6 +507,32 @@ def fit_without_steps_per_epoch(env):
       "steps_per_epoch=0", "must be a positive integer")
 def fit_steps_per_epoch_zero(env):
     _model(env.strategy).fit(X, Y, epochs=1, steps_per_epoch=0, verbose=0)
+
+
+@case("fit_validation_freq_zero", ValueError,
+      "validation_freq=0", "a positive integer", "a list of the epochs")
+def fit_validation_freq_zero(env):
+    _model(env.strategy).fit(X, Y, epochs=1, steps_per_epoch=2, verbose=0,
+                             validation_data=(X, Y), validation_freq=0)
+
+
+@case("env_eval_shards_per_worker_zero", ValueError,
+      "KERAS_PS_EVAL_SHARDS_PER_WORKER='0'", "must be at least 1",
+      "Unset it to use the default 4")
+def env_eval_shards_per_worker_zero(env):
+    model = _model(env.strategy)
+    _with_env("KERAS_PS_EVAL_SHARDS_PER_WORKER", "0",
+              lambda: model.evaluate(X, Y, batch_size=4, verbose=0))
+
+
+@case("env_save_chunk_bytes_zero", ValueError,
+      "KERAS_PS_SAVE_CHUNK_BYTES='0'", "must be at least 1",
+      "Unset it to use the default")
+def env_save_chunk_bytes_zero(env):
+    model = _model(env.strategy)
+    path = os.path.join(env.tmp(), "model.weights.h5")
+    _with_env("KERAS_PS_SAVE_CHUNK_BYTES", "0",
+              lambda: model.save_weights(path))
 
 
 @case("fit_numpy_mismatched_lengths", ValueError,
@@ -923,8 +965,13 @@ SERVER_CASES = [
                  id="server_job_chief"),
     pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
                   "--job_name", "worker", "--task_index", "4"],
-                 ["worker:4", "Expected an index from 0 to 0"],
+                 ["--task_index=4", "lists 1 worker task(s)",
+                  "Pass --task_index from 0 to 0"],
                  id="server_task_index_out_of_range"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "wroker"],
+                 ["task type 'wroker'", "runs ps and worker tasks"],
+                 id="server_job_name_misspelt"),
     pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002]))],
                  ["--job_name is required", "Pass --job_name ps"],
                  id="server_missing_job_name"),

@@ -85,3 +85,17 @@ def test_demo_refuses_a_used_output_dir(tmp_path):
     assert f"--output_dir {tmp_path} is not empty; pass a new or empty " \
         "directory" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("flag, value", [("--epochs", "0"),
+                                         ("--batch", "-8")])
+def test_demo_refuses_a_count_below_one(flag, value, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_ps.demo", flag, value,
+         "--output_dir", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"{flag} must be a positive integer. Received: {flag}={value}." \
+        in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not os.path.exists(tmp_path / "out")  # refused before any work
