@@ -182,7 +182,11 @@ def build():
             return path
         if os.path.exists(failed):
             with open(failed) as f:
-                raise NativeBuildError(f"{f.read().strip()} (kept in {failed})")
+                raise NativeBuildError(
+                    f"{f.read().strip()} (an earlier build's failure, kept "
+                    f"in {failed}: remove that file to build again, e.g. "
+                    "once a compiler is installed; KERAS_PS_NATIVE=0 turns "
+                    "the kernels off)")
         try:
             _compile(path)
         except NativeBuildError as error:

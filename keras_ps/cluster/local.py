@@ -167,12 +167,16 @@ class LocalCluster:
                 _native.build()
             except _native.NativeBuildError:
                 pass  # each task's log says why; the coordinator warns once
-        for job in ("ps", "worker"):
-            for i in range(len(self.spec[job])):
-                self._launch(job, i)
-        for job in ("ps", "worker"):
-            for i in range(len(self.spec[job])):
-                self._wait_ready(job, i)
+        try:
+            for job in ("ps", "worker"):
+                for i in range(len(self.spec[job])):
+                    self._launch(job, i)
+            for job in ("ps", "worker"):
+                for i in range(len(self.spec[job])):
+                    self._wait_ready(job, i)
+        except BaseException:
+            self.shutdown()  # no task outlives a cluster that did not start
+            raise
 
     @property
     def resolver(self):
@@ -208,10 +212,13 @@ class LocalCluster:
     def _wait_ready(self, job, index):
         proc = self._procs[(job, index)]
         if not wait_for_port(self.spec[job][index], self._start_timeout, proc):
+            code = proc.poll()
             raise RuntimeError(
-                f"Task {job}:{index} did not start within "
-                f"{self._start_timeout}s; see {self.log_dir}/{job}-{index}.log"
-            )
+                f"Task {job}:{index} " + (
+                    f"exited with code {code} before it answered"
+                    if code is not None else
+                    f"did not start within {self._start_timeout}s")
+                + f"; see {self.log_dir}/{job}-{index}.log")
 
     def kill(self, job, index):
         """SIGKILLs a task (as a preemption would) and reaps it."""

@@ -303,7 +303,15 @@ class RendezvousConfig:
         self._check_seconds("long_poll_timeout")
         self._check_int("max_pending_nodes", minimum=0)
         self._check_int("max_workers", minimum=4)
-        self._check_int("max_concurrent_rpcs", minimum=self.max_workers)
+        self._check_int("max_concurrent_rpcs", minimum=1)
+        if self.max_concurrent_rpcs < self.max_workers:
+            raise ValueError(
+                "RendezvousConfig.max_concurrent_rpcs must be at least "
+                f"max_workers, got max_concurrent_rpcs="
+                f"{self.max_concurrent_rpcs!r} with max_workers="
+                f"{self.max_workers!r}. Lower max_workers (--max_workers, "
+                f"{self.env_var('max_workers')}) or raise max_concurrent_rpcs "
+                f"({self.env_var('max_concurrent_rpcs')})")
         token = self.token
         if token is not None:
             if (not isinstance(token, str) or not token
@@ -368,15 +376,23 @@ class RendezvousConfig:
             try:
                 values[name] = parse(text.strip() if name != "token" else text)
             except ValueError:
+                kind = ("a number of seconds" if name.endswith("timeout")
+                        else "an integer")
                 raise ValueError(
                     f"environment variable {var}={text!r} is not a valid "
-                    f"{name}") from None
+                    f"{name} ({kind}). Unset it for the default") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         try:
             return cls(**values)
         except ValueError as error:
+            # The variables of the fields the error names (an override of
+            # None leaves its variable's value in force).
+            message = str(error)
             sources = [cls.env_var(k) for k in values
-                       if k not in overrides and cls.env_var(k) in environ]
+                       if overrides.get(k) is None
+                       and cls.env_var(k) in environ
+                       and (f"RendezvousConfig.{k} " in message
+                            or f" {k}=" in message)]
             if sources:
                 raise ValueError(
                     f"{error} (set from {', '.join(sources)})") from None

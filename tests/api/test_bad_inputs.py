@@ -267,6 +267,14 @@ def local_cluster_log_dir_is_a_file(env):
         keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=file.name)
 
 
+@case("local_cluster_task_exits_at_start", RuntimeError,
+      "Task ps:0 exited with code 1 before it answered", "ps-0.log")
+def local_cluster_task_exits_at_start(env):
+    # A Python that cannot start (a broken environment handed to the tasks).
+    keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=env.tmp(),
+                          env={"PYTHONHOME": "/nonexistent"})
+
+
 @case("local_cluster_negative_intra_op_threads", ClusterConfigError,
       "intra_op_threads=-1", "share this machine's cores", "0 for TF's default")
 def local_cluster_negative_intra_op_threads(env):

@@ -342,6 +342,31 @@ def test_config_env_errors_name_the_variable():
         api.RendezvousConfig.from_env({"KERAS_PS_RDZV_GATHER_TIMEOUT": "-3"})
 
 
+def test_config_env_errors_name_only_the_variable_at_fault():
+    # As the launcher calls it: every flag passed, None where not given.
+    env = {"KERAS_PS_RDZV_GATHER_TIMEOUT": "1.5",
+           "KERAS_PS_RDZV_KEEPALIVE_TIMEOUT": "-1"}
+    with pytest.raises(ValueError) as info:
+        api.RendezvousConfig.from_env(env, keepalive_timeout=None,
+                                      max_workers=None)
+    message = str(info.value)
+    assert "keepalive_timeout" in message and "-1.0" in message, message
+    assert message.endswith("(set from KERAS_PS_RDZV_KEEPALIVE_TIMEOUT)"), \
+        message
+    with pytest.raises(ValueError, match=r"an integer\). Unset it"):
+        api.RendezvousConfig.from_env({"KERAS_PS_RDZV_MAX_WORKERS": "8.5"})
+
+
+def test_more_workers_than_calls_names_both_and_the_fix():
+    with pytest.raises(ValueError) as info:
+        api.RendezvousConfig.from_env(
+            {"KERAS_PS_RDZV_MAX_CONCURRENT_RPCS": "4096"}, max_workers=8192)
+    message = str(info.value)
+    assert "max_concurrent_rpcs=4096 with max_workers=8192" in message
+    assert "Lower max_workers (--max_workers" in message
+    assert message.endswith("(set from KERAS_PS_RDZV_MAX_CONCURRENT_RPCS)")
+
+
 @pytest.mark.parametrize("address", ["", "host", ":80", "host:", "host:0",
                                      "host:65536", "host:x1", "a b:1",
                                      "::1:80", "[::1:80", "h,i:1"])

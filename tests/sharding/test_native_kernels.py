@@ -378,7 +378,8 @@ def test_without_a_compiler_lazy_adam_trains_with_tf_ops(tmp_path):
             "'/nonexistent/c++' on PATH. Install one") in output
     # The failure is kept: later processes do not try the build again.
     assert result["build_again"].startswith("no C++ compiler")
-    assert "(kept in " in result["build_again"]
+    assert "kept in " in result["build_again"]
+    assert "remove that file to build again" in result["build_again"]
     failed = [name for name in os.listdir(tmp_path) if name.endswith(".failed")]
     assert len(failed) == 1, os.listdir(tmp_path)
 
