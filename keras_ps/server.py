@@ -60,6 +60,12 @@ def _task(args):
         ClusterConfigError: the configuration cannot be used.
     """
     if args.cluster_spec is None:
+        if not os.environ.get("TF_CONFIG", "").strip():
+            raise ClusterConfigError(
+                "keras_ps.server does not know its task: TF_CONFIG is not "
+                "set and no --cluster_spec was given. Set TF_CONFIG, or "
+                "pass --cluster_spec JSON --job_name ps|worker --task_index "
+                "N.")
         cluster, job, index = cluster_lib.parse_tf_config()
         _check_job(job)
         return cluster, job, index

@@ -103,7 +103,14 @@ def normalize_cluster_spec(spec):
                 f"Expected one of {list(TASK_TYPES)}."
             )
         if isinstance(tasks, dict):
-            indices = sorted(int(i) for i in tasks)
+            try:
+                indices = sorted(int(i) for i in tasks)
+            except (TypeError, ValueError):
+                raise ClusterConfigError(
+                    f"Job {job!r} keys its tasks by index: 0, 1, ... "
+                    f"Received keys {sorted(map(str, tasks))}. Use a list "
+                    "of addresses, or a dict like {0: 'host:port'}."
+                ) from None
             if indices != list(range(len(indices))):
                 raise ClusterConfigError(
                     f"Job {job!r} must number its tasks 0..n-1. Received "

@@ -107,7 +107,9 @@ class MembershipState:
                 raise api.RendezvousStateError(
                     f"node {address} asked for min_nodes:max_nodes="
                     f"{min_nodes}:{max_nodes} but the job runs with "
-                    f"{self._job[0]}:{self._job[1]}")
+                    f"{self._job[0]}:{self._job[1]}. Start every agent of "
+                    f"the job with --nnodes={self._job[0]}:{self._job[1]}, "
+                    "or restart the rendezvous server for a new job")
             node = self._nodes.get(address)
             if node is not None:
                 node.last_seen = now
@@ -117,7 +119,9 @@ class MembershipState:
                 raise api.RendezvousResourceExhaustedError(
                     f"refusing node {address}: {len(self._nodes)} nodes are "
                     f"registered, max_nodes={max_nodes} plus "
-                    f"max_pending_nodes={self._config.max_pending_nodes}")
+                    f"max_pending_nodes={self._config.max_pending_nodes}. "
+                    "Raise max_pending_nodes (--max_pending_nodes, "
+                    "KERAS_PS_RDZV_MAX_PENDING_NODES) or the MAX of --nnodes")
             if self._job is None:
                 self._job = (min_nodes, max_nodes)
                 logger.info("new job: min_nodes=%s max_nodes=%s",

@@ -42,6 +42,9 @@ _MAX_REQUEST_BYTES = 2 * api.MAX_DATA_BYTES + 64 * 1024
 _MAX_MISSING_METADATA = 32 * 1024
 
 _NODE_STATUS = {NodeState.WAITING: pb.WAITING, NodeState.ADMITTED: pb.ADMITTED}
+_LISTEN_FIX = ("Its port may be in use, or its host not this machine's: pick "
+               "a free port (0: any) and a host name or address of this "
+               "machine (--rdzv_endpoint of the launcher)")
 
 PemSource = Union[bytes, str, os.PathLike]
 
@@ -383,9 +386,10 @@ class RendezvousServer:
             else:
                 port = server.add_insecure_port(address)
         except RuntimeError as error:
-            raise OSError(f"cannot listen on {address}: {error}") from None
+            raise OSError(f"cannot listen on {address}: {error}. {_LISTEN_FIX}"
+                          ) from None
         if not port:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"cannot listen on {address}. {_LISTEN_FIX}")
         self._port = port
         server.start()
         self._server = server

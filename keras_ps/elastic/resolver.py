@@ -133,7 +133,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                 raise api.RendezvousTimeoutError(
                     f"{members.size} of min_workers={count} workers admitted "
                     f"by the rendezvous {self._client.endpoint} within "
-                    f"{timeout:.3g}s")
+                    f"{timeout:.3g}s. Start more worker agents (python -m "
+                    "keras_ps.elastic.launch), lower min_workers, or raise "
+                    "startup_timeout")
             known = members.version
 
     def watch(self, callback: Callable[[List[Optional[str]]], None]

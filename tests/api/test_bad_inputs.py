@@ -235,6 +235,13 @@ def cluster_sparse_indices(env):
         {"worker": {"0": "localhost:2001", "2": "localhost:2002"}})
 
 
+@case("cluster_task_keys_not_indices", ClusterConfigError,
+      "Received keys ['first']", "keys its tasks by index",
+      "Use a list of addresses")
+def cluster_task_keys_not_indices(env):
+    cluster_lib.normalize_cluster_spec({"ps": {"first": "localhost:2001"}})
+
+
 @case("cluster_job_not_a_list", ClusterConfigError,
       "Received: 'localhost:2001'", "Use a dict like {'ps': ['host:port'")
 def cluster_job_not_a_list(env):
@@ -983,6 +990,9 @@ SERVER_CASES = [
     pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002]))],
                  ["--job_name is required", "Pass --job_name ps"],
                  id="server_missing_job_name"),
+    pytest.param([], ["TF_CONFIG is not set and no --cluster_spec was given",
+                      "pass --cluster_spec JSON --job_name ps|worker"],
+                 id="server_no_task"),
     pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
                   "--job_name", "ps", "--intra_op_threads", "-2"],
                  ["--intra_op_threads -2 is negative", "Pass 0 for TF's default"],

@@ -198,8 +198,9 @@ def test_everyone_gone_resets_the_job():
 def test_min_max_mismatch_is_refused():
     state, _ = make_state()
     state.join(A, 2, 4)
-    with pytest.raises(api.RendezvousStateError, match="2:4"):
+    with pytest.raises(api.RendezvousStateError, match="2:4") as info:
         state.join(B, 1, 4)
+    assert "Start every agent of the job with --nnodes=2:4" in str(info.value)
 
 
 def test_pending_cap_refuses_joins():
@@ -208,8 +209,9 @@ def test_pending_cap_refuses_joins():
     state.join(B, 1, 1)
     state.join(C, 1, 1)
     with pytest.raises(api.RendezvousResourceExhaustedError,
-                       match="max_pending_nodes=2"):
+                       match="max_pending_nodes=2") as info:
         state.join(D, 1, 1)
+    assert "Raise max_pending_nodes (--max_pending_nodes" in str(info.value)
     state.join(B, 1, 1)  # known nodes still refresh their lease
     state.leave(C)
     state.join(D, 1, 1)
