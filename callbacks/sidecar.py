@@ -150,11 +150,22 @@ class SidecarEvaluatorModelExport(keras.callbacks.Callback):
             raise ValueError(
                 f"mode must be 'min' or 'max'. Received: mode={mode!r}.")
         self.export_filepath = path
+        self._path(1, 0)  # a bad placeholder fails here, not after an evaluation
         self.monitor = monitor
         self.mode = mode
         self.best = None
         self.exported = []  # paths written, oldest first
         self._checkpoint = None
+
+    def _path(self, epoch, step):
+        try:
+            return self.export_filepath.format(epoch=epoch, step=step)
+        except (KeyError, IndexError, ValueError) as e:
+            raise ValueError(
+                "export_filepath may hold only the placeholders {epoch} and "
+                "{step} (with a format, e.g. {epoch:03d}); a literal brace is "
+                "written twice, {{ or }}. Received: export_filepath="
+                f"{self.export_filepath!r} ({type(e).__name__}: {e}).") from None
 
     def on_checkpoint_restored(self, checkpoint):
         """Called by `SidecarEvaluator` with the checkpoint about to be
@@ -177,17 +188,11 @@ class SidecarEvaluatorModelExport(keras.callbacks.Callback):
         if not self._better(value):
             return
         checkpoint = self._checkpoint
-        try:
-            path = self.export_filepath.format(
-                # tf.train checkpoints have no epoch (None).
-                epoch=checkpoint.epoch + 1
-                if checkpoint and checkpoint.epoch is not None else 0,
-                step=checkpoint.step if checkpoint else 0)
-        except (KeyError, IndexError, ValueError) as e:
-            raise ValueError(
-                "export_filepath has a placeholder other than {epoch} and "
-                f"{{step}}. Received: export_filepath={self.export_filepath!r} "
-                f"({type(e).__name__}: {e}).") from None
+        path = self._path(
+            # tf.train checkpoints have no epoch (None).
+            checkpoint.epoch + 1
+            if checkpoint and checkpoint.epoch is not None else 0,
+            checkpoint.step if checkpoint else 0)
         directory = os.path.dirname(path) or "."
         os.makedirs(directory, exist_ok=True)
         base = os.path.basename(path)

@@ -888,6 +888,13 @@ def incremental_restore_other_model(env):
     keras_ps.IncrementalBackup(_built(_other_model()), directory).restore()
 
 
+@case("sidecar_export_unknown_placeholder", ValueError,
+      "export_filepath='best/{epoch}-{loss}.keras'", "KeyError: 'loss'",
+      "only the placeholders {epoch} and {step}", "written twice")
+def sidecar_export_unknown_placeholder(env):
+    keras_ps.callbacks.SidecarEvaluatorModelExport("best/{epoch}-{loss}.keras")
+
+
 @case("sidecar_model_not_compiled", ValueError,
       "not compiled", "model.compile(loss=")
 def sidecar_model_not_compiled(env):
