@@ -152,6 +152,19 @@ def env_float(name, default, minimum=None, above=None):
     return _check_bounds(name, raw, value, default, minimum, above)
 
 
+def env_switch(name, default):
+    """Reads a 0/1 switch. Anything else is an error that names it: "false"
+    or "off" read as a number other than 0 would turn the switch on."""
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return bool(default)
+    if raw.strip() in ("0", "1"):
+        return raw.strip() == "1"
+    raise ValueError(
+        f"Environment variable {name} must be 0 (off) or 1 (on). Received: "
+        f"{name}={raw!r}. Unset it to use the default {int(bool(default))}.")
+
+
 def env_seconds_or_auto(name):
     """Reads a seconds knob whose default is "auto" (None)."""
     raw = os.environ.get(name)

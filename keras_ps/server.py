@@ -166,7 +166,10 @@ def main(argv=None):
     # 2.5 s sooner (a worker joining a running job waits on this).
     server_lib, config_pb2 = _tf_adapter.server_modules()
     # Before the server starts: a function using them may arrive at once.
-    native = _native.load_in_server()
+    try:
+        native = _native.load_in_server()
+    except ValueError as e:  # a KERAS_PS_NATIVE that is not 0 or 1
+        return _fail(str(e))
     config = config_pb2.ConfigProto()
     config.inter_op_parallelism_threads = (
         args.inter_op_threads or max(4, os.cpu_count() or 1))

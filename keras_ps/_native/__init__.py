@@ -74,7 +74,7 @@ class NativeBuildError(RuntimeError):
 
 def enabled():
     """False when `KERAS_PS_NATIVE=0` turns the kernels off."""
-    return os.environ.get(_constants.NATIVE_ENV_VAR, "1") != "0"
+    return _constants.env_switch(_constants.NATIVE_ENV_VAR, 1)
 
 
 def _tf_dir():

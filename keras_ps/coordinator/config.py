@@ -102,9 +102,9 @@ class CoordinatorConfig:
             recovery_interval=_constants.env_float(
                 _constants.RECOVERY_INTERVAL_ENV_VAR,
                 _constants.DEFAULT_RECOVERY_INTERVAL, above=0),
-            readmit_workers=bool(_constants.env_int(
+            readmit_workers=_constants.env_switch(
                 _constants.READMIT_WORKERS_ENV_VAR,
-                _constants.DEFAULT_READMIT_WORKERS)),
+                _constants.DEFAULT_READMIT_WORKERS),
             no_worker_timeout=_constants.env_float(
                 _constants.NO_WORKER_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_NO_WORKER_TIMEOUT, minimum=0),

@@ -161,9 +161,9 @@ class IteratorRelease:
         self._lines = {}
         # fit's release and the release of dropped iterators may overlap.
         self._lock = threading.Lock()
-        self.enabled = bool(_constants.env_int(
+        self.enabled = _constants.env_switch(
             _constants.RELEASE_ITERATORS_ENV_VAR,
-            _constants.DEFAULT_RELEASE_ITERATORS))
+            _constants.DEFAULT_RELEASE_ITERATORS)
 
     def release(self, iterators, workers):
         """Hands each worker's iterator in `iterators` (a `PerWorkerValues`,

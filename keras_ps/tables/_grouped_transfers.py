@@ -56,8 +56,8 @@ _local = threading.local()
 
 def enabled():
     """Whether steps group their transfers (KERAS_PS_GROUP_TRANSFERS)."""
-    return bool(_constants.env_int(_constants.GROUP_TRANSFERS_ENV_VAR,
-                                   _constants.DEFAULT_GROUP_TRANSFERS))
+    return _constants.env_switch(_constants.GROUP_TRANSFERS_ENV_VAR,
+                                 _constants.DEFAULT_GROUP_TRANSFERS)
 
 
 def _on_ps(variable):

@@ -460,6 +460,22 @@ def env_hang_timeout_not_finite(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_readmit_workers_not_a_switch", ValueError,
+      "KERAS_PS_READMIT_WORKERS='2'", "must be 0 (off) or 1 (on)",
+      "Unset it to use the default 1")
+def env_readmit_workers_not_a_switch(env):
+    _with_env("KERAS_PS_READMIT_WORKERS", "2",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_native_not_a_switch", ValueError,
+      "KERAS_PS_NATIVE='false'", "must be 0 (off) or 1 (on)")
+def env_native_not_a_switch(env):
+    # "false" once left the kernels on: only "0" turned them off.
+    _with_env("KERAS_PS_NATIVE", "false", lambda: keras_ps.LocalCluster(
+        num_workers=1, num_ps=1, log_dir=env.tmp()))
+
+
 @case("env_stuck_timeout_not_seconds", ValueError,
       "KERAS_PS_STUCK_TIMEOUT='20s'", "number of seconds or 'auto'",
       "0 to turn it off")
