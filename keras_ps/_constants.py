@@ -4,6 +4,7 @@ Read once, when a component that uses the knob is created; an explicit
 constructor argument wins over the environment.
 """
 
+import math
 import os
 
 # The most closures of one function the coordinator packs into a single remote
@@ -123,7 +124,7 @@ def _check_bounds(name, raw, value, default, minimum, above):
     """`value` (parsed from `raw`) within the knob's bounds, or an error
     that names the variable, its value and the default."""
     wanted = None
-    if value != value or value in (float("inf"), float("-inf")):
+    if not math.isfinite(value):
         wanted = "a finite number"
     elif above is not None and not value > above:
         wanted = f"greater than {above}"
@@ -174,7 +175,7 @@ def env_seconds_or_auto(name):
         value = float(raw)
     except ValueError:
         value = None
-    if value is None or not -float("inf") < value < float("inf"):
+    if value is None or not math.isfinite(value):
         raise ValueError(
             f"Environment variable {name} must be a number of seconds or "
             f"'auto'. Received: {name}={raw!r}. Unset it (or set 'auto') for "

@@ -47,8 +47,9 @@ class CoordinatorConfig:
                 or self.max_pack < 1:
             raise ValueError(
                 f"max_pack must be an integer of at least 1. Received: "
-                f"{self.max_pack_source}={self.max_pack!r}. Use 1 to turn packing off, or leave it "
-                f"unset for the default {_constants.DEFAULT_MAX_PACK}.")
+                f"{self.max_pack_source}={self.max_pack!r}. Use 1 to turn "
+                "packing off, or leave it unset for the default "
+                f"{_constants.DEFAULT_MAX_PACK}.")
         for name in ("probe_timeout", "recovery_interval"):
             value = getattr(self, name)
             if not value > 0:
