@@ -123,6 +123,32 @@ def test_local_cluster_kill_and_restart(tmp_path):
         assert cluster_lib.wait_for_port(address, 5)
 
 
+def _holders_of_files_in(directory):
+    """Pids of the processes with a file of `directory` open."""
+    holders = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}")
+                     for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(link.startswith(directory + os.sep) for link in links):
+            holders.add(int(pid))
+    return holders
+
+
+def test_local_cluster_that_fails_to_start_stops_its_tasks(tmp_path):
+    # No task answers within a millisecond: its start fails while the
+    # tasks it launched are running, and it must not leave them running
+    # (each writes its log in log_dir, which it holds open).
+    log_dir = str(tmp_path / "logs")
+    with pytest.raises(RuntimeError, match="did not start within 0.001s"):
+        cluster_lib.LocalCluster(num_workers=1, num_ps=1, log_dir=log_dir,
+                                 start_timeout=0.001)
+    assert sorted(os.listdir(log_dir)) == ["ps-0.log", "worker-0.log"]
+    assert _holders_of_files_in(log_dir) == set()
+
+
 def _serving_line(log_dir, job):
     # The task prints it just after its port starts answering.
     def line():
