@@ -1,7 +1,8 @@
 """`python -m keras_ps.server`: run one ps or worker task until SIGTERM.
 
 The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index.
-Bad configuration ends the process with a one-line error and exit code 2.
+Bad configuration ends the process with a one-line error and exit code 2; an
+address another process holds, with one and exit code 3.
 """
 
 import argparse
@@ -20,9 +21,9 @@ from keras_ps import cluster as cluster_lib
 from keras_ps._base_errors import ClusterConfigError
 
 
-def _fail(message):
+def _fail(message, code=2):
     print(f"keras_ps.server: error: {message}", file=sys.stderr, flush=True)
-    return 2
+    return code
 
 
 def _parser():
@@ -159,8 +160,8 @@ def main(argv=None):
     if not _network.port_is_free(_network.split_address(address)[1]):
         return _fail(
             f"port of {job}:{index} ({address}) is already in use. Stop the "
-            "process holding it or give this task another port."
-        )
+            "process holding it or give this task another port.",
+            _network.EXIT_ADDRESS_TAKEN)
 
     # TF's server alone, without the rest of its Python API: serving starts
     # 2.5 s sooner (a worker joining a running job waits on this).
@@ -183,7 +184,7 @@ def main(argv=None):
         )
     except Exception as e:  # TF raises UnknownError for bind failures.
         return _fail(f"could not start {job}:{index} at {address}: "
-                     f"{str(e).splitlines()[0]}")
+                     f"{str(e).splitlines()[0]}", _network.EXIT_ADDRESS_TAKEN)
     threads = (f"{config.inter_op_parallelism_threads} inter-op threads, "
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")

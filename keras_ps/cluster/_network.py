@@ -104,6 +104,12 @@ def wait_until_answers(address, timeout, process=None):
         time.sleep(0.05)
 
 
+# The exit code of `python -m keras_ps.server` when its address cannot be
+# bound (another process holds the port). A launcher that picked the port
+# itself can pick another and start the task again.
+EXIT_ADDRESS_TAKEN = 3
+
+
 def port_is_free(port):
     """True when this machine can bind `port` (no server listens on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

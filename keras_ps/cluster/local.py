@@ -37,6 +37,12 @@ def _local_spec(num_workers, num_ps):
 
 _IN_PROCESS_SERVERS = []
 
+_START_ATTEMPTS = 3
+
+
+class _AddressTaken(Exception):
+    """A task of a starting LocalCluster found its port taken."""
+
 
 def create_in_process_cluster(num_workers, num_ps):
     """Starts ps and worker servers inside this process (as TF's tutorial does).
@@ -102,7 +108,9 @@ class LocalCluster:
 
     Each task runs `python -m keras_ps.server` in its own process, on a free
     port, and can be stopped (SIGTERM), killed (SIGKILL), paused (SIGSTOP),
-    resumed and restarted on the same address.
+    resumed and restarted on the same address. When another process takes
+    a picked port before its task binds it, the cluster starts again on new
+    ports (up to 3 starts).
 
     Args:
         num_workers: number of worker tasks.
@@ -168,15 +176,39 @@ class LocalCluster:
             except _native.NativeBuildError:
                 pass  # each task's log says why; the coordinator warns once
         try:
-            for job in ("ps", "worker"):
-                for i in range(len(self.spec[job])):
-                    self._launch(job, i)
-            for job in ("ps", "worker"):
-                for i in range(len(self.spec[job])):
-                    self._wait_ready(job, i)
+            self._start(num_workers, num_ps)
         except BaseException:
             self.shutdown()  # no task outlives a cluster that did not start
             raise
+
+    def _start(self, num_workers, num_ps):
+        # A port picked free can be taken before its task binds it: by
+        # another process's listener, or as the local port of a connection
+        # (the picked ports are in the range the kernel gives those). No
+        # task has run a step yet, so the whole cluster starts again on new
+        # ports; the task's log keeps each attempt.
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            for job in ("ps", "worker"):
+                for i in range(len(self.spec[job])):
+                    self._launch(job, i)
+            try:
+                for job in ("ps", "worker"):
+                    for i in range(len(self.spec[job])):
+                        self._wait_ready(job, i)
+                return
+            except _AddressTaken as e:
+                self.shutdown()
+                if attempt == _START_ATTEMPTS:
+                    raise RuntimeError(
+                        f"{e} in each of {_START_ATTEMPTS} starts, with new "
+                        "ports each time. Something on this machine takes "
+                        "the free ports as they are picked: stop it, or "
+                        f"start the tasks yourself on ports it leaves alone; "
+                        f"see {self.log_dir} for the tasks' logs.") from None
+                logger.warning("[cluster] %s; starting the cluster again on "
+                               "new ports", e)
+                self._procs, self._logs = {}, {}
+                self.spec = _local_spec(num_workers, num_ps)
 
     @property
     def resolver(self):
@@ -213,6 +245,10 @@ class LocalCluster:
         proc = self._procs[(job, index)]
         if not wait_for_port(self.spec[job][index], self._start_timeout, proc):
             code = proc.poll()
+            if code == _network.EXIT_ADDRESS_TAKEN:
+                raise _AddressTaken(
+                    f"another process took the port of {job}:{index} "
+                    f"({self.spec[job][index]}) before the task bound it")
             raise RuntimeError(
                 f"Task {job}:{index} " + (
                     f"exited with code {code} before it answered"

@@ -85,7 +85,7 @@ def test_server_cli_port_in_use():
         spec = {"ps": [f"localhost:{port}"], "worker": ["localhost:1"]}
         result = _server(args=["--cluster_spec", json.dumps(spec),
                                "--job_name", "ps", "--task_index", "0"])
-    assert result.returncode == 2
+    assert result.returncode == 3  # the code a launcher retries on
     assert "already in use" in result.stderr and "Traceback" not in result.stderr
 
 
@@ -146,6 +146,57 @@ def test_local_cluster_that_fails_to_start_stops_its_tasks(tmp_path):
         cluster_lib.LocalCluster(num_workers=1, num_ps=1, log_dir=log_dir,
                                  start_timeout=0.001)
     assert sorted(os.listdir(log_dir)) == ["ps-0.log", "worker-0.log"]
+    assert _holders_of_files_in(log_dir) == set()
+
+
+def _picks_giving_ps_a_taken_port(monkeypatch, taken, starts):
+    """Makes LocalCluster's port picks give ps:0 the port `taken` in its
+    first `starts` starts (a 1-worker, 1-ps cluster picks the worker's port,
+    then the ps'), and free ports otherwise."""
+    from keras_ps.cluster import local
+    real, calls = local.portpicker.pick_unused_port, []
+
+    def pick():
+        calls.append(None)
+        second_of_a_start = len(calls) % 2 == 0
+        if second_of_a_start and len(calls) <= 2 * starts:
+            return taken
+        return real()
+    monkeypatch.setattr(local.portpicker, "pick_unused_port", pick)
+
+
+def test_local_cluster_starts_again_when_a_picked_port_is_taken(
+        tmp_path, monkeypatch):
+    log_dir = str(tmp_path / "logs")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=1)
+        with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                      log_dir=log_dir) as local:
+            assert local.address("ps", 0) != f"localhost:{taken}"
+            assert cluster_lib.wait_for_port(local.address("ps", 0), 5)
+            assert cluster_lib.wait_for_port(local.address("worker", 0), 5)
+            with open(os.path.join(log_dir, "ps-0.log")) as f:
+                log = f.read()
+            assert f"(localhost:{taken}) is already in use" in log, log
+    assert _holders_of_files_in(log_dir) == set()
+
+
+def test_local_cluster_gives_up_when_every_start_finds_a_port_taken(
+        tmp_path, monkeypatch):
+    log_dir = str(tmp_path / "logs")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=3)
+        with pytest.raises(RuntimeError) as raised:
+            cluster_lib.LocalCluster(num_workers=1, num_ps=1, log_dir=log_dir)
+    message = str(raised.value)
+    assert f"took the port of ps:0 (localhost:{taken})" in message, message
+    assert "in each of 3 starts" in message and log_dir in message, message
     assert _holders_of_files_in(log_dir) == set()
 
 
