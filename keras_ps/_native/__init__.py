@@ -77,6 +77,15 @@ def enabled():
     return _constants.env_switch(_constants.NATIVE_ENV_VAR, 1)
 
 
+def check_direct_io():
+    """Refuses a `KERAS_PS_DIRECT_IO` other than 0 or 1 and writes it back
+    as exactly "0" or "1": the C++ writer reads it as on only when it is
+    "1", so "true" or " 1" would leave it off without a word."""
+    name = _constants.DIRECT_IO_ENV_VAR
+    if name in os.environ:
+        os.environ[name] = str(int(_constants.env_switch(name, 0)))
+
+
 def _tf_dir():
     # Found without importing TensorFlow: `python -m keras_ps.server` loads
     # only TF's server (see keras_ps._tf_adapter.server_modules).
@@ -205,6 +214,7 @@ def load_in_server():
     """
     if not enabled():
         return "native kernels off (KERAS_PS_NATIVE=0)"
+    check_direct_io()
     try:
         path = build()
         # Loading registers the ops and kernels with TF's registries (the
@@ -228,6 +238,7 @@ def library():
         return None
     with _library_lock:
         if _library is None and _library_error is None:
+            check_direct_io()
             try:
                 import tensorflow as tf
 

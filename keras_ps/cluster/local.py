@@ -168,6 +168,7 @@ class LocalCluster:
         self._start_timeout = start_timeout
         self._procs = {}
         self._logs = {}
+        _native.check_direct_io()  # before any task reads it
         if _native.enabled():
             # Built here, once, before the tasks start and load it: a first
             # build takes longer than a task's start-up.
@@ -252,9 +253,19 @@ class LocalCluster:
             raise RuntimeError(
                 f"Task {job}:{index} " + (
                     f"exited with code {code} before it answered"
+                    + self._error_line(job, index)
                     if code is not None else
                     f"did not start within {self._start_timeout}s")
                 + f"; see {self.log_dir}/{job}-{index}.log")
+
+    def _error_line(self, job, index):
+        """The one-line error the task's server printed last, if any."""
+        prefix = "keras_ps.server: error: "
+        with open(os.path.join(self.log_dir, f"{job}-{index}.log"),
+                  errors="replace") as f:
+            errors = [line.strip()[len(prefix):] for line in f
+                      if line.startswith(prefix)]
+        return f" ({errors[-1]})" if errors else ""
 
     def kill(self, job, index):
         """SIGKILLs a task (as a preemption would) and reaps it."""

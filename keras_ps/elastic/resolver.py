@@ -8,6 +8,7 @@ no node of the rendezvous. This module imports TensorFlow, so
 """
 
 import logging
+import math
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -66,6 +67,13 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         if not poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0 seconds. Received: "
                              f"poll_interval={poll_interval!r}.")
+        if (not isinstance(startup_timeout, (int, float))
+                or isinstance(startup_timeout, bool)
+                or not 0 <= startup_timeout < math.inf):
+            raise ValueError(
+                "startup_timeout must be a number of seconds, 0 or more: how "
+                "long cluster_spec() waits for min_workers. Received: "
+                f"startup_timeout={startup_timeout!r}.")
         self._ps = list(ps)
         self._chief = chief
         self.min_workers = min_workers

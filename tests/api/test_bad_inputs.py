@@ -282,6 +282,16 @@ def local_cluster_task_exits_at_start(env):
                           env={"PYTHONHOME": "/nonexistent"})
 
 
+@case("local_cluster_task_refuses_its_env", RuntimeError,
+      "Task ps:0 exited with code 2 before it answered",
+      "KERAS_PS_DIRECT_IO='true'", "must be 0 (off) or 1 (on)", "ps-0.log")
+def local_cluster_task_refuses_its_env(env):
+    # The tasks' own environment: the parent's check does not see it, the
+    # task's server refuses it, and the cluster's error quotes the task's.
+    keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=env.tmp(),
+                          env={"KERAS_PS_DIRECT_IO": "true"})
+
+
 @case("local_cluster_negative_intra_op_threads", ClusterConfigError,
       "intra_op_threads=-1", "share this machine's cores", "0 for TF's default")
 def local_cluster_negative_intra_op_threads(env):
@@ -473,6 +483,15 @@ def env_readmit_workers_not_a_switch(env):
 def env_native_not_a_switch(env):
     # "false" once left the kernels on: only "0" turned them off.
     _with_env("KERAS_PS_NATIVE", "false", lambda: keras_ps.LocalCluster(
+        num_workers=1, num_ps=1, log_dir=env.tmp()))
+
+
+@case("env_direct_io_not_a_switch", ValueError,
+      "KERAS_PS_DIRECT_IO='yes'", "must be 0 (off) or 1 (on)")
+def env_direct_io_not_a_switch(env):
+    # The C++ writer takes only "1" as on: "yes" would leave it off without
+    # a word.
+    _with_env("KERAS_PS_DIRECT_IO", "yes", lambda: keras_ps.LocalCluster(
         num_workers=1, num_ps=1, log_dir=env.tmp()))
 
 

@@ -91,8 +91,48 @@ def test_bringup(rdzv):
 @pytest.mark.timeout(30)
 def test_port_in_use_raises_oserror(rdzv):
     server, _ = rdzv.start()
-    with pytest.raises(OSError, match=str(server.port)):
+    with pytest.raises(OSError, match=str(server.port)) as raised:
         RendezvousServer(port=server.port).start()
+    assert "pick a free port (0: any)" in str(raised.value), raised.value
+
+
+@pytest.mark.timeout(60)
+def test_resolver_names_the_missing_workers_and_the_fix(rdzv):
+    # No agent joins: cluster_spec() gives up after startup_timeout with
+    # the count admitted, the rendezvous it asked, and what to change.
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    _, endpoint = rdzv.start()
+    resolver = ElasticClusterResolver(endpoint, ps=["localhost:1"],
+                                      min_workers=2, startup_timeout=0.5,
+                                      poll_interval=0.1)
+    started = time.monotonic()
+    with pytest.raises(api.RendezvousTimeoutError) as raised:
+        resolver.cluster_spec()
+    assert time.monotonic() - started >= 0.5
+    message = str(raised.value)
+    for needle in ("0 of min_workers=2 workers admitted", endpoint,
+                   "within 0.5s", "Start more worker agents",
+                   "raise startup_timeout"):
+        assert needle in message, message
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(startup_timeout=-1), "startup_timeout=-1"),
+    (dict(startup_timeout=float("nan")), "startup_timeout=nan"),
+    (dict(startup_timeout="60"), "startup_timeout='60'"),
+    (dict(min_workers=0), "min_workers=0"),
+    (dict(poll_interval=0), "poll_interval=0"),
+    (dict(ps=[]), "ps=[]"),
+])
+def test_resolver_refuses_bad_arguments(kwargs, needle):
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    arguments = dict(rdzv_endpoint="localhost:1", ps=["localhost:2"])
+    arguments.update(kwargs)
+    with pytest.raises(ValueError) as raised:
+        ElasticClusterResolver(**arguments)
+    assert needle in str(raised.value), raised.value
 
 
 @pytest.mark.timeout(30)
