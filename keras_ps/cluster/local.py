@@ -40,8 +40,8 @@ _IN_PROCESS_SERVERS = []
 _START_ATTEMPTS = 3
 
 
-class _AddressTaken(Exception):
-    """A task of a starting LocalCluster found its port taken."""
+class _AddressTaken(RuntimeError):
+    """A task of a LocalCluster found its port taken as it started."""
 
 
 def create_in_process_cluster(num_workers, num_ps):
@@ -228,6 +228,8 @@ class LocalCluster:
         env.pop("TF_CONFIG", None)
         env["TF_CPP_MIN_LOG_LEVEL"] = env.get("TF_CPP_MIN_LOG_LEVEL", "2")
         log_path = os.path.join(self.log_dir, f"{job}-{index}.log")
+        if (job, index) in self._logs:  # a restart: the old task's is done
+            self._logs[(job, index)].close()
         log = open(log_path, "ab")
         self._logs[(job, index)] = log
         self._procs[(job, index)] = subprocess.Popen(
@@ -297,14 +299,31 @@ class LocalCluster:
         self._procs[(job, index)].send_signal(signal.SIGCONT)
 
     def restart(self, job, index):
-        """Starts a stopped or killed task again on the same address."""
+        """Starts a stopped or killed task again on the same address.
+
+        Raises:
+            RuntimeError: the task did not start within `start_timeout`
+                seconds, or another process held its port all that time.
+        """
         proc = self._procs[(job, index)]
         if proc.poll() is None:
             self.kill(job, index)
         # The server binds with SO_REUSEADDR, so the killed process' socket
-        # in TIME_WAIT does not block the same port.
-        self._launch(job, index)
-        self._wait_ready(job, index)
+        # in TIME_WAIT does not block the same port. Another process may
+        # hold it for a while (a connection given it as its local port):
+        # the address is the cluster's, so the task tries it again.
+        deadline = time.monotonic() + self._start_timeout
+        while True:
+            self._launch(job, index)
+            try:
+                return self._wait_ready(job, index)
+            except _AddressTaken as e:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"{e}, and held it for {self._start_timeout}s; see "
+                        f"{self.log_dir}/{job}-{index}.log") from None
+                logger.warning("[cluster] %s; trying again", e)
+                time.sleep(0.5)
 
     def shutdown(self):
         for proc in self._procs.values():

@@ -4,6 +4,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import portpicker
 import pytest
@@ -198,6 +199,58 @@ def test_local_cluster_gives_up_when_every_start_finds_a_port_taken(
     assert f"took the port of ps:0 (localhost:{taken})" in message, message
     assert "in each of 3 starts" in message and log_dir in message, message
     assert _holders_of_files_in(log_dir) == set()
+
+
+def _hold(port):
+    busy = socket.socket()
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    busy.bind(("", port))
+    busy.listen()
+    return busy
+
+
+def test_local_cluster_restart_waits_for_its_port_to_be_free(tmp_path):
+    # A killed task's port, held by another process when it restarts: the
+    # task exits at once, and restart() starts it again until it binds the
+    # port (the cluster's other tasks know it by that address).
+    log_dir = str(tmp_path / "logs")
+    log = os.path.join(log_dir, "worker-0.log")
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                  log_dir=log_dir) as local:
+        address = local.address("worker", 0)
+        local.kill("worker", 0)
+        busy = _hold(int(address.rsplit(":", 1)[1]))
+
+        def refused():
+            with open(log) as f:
+                return "already in use" in f.read()
+
+        def free_once_refused():
+            wait_until(refused, 60, "the restarted task's refusal")
+            busy.close()
+        releaser = threading.Thread(target=free_once_refused)
+        releaser.start()
+        try:
+            local.restart("worker", 0)
+        finally:
+            releaser.join()
+            busy.close()
+        assert refused() and cluster_lib.wait_for_port(address, 5)
+
+
+def test_local_cluster_restart_gives_up_on_a_port_held_for_long(tmp_path):
+    log_dir = str(tmp_path / "logs")
+    with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                  log_dir=log_dir) as local:
+        address = local.address("worker", 0)
+        local.kill("worker", 0)
+        local._start_timeout = 2.0  # started: now only the restart's limit
+        with _hold(int(address.rsplit(":", 1)[1])):
+            with pytest.raises(RuntimeError) as raised:
+                local.restart("worker", 0)
+    message = str(raised.value)
+    assert f"took the port of worker:0 ({address})" in message, message
+    assert "held it for 2.0s" in message and "worker-0.log" in message
 
 
 def _serving_line(log_dir, job):
