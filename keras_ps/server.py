@@ -182,9 +182,14 @@ def main(argv=None):
             job_name=job, task_index=index, protocol="grpc", config=config,
             start=True,
         )
-    except Exception as e:  # TF raises UnknownError for bind failures.
+    except Exception as e:
+        first_line = (str(e).splitlines() or [type(e).__name__])[0]
+        # TF's UnknownError when gRPC cannot bind the port (taken since the
+        # check above); anything else is no reason to try another port.
+        taken = first_line == "Could not start gRPC server"
         return _fail(f"could not start {job}:{index} at {address}: "
-                     f"{str(e).splitlines()[0]}", _network.EXIT_ADDRESS_TAKEN)
+                     f"{first_line}",
+                     _network.EXIT_ADDRESS_TAKEN if taken else 2)
     threads = (f"{config.inter_op_parallelism_threads} inter-op threads, "
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")
