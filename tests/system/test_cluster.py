@@ -78,10 +78,17 @@ def test_server_cli_one_line_errors(tf_config, needle):
     assert "Traceback" not in result.stderr
 
 
+def _hold(port=0):
+    """A socket listening on `port` (0: a free one) of every address."""
+    busy = socket.socket()
+    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    busy.bind(("", port))
+    busy.listen()
+    return busy
+
+
 def test_server_cli_port_in_use():
-    with socket.socket() as busy:
-        busy.bind(("", 0))
-        busy.listen()
+    with _hold() as busy:
         port = busy.getsockname()[1]
         spec = {"ps": [f"localhost:{port}"], "worker": ["localhost:1"]}
         result = _server(args=["--cluster_spec", json.dumps(spec),
@@ -169,9 +176,7 @@ def _picks_giving_ps_a_taken_port(monkeypatch, taken, starts):
 def test_local_cluster_starts_again_when_a_picked_port_is_taken(
         tmp_path, monkeypatch):
     log_dir = str(tmp_path / "logs")
-    with socket.socket() as busy:
-        busy.bind(("", 0))
-        busy.listen()
+    with _hold() as busy:
         taken = busy.getsockname()[1]
         _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=1)
         with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
@@ -188,9 +193,7 @@ def test_local_cluster_starts_again_when_a_picked_port_is_taken(
 def test_local_cluster_gives_up_when_every_start_finds_a_port_taken(
         tmp_path, monkeypatch):
     log_dir = str(tmp_path / "logs")
-    with socket.socket() as busy:
-        busy.bind(("", 0))
-        busy.listen()
+    with _hold() as busy:
         taken = busy.getsockname()[1]
         _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=3)
         with pytest.raises(RuntimeError) as raised:
@@ -199,14 +202,6 @@ def test_local_cluster_gives_up_when_every_start_finds_a_port_taken(
     assert f"took the port of ps:0 (localhost:{taken})" in message, message
     assert "in each of 3 starts" in message and log_dir in message, message
     assert _holders_of_files_in(log_dir) == set()
-
-
-def _hold(port):
-    busy = socket.socket()
-    busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    busy.bind(("", port))
-    busy.listen()
-    return busy
 
 
 def test_local_cluster_restart_waits_for_its_port_to_be_free(tmp_path):
