@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import signal
@@ -157,28 +158,30 @@ def test_local_cluster_that_fails_to_start_stops_its_tasks(tmp_path):
     assert _holders_of_files_in(log_dir) == set()
 
 
-def _picks_giving_ps_a_taken_port(monkeypatch, taken, starts):
-    """Makes LocalCluster's port picks give ps:0 the port `taken` in its
-    first `starts` starts (a 1-worker, 1-ps cluster picks the worker's port,
-    then the ps'), and free ports otherwise."""
+@contextlib.contextmanager
+def _ps_port_taken(monkeypatch, starts):
+    """Holds a port and makes LocalCluster's port picks give it to ps:0 in
+    its first `starts` starts (a 1-worker, 1-ps cluster picks the worker's
+    port, then the ps'), free ports otherwise. Yields the held port."""
     from keras_ps.cluster import local
     real, calls = local.portpicker.pick_unused_port, []
+    with _hold() as busy:
+        taken = busy.getsockname()[1]
 
-    def pick():
-        calls.append(None)
-        second_of_a_start = len(calls) % 2 == 0
-        if second_of_a_start and len(calls) <= 2 * starts:
-            return taken
-        return real()
-    monkeypatch.setattr(local.portpicker, "pick_unused_port", pick)
+        def pick():
+            calls.append(None)
+            second_of_a_start = len(calls) % 2 == 0
+            if second_of_a_start and len(calls) <= 2 * starts:
+                return taken
+            return real()
+        monkeypatch.setattr(local.portpicker, "pick_unused_port", pick)
+        yield taken
 
 
 def test_local_cluster_starts_again_when_a_picked_port_is_taken(
         tmp_path, monkeypatch):
     log_dir = str(tmp_path / "logs")
-    with _hold() as busy:
-        taken = busy.getsockname()[1]
-        _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=1)
+    with _ps_port_taken(monkeypatch, starts=1) as taken:
         with cluster_lib.LocalCluster(num_workers=1, num_ps=1,
                                       log_dir=log_dir) as local:
             assert local.address("ps", 0) != f"localhost:{taken}"
@@ -193,9 +196,7 @@ def test_local_cluster_starts_again_when_a_picked_port_is_taken(
 def test_local_cluster_gives_up_when_every_start_finds_a_port_taken(
         tmp_path, monkeypatch):
     log_dir = str(tmp_path / "logs")
-    with _hold() as busy:
-        taken = busy.getsockname()[1]
-        _picks_giving_ps_a_taken_port(monkeypatch, taken, starts=3)
+    with _ps_port_taken(monkeypatch, starts=3) as taken:
         with pytest.raises(RuntimeError) as raised:
             cluster_lib.LocalCluster(num_workers=1, num_ps=1, log_dir=log_dir)
     message = str(raised.value)
