@@ -22,7 +22,8 @@ from keras_ps._base_errors import ClusterConfigError
 
 
 def _fail(message, code=2):
-    print(f"keras_ps.server: error: {message}", file=sys.stderr, flush=True)
+    print(_network.SERVER_ERROR_PREFIX + message, file=sys.stderr,
+          flush=True)
     return code
 
 

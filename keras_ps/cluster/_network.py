@@ -108,6 +108,9 @@ def wait_until_answers(address, timeout, process=None):
 # bound (another process holds the port). A launcher that picked the port
 # itself can pick another and start the task again.
 EXIT_ADDRESS_TAKEN = 3
+# What `python -m keras_ps.server` puts before its one-line errors, which a
+# launcher can quote from the task's output.
+SERVER_ERROR_PREFIX = "keras_ps.server: error: "
 
 
 def port_is_free(port):

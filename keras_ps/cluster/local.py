@@ -262,7 +262,7 @@ class LocalCluster:
 
     def _error_line(self, job, index):
         """The one-line error the task's server printed last, if any."""
-        prefix = "keras_ps.server: error: "
+        prefix = _network.SERVER_ERROR_PREFIX
         with open(os.path.join(self.log_dir, f"{job}-{index}.log"),
                   errors="replace") as f:
             errors = [line.strip()[len(prefix):] for line in f
