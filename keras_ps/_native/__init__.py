@@ -7,7 +7,8 @@ gradient's rows with a buffer of its own. `KerasPsLazyAdamRows` does it in one
 pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
 its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
-backup's row file with one copy of its bytes (TF's ops make three).
+backup's row file with one copy of its bytes (TF's ops make three);
+`KerasPsReadFile` reads one back, past the page cache when it is not cached.
 `KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
 the same floats in the same order as TF's UnsortedSegmentSum, about ten
 times faster for rows of 64 floats. They
@@ -52,7 +53,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
            for name in ("row_updates.cc", "row_files.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 4
+VERSION = 5
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine
 # (row_updates.cc compiles its row functions once per vector width and picks

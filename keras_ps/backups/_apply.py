@@ -11,6 +11,7 @@ import threading
 
 import tensorflow as tf
 
+from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _row_files
@@ -42,9 +43,10 @@ def _first_entries(entries):
 class Applier:
     """Applies entries of a backup to a catalog's variables.
 
-    Row files are read by the device that holds their rows now, one call per
-    file to a function traced once per device and shapes of the variables it
-    fills (see _apply_function).
+    Row files are read by the device that holds their rows now (with keras_ps'
+    C++ reader where every such device loaded it), one call per file to a
+    function traced once per device and shapes of the variables it fills
+    (see _apply_function).
     Bundles (small variables, whole) are read here and assigned.
 
     Args:
@@ -98,12 +100,16 @@ class Applier:
             for path, record, _ in bundles + [f for files in plan.values()
                                               for f in files]:
                 _backup_chain.check_file(path, entry, record)
+        # Asked at each restore: a ps started again may be another binary.
+        kernels = _native.kernels_on(sorted(
+            {d for _, plan, _ in plans for d in plan}))
+        following = _following_files(plans)
         for entry, plan, bundles in plans:
             self._apply_bundles(entry, bundles, devices)
-            per_device(lambda d, e=entry, p=plan: self._apply_rows(d, e, p[d]),
-                       sorted(plan))
+            per_device(lambda d, e=entry, p=plan: self._apply_rows(
+                d, e, p[d], kernels, following), sorted(plan))
 
-    def _apply_rows(self, device, entry, files):
+    def _apply_rows(self, device, entry, files, kernels, following):
         for path, record, targets in files:
             # A file whose rows all fall in a part is scattered without
             # filtering (a copy of its rows fewer).
@@ -111,9 +117,10 @@ class Applier:
                 record["min"] >= p.offset
                 and record["max"] < p.offset + p.rows for _, p in targets)
             function = self._function(device, tuple(p for _, p in targets),
-                                      contained)
+                                      contained, kernels)
             try:
                 function(tf.constant(path),
+                         tf.constant(following.get((device, path), "")),
                          tf.constant(record["bytes"], tf.int64),
                          tf.constant(record["fingerprint"], tf.int64),
                          tf.constant(record["sizes"], tf.int64),
@@ -128,13 +135,13 @@ class Applier:
                 raise _backup_chain.corrupt_file_error(
                     path, entry, reason) from error
 
-    def _function(self, device, parts, contained):
+    def _function(self, device, parts, contained, kernels):
         """The function applying a row file to `parts` (on `device`), with
         the parts' variables and first rows as its arguments;
         `contained[i]`: every row of the file falls in `parts[i]`."""
         function = _apply_function(
             device, tuple((p.variable.dtype, tuple(p.variable.shape))
-                          for p in parts), contained)
+                          for p in parts), contained, kernels)
         variables = [p.variable for p in parts]
         offsets = tf.constant([p.offset for p in parts], tf.int64)
         return lambda *args: function(*args, variables, offsets)
@@ -187,22 +194,23 @@ _apply_functions = {}
 _apply_functions_lock = threading.Lock()
 
 
-def _apply_function(device, specs, contained):
-    """A function `(path, length, fingerprint, sizes, components, variables,
-    offsets)` that checks the row file `path` and scatters its rows into
-    `variables` (of `specs`, on `device`; `offsets`: the global id of each
-    one's first row)."""
-    key = (device, specs, contained)
+def _apply_function(device, specs, contained, kernels):
+    """A function `(path, next_path, length, fingerprint, sizes, components,
+    variables, offsets)` that checks the row file `path` and scatters its
+    rows into `variables` (of `specs`, on `device`; `offsets`: the global id
+    of each one's first row). `kernels`: keras_ps' C++ kernels (the file's
+    reader, which reads `next_path` ahead), or None: TF's ops."""
+    key = (device, specs, contained, kernels is not None)
     with _apply_functions_lock:
         function = _apply_functions.get(key)
         if function is not None:
             return function
 
-        def apply(path, length, fingerprint, sizes, components, variables,
-                  offsets):
+        def apply(path, next_path, length, fingerprint, sizes, components,
+                  variables, offsets):
             with tf.device(device):
                 content, actual, actual_fingerprint = \
-                    _row_files.read_file(path)
+                    _row_files.read_file(path, kernels, next_path)
                 check = tf.debugging.Assert(tf.logical_and(
                     tf.equal(actual, length),
                     tf.equal(actual_fingerprint, fingerprint)),
@@ -222,6 +230,17 @@ def _apply_function(device, specs, contained):
         function = _apply_functions[key] = _tf_adapter.keep_traces(
             _tf_adapter.traced_once_each(tf.function(apply, autograph=False)))
         return function
+
+
+def _following_files(plans):
+    """{(device, path): the row file that device reads after it}, over the
+    whole chain: the file its reader asks the disk for ahead."""
+    order = {}
+    for _, plan, _ in plans:
+        for device, files in plan.items():
+            order.setdefault(device, []).extend(path for path, _, _ in files)
+    return {(device, path): after for device, paths in order.items()
+            for path, after in zip(paths, paths[1:])}
 
 
 # The message of a failed length or fingerprint check of a file.

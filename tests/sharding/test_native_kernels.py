@@ -1,6 +1,6 @@
 """keras_ps' C++ kernels (keras_ps/_native): LazyAdam's row update in one
-pass, the backups' row-file writer, and what happens where they cannot be
-used.
+pass, the backups' row-file writer and reader, and what happens where they
+cannot be used.
 
 The kernel's results are checked against a numpy reference, beside the same
 update made of TF's ops, in tests/sharding/test_rowwise_updates.py
@@ -11,6 +11,7 @@ compiler, and tasks that did not load them, train with TF's ops and say why.
 
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -341,6 +342,75 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
     for setting in ("0", None):
         resident, pages = seen[setting]
         assert resident >= pages // 2, seen  # the check sees cached pages
+
+
+def _drop_from_cache(path):
+    """Asks the kernel to drop the file's pages from the page cache; whether
+    it did is for `_cached_pages` to say (tmpfs keeps them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, 3 * 2**20 + 5])
+@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
+def test_the_row_file_reader_reads_what_tf_ops_read(size, cold, tmp_path):
+    # KerasPsReadFile gives the file's bytes, length and fingerprint as
+    # tf.io.read_file and tf.fingerprint do, from the page cache or not.
+    from keras_ps.backups import _row_files
+
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    path = str(tmp_path / "rows.0")
+    data = np.random.default_rng(size).integers(
+        0, 256, size, dtype=np.uint8).tobytes()
+    with open(path, "wb") as f:
+        f.write(data)
+    if cold:
+        _drop_from_cache(path)
+    content, length, fingerprint = _row_files.read_file(path, lib)
+    expected = _row_files.read_file(path)  # TF's ops
+    assert content.numpy() == data == expected[0].numpy()
+    assert int(length) == size == int(expected[1])
+    assert int(fingerprint) == int(expected[2])
+
+
+def test_the_row_file_reader_reads_the_next_file_ahead(tmp_path):
+    # A restore reads its files one by one; reading one starts a thread
+    # that reads the next into the page cache, so the disk reads it while
+    # this one is applied.
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    first, after = str(tmp_path / "rows.0"), str(tmp_path / "rows.1")
+    for path in (first, after):
+        with open(path, "wb") as f:
+            f.write(os.urandom(4 * 2**20))
+    _drop_from_cache(after)
+    resident, pages = _cached_pages(after)
+    if resident:
+        pytest.skip(f"{tmp_path} ({_filesystem(tmp_path)}) kept the pages")
+    lib.keras_ps_read_file(first, after)
+    deadline = time.monotonic() + 60
+    while _cached_pages(after)[0] < pages and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _cached_pages(after) == (pages, pages)
+
+
+def test_the_row_file_reader_names_a_missing_file(tmp_path):
+    # The error names the file (a restore names it as a corrupt backup's);
+    # a next file that is missing costs the read nothing.
+    lib = _native.library()
+    assert lib is not None, "the kernels could not be built on this machine"
+    missing = str(tmp_path / "rows.0")
+    with pytest.raises(tf.errors.NotFoundError, match=missing):
+        lib.keras_ps_read_file(missing, "")
+    present = tmp_path / "rows.1"
+    present.write_bytes(b"abc")
+    content, _, _ = lib.keras_ps_read_file(str(present), missing)
+    assert content.numpy() == b"abc"
 
 
 @pytest.mark.parametrize("direct_io", ["1", "0"], ids=["direct", "buffered"])
