@@ -8,7 +8,8 @@ pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
 its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
 backup's row file with one copy of its bytes (TF's ops make three);
-`KerasPsReadFile` reads one back, past the page cache when it is not cached.
+`KerasPsReadFile` reads one back for a restore, with a thread reading the
+next file of the restore into the page cache meanwhile.
 `KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
 the same floats in the same order as TF's UnsortedSegmentSum, about ten
 times faster for rows of 64 floats. They
