@@ -22,6 +22,7 @@ import subprocess
 import threading
 from typing import Optional, Tuple
 
+from keras_ps.cluster import _network
 from keras_ps.elastic import api
 
 logger = logging.getLogger(__name__)
@@ -179,19 +180,28 @@ class ElasticAgent:
                 return 0
             if decision is AgentDecision.RESTART:
                 self.restarts += 1
-                logger.warning("%s task failed (exit code %s); restart %s of "
-                               "%s", self._prefix, code, self.restarts,
-                               self.config.max_restarts)
+                logger.warning("%s task failed (exit code %s%s); restart %s "
+                               "of %s", self._prefix, code, self._why(code),
+                               self.restarts, self.config.max_restarts)
                 self._start_task()
                 continue
-            message = (f"task failed with exit code {code} and "
-                       f"max_restarts={self.config.max_restarts} restarts "
-                       f"are used up: {' '.join(self.config.task)}")
+            message = (f"task failed with exit code {code}{self._why(code)} "
+                       f"and max_restarts={self.config.max_restarts} "
+                       f"restarts are used up: {' '.join(self.config.task)}")
             logger.error("%s %s", self._prefix, message)
             print(f"keras_ps.elastic.agent: error: {message}", flush=True)
             return 1
         logger.info("%s stop requested", self._prefix)
         return 0
+
+    def _why(self, code):
+        """What an exit code of a keras_ps server task means, where it
+        names a cause ("" for the others)."""
+        if code == _network.EXIT_ADDRESS_TAKEN:
+            return (f": keras_ps.server's code for an address another "
+                    f"process holds; free {self.config.address} or give the "
+                    f"agent another --address")
+        return ""
 
     def _poll(self) -> TaskStatus:
         code = self._process.poll()

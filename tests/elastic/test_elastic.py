@@ -6,6 +6,7 @@ stopped at the end; waits are on conditions with deadlines."""
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -46,8 +47,8 @@ def agents(tmp_path):
     """Starts agent subprocesses; kills any still running at the end."""
     started = []
 
-    def start(endpoint, task, *flags, nnodes="1:2"):
-        address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    def start(endpoint, task, *flags, nnodes="1:2", address=None):
+        address = address or f"127.0.0.1:{portpicker.pick_unused_port()}"
         log = tmp_path / f"agent-{len(started)}.log"
         with open(log, "wb") as out:
             process = subprocess.Popen(
@@ -93,6 +94,28 @@ def test_agent_restarts_failing_task_then_gives_up(rdzv, agents):
     assert text.count("restart ") >= 2, text
     # It left the rendezvous on its way out.
     assert address not in client().list_members().addresses
+
+
+@pytest.mark.timeout(240)
+def test_agent_names_an_address_another_process_holds(rdzv, agents):
+    # The worker's server cannot bind the agent's address (a process
+    # listens there) and exits 3: the agent's error names the address and
+    # the fix, not the bare exit code.
+    endpoint, _ = rdzv
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        process, _, log = agents(
+            endpoint, [sys.executable, "-m", "keras_ps.server", "--job_name",
+                       "worker", "--task_index", "0", "--cluster_spec",
+                       '{"worker": ["{address}"]}'],
+            "--max_restarts=0", address=address)
+        assert process.wait(200) == 1
+    text = log.read_text()
+    assert "exit code 3: keras_ps.server's code for an address another " \
+        f"process holds; free {address} or give the agent another " \
+        "--address" in text, text
 
 
 @pytest.mark.timeout(60)
