@@ -210,7 +210,9 @@ DEFAULT_SAVE_CHUNK_BYTES = 64 * 2**20
 # updates made of TF's ops everywhere. Built once per machine and TF install into
 # CACHE_DIR_ENV_VAR's directory (default ~/.cache/keras_ps).
 NATIVE_ENV_VAR = "KERAS_PS_NATIVE"
-# 1: the C++ row-file writer writes with O_DIRECT where the disk takes it
-# (it reads the variable itself; keras_ps checks and normalises it first).
+# Which backup row files the C++ writer writes with O_DIRECT where the disk
+# takes it: unset, a delta's (full backups and compactions go through the
+# page cache); 1 every file; 0 none. The writer reads the variable itself;
+# keras_ps checks and normalises it first.
 DIRECT_IO_ENV_VAR = "KERAS_PS_DIRECT_IO"
 CACHE_DIR_ENV_VAR = "KERAS_PS_CACHE_DIR"

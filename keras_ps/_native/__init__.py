@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
            for name in ("row_updates.cc", "row_files.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 5
+VERSION = 6
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine
 # (row_updates.cc compiles its row functions once per vector width and picks
@@ -81,11 +81,25 @@ def enabled():
 
 def check_direct_io():
     """Refuses a `KERAS_PS_DIRECT_IO` other than 0 or 1 and writes it back
-    as exactly "0" or "1": the C++ writer reads it as on only when it is
-    "1", so "true" or " 1" would leave it off without a word."""
+    as exactly "0" or "1" (an empty one is removed: the default). The C++
+    writer reads "1" as every row file written with O_DIRECT, "0" as none,
+    anything else as unset (a delta's files only), so "true" or " 1" would
+    have done something else without a word."""
     name = _constants.DIRECT_IO_ENV_VAR
-    if name in os.environ:
-        os.environ[name] = str(int(_constants.env_switch(name, 0)))
+    raw = os.environ.get(name)
+    if raw is None:
+        return
+    if raw.strip() == "":
+        del os.environ[name]
+    elif raw.strip() in ("0", "1"):
+        os.environ[name] = raw.strip()
+    else:
+        raise ValueError(
+            f"Environment variable {name} must be 0 (off: every backup row "
+            f"file through the page cache) or 1 (on: every one with "
+            f"O_DIRECT). Received: {name}={raw!r}. Unset it for the default: "
+            "a delta's row files with O_DIRECT, full backups through the "
+            "page cache.")
 
 
 def _tf_dir():

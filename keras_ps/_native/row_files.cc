@@ -10,16 +10,19 @@
 // serialize_tensor (a copy of each tensor), strings.join (a copy of them all)
 // and write_file: about 150 ms for a 62 MB file here against 30-60 ms.
 //
-// With KERAS_PS_DIRECT_IO=1, on a filesystem of a local disk (ext4, XFS,
-// Btrfs), the file is written with O_DIRECT: its bytes go from the op's
-// buffer to the disk, not through the page cache. A buffered write copies
-// them into the cache, and the kernel spends CPU again writing them back
-// and dropping them when an old backup is deleted: at a backup every 100
-// steps that is hundreds of MB a second on the cores that train. But a
-// restore on the same machine then reads the disk instead of the cache, so
-// it is not the default. Elsewhere (NFS, tmpfs, overlay, FUSE), or when
-// the filesystem refuses O_DIRECT, the file is written through TF's Env.
-// The bytes are the same.
+// On a filesystem of a local disk (ext4, XFS, Btrfs), a file may be
+// written with O_DIRECT: its bytes go from the op's buffer to the disk, not
+// through the page cache. A buffered write copies them into the cache, and
+// the kernel spends CPU again writing them back and dropping them when an
+// old backup is deleted: at a delta every 100 steps that is hundreds of MB
+// a second on the cores that train. But a restore on the same machine then
+// reads those files from the disk instead of the cache. So the caller says
+// which files are written so (attr direct_by_default: a delta's, written
+// often and small; not a full backup's, which a restore reads most of),
+// and KERAS_PS_DIRECT_IO, when set, overrides it for every file: 1 all of
+// them, 0 none. Elsewhere (NFS, tmpfs, overlay, FUSE), or when the
+// filesystem refuses O_DIRECT, the file is written through TF's Env. The
+// bytes are the same.
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -127,10 +130,15 @@ struct AlignedBuffer {
   }
 };
 
-// Whether a file at `path`, in `folder`, is written with O_DIRECT.
-bool DirectIoAllowed(const std::string& path, const std::string& folder) {
+// Whether a file at `path`, in `folder`, is written with O_DIRECT: as
+// KERAS_PS_DIRECT_IO says ("1" or "0"), else as `by_default` says; only on
+// a local disk's filesystem either way.
+bool DirectIoAllowed(const std::string& path, const std::string& folder,
+                     bool by_default) {
   const char* setting = std::getenv("KERAS_PS_DIRECT_IO");
-  if (setting == nullptr || std::string(setting) != "1") return false;
+  const bool wanted = setting == nullptr ? by_default
+                                         : std::string(setting) == "1";
+  if (!wanted) return false;
   if (path.find("://") != std::string::npos) return false;  // not a local path
   struct statfs fs;
   if (statfs(folder.empty() ? "." : folder.c_str(), &fs) != 0) return false;
@@ -181,6 +189,7 @@ REGISTER_OP("KerasPsWriteTensors")
     .Input("tensors: T")
     .Attr("T: list({float, double, int32, int64, half, bfloat16, int8, "
           "uint8, int16, uint16, uint32, uint64, bool})")
+    .Attr("direct_by_default: bool = false")
     .Output("length: int64")
     .Output("fingerprint: int64")
     .Output("sizes: int64")
@@ -194,7 +203,9 @@ REGISTER_OP("KerasPsWriteTensors")
 
 class WriteTensorsOp : public OpKernel {
  public:
-  explicit WriteTensorsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit WriteTensorsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("direct_by_default", &direct_by_default_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& filename = ctx->input(0);
@@ -240,7 +251,7 @@ class WriteTensorsOp : public OpKernel {
     const std::string folder(tensorflow::io::Dirname(path));
     OP_REQUIRES_OK(ctx, env->RecursivelyCreateDir(folder));
     bool written = false;
-    if (DirectIoAllowed(path, folder)) {
+    if (DirectIoAllowed(path, folder, direct_by_default_)) {
       OP_REQUIRES_OK(ctx, WriteDirect(path, content.data, total, &written));
     }
     if (!written) {
@@ -260,6 +271,9 @@ class WriteTensorsOp : public OpKernel {
       content.Release();  // not more than two blocks' worth kept
     }
   }
+
+ private:
+  bool direct_by_default_ = false;
 };
 REGISTER_KERNEL_BUILDER(Name("KerasPsWriteTensors").Device(tensorflow::DEVICE_CPU),
                         WriteTensorsOp);

@@ -103,7 +103,8 @@ class Writer:
                     [None if g.kind == "bundle" else t[0]
                      for g, t in zip(groups, taken)],
                     [t if g.kind == "bundle" else t[1:]
-                     for g, t in zip(groups, taken)], kernels=kernels)
+                     for g, t in zip(groups, taken)], kernels=kernels,
+                    direct=True)  # a snapshot is a delta's
 
             def free():
                 # A call of its own, after the write returned: emptied in
@@ -283,12 +284,13 @@ class Writer:
 
 
 def _write_groups(prefix, groups, ids, sources, names=None, offsets=None,
-                  kernels=None):
+                  kernels=None, direct=False):
     """Writes each group (its rows `ids[i]` of `sources[i]`, or, for a
     bundle, `sources[i]` whole), each on its device; the records of each.
     `names`, `offsets`: the groups' names and first rows as tensors (a
     shared function's arguments); None: the groups' own. `kernels`: keras_ps'
-    C++ kernels (the files' writer), or None: TF's ops."""
+    C++ kernels (the files' writer), or None: TF's ops. `direct`: the files
+    are a delta's (see `_row_files.write_rows`)."""
     block_bytes = _row_chunks.chunk_bytes()
     records = []
     for i, (group, group_ids, group_sources) in enumerate(
@@ -299,12 +301,13 @@ def _write_groups(prefix, groups, ids, sources, names=None, offsets=None,
         with tf.device(group.device):
             if group.kind == "bundle":
                 records.append(_row_files.write_whole(
-                    tf.strings.join([path, ".0"]), group_sources, kernels))
+                    tf.strings.join([path, ".0"]), group_sources, kernels,
+                    direct))
                 continue
             records.append(_row_files.write_rows(
                 path, group_ids, offset, group_sources,
                 _row_files.rows_per_block(group_sources, block_bytes),
-                kernels=kernels))
+                kernels=kernels, direct=direct))
     return records
 
 
@@ -349,8 +352,10 @@ def _write_function(device, full, specs, kernels):
                     ids.append(_rows_to_write(
                         marks, int(first.shape[0]) if first.shape.rank else 1,
                         since))
+            # A delta's files are written past the page cache, a full
+            # backup's (most of what a restore reads) through it.
             return _write_groups(prefix, layouts, ids, variables, names,
-                                 offsets, kernels)
+                                 offsets, kernels, direct=not full)
 
         function = _write_functions[key] = _tf_adapter.keep_traces(
             _tf_adapter.traced_once_each(tf.function(write, autograph=False)))

@@ -14,9 +14,10 @@ global row ids, then of the rows of each variable of the group, in order
 whole) is the same without the ids. The manifest records each part's size,
 and the file's length and farmhash fingerprint, checked before it is parsed.
 Written with keras_ps' C++ writer (`KerasPsWriteTensors`, one copy of the
-bytes) and read with its reader (`KerasPsReadFile`, which reads the next
-file ahead) where the ps has loaded them, else with TF's ops (three copies
-to write): the same bytes either way.
+bytes; a delta's files past the page cache, see `write_rows`) and read with
+its reader (`KerasPsReadFile`, which reads the next file ahead) where the ps
+has loaded them, else with TF's ops (three copies to write): the same bytes
+either way.
 """
 
 import math
@@ -47,7 +48,7 @@ def _rows(variable, local_ids):
 
 
 def write_rows(prefix, local_ids, offset, sources, block_rows,
-               first_block=0, kernels=None):
+               first_block=0, kernels=None, direct=False):
     """Writes rows `local_ids` of `sources` to files `prefix + ".0"`,
     `prefix + ".1"`, ..., `block_rows` rows each (numbered from
     `first_block`). Run it under the device holding the sources (inside a
@@ -64,6 +65,11 @@ def write_rows(prefix, local_ids, offset, sources, block_rows,
         block_rows: rows per file.
         kernels: keras_ps' C++ kernels (keras_ps._native.kernels_on the
             device), or None: TF's ops write the files.
+        direct: True for a delta's files: `kernels`' writer writes them
+            with O_DIRECT on a local disk, not through the page cache
+            (training is not slowed by the kernel's copy and writing back,
+            and a restore reads them from the disk), unless
+            `KERAS_PS_DIRECT_IO` says otherwise (1: every file so, 0: none).
 
     Returns:
         An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(sources),
@@ -85,7 +91,7 @@ def write_rows(prefix, local_ids, offset, sources, block_rows,
             for s in sources]
         length, content_print, sizes = _write(tf.strings.join(
             [prefix, ".", tf.strings.as_string(block + first_block)]),
-            tensors, kernels)
+            tensors, kernels, direct)
         values = (length, content_print, tf.size(ids, out_type=tf.int64),
                   tf.reduce_min(ids) + offset, tf.reduce_max(ids) + offset,
                   *tf.unstack(sizes, len(tensors)))
@@ -105,13 +111,14 @@ def gather_rows(local_ids, variables):
     return [_rows(v, local_ids) for v in variables]
 
 
-def write_whole(path, sources, kernels=None):
+def write_whole(path, sources, kernels=None, direct=False):
     """Writes `sources` whole into one file (a *bundle* of small
     variables): the serialized value of each, in order, with no ids. Run it
     under the device holding them.
 
     Args:
         sources: `tf.Variable`s, or their values (a snapshot).
+        direct: as `write_rows`'.
 
     Returns:
         An int64 tensor of shape `[len(RECORD_FIELDS) + len(sources), 1]`,
@@ -119,7 +126,8 @@ def write_whole(path, sources, kernels=None):
     """
     length, content_print, sizes = _write(path, [
         tf.raw_ops.ReadVariableOp(resource=s.handle, dtype=s.dtype)
-        if isinstance(s, tf.Variable) else s for s in sources], kernels)
+        if isinstance(s, tf.Variable) else s for s in sources], kernels,
+        direct)
     zero = tf.constant(0, tf.int64)
     return tf.reshape(tf.stack(
         [length, content_print, zero, zero, zero]
@@ -130,11 +138,13 @@ def _length(string):
     return tf.cast(tf.strings.length(string), tf.int64)
 
 
-def _write(path, tensors, kernels):
+def _write(path, tensors, kernels, direct=False):
     """Writes the concatenation of `tensors` serialized to `path`; returns
-    its length, its fingerprint and the size of each part (int64)."""
+    its length, its fingerprint and the size of each part (int64).
+    `direct`: as `write_rows`' (TF's ops write through the page cache)."""
     if kernels is not None and all(t.dtype != tf.string for t in tensors):
-        return kernels.keras_ps_write_tensors(path, tensors)
+        return kernels.keras_ps_write_tensors(path, tensors,
+                                              direct_by_default=direct)
     parts = [tf.io.serialize_tensor(t) for t in tensors]
     content = tf.strings.join(parts)
     tf.io.write_file(path, content)

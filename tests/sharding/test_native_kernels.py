@@ -20,6 +20,7 @@ import tensorflow as tf
 import keras_ps
 from keras_ps import _native
 from keras_ps.tables import _sharded_weights
+from _page_cache import cached_pages, drop_from_cache, filesystem
 from _paths import TESTS
 from _results import last_report, run_child
 
@@ -285,44 +286,14 @@ def test_the_row_file_writer_writes_the_bytes_of_tf_ops(tensors, direct_io,
         assert parsed.numpy().tobytes() == value.numpy().tobytes()
 
 
-def _cached_pages(path):
-    """Pages of the file at `path` in the page cache (mincore)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t,
-                             ctypes.c_char_p]
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), size,
-                                          access=mmap.ACCESS_COPY) as m:
-        address = ctypes.addressof(ctypes.c_char.from_buffer(m))
-        vector = ctypes.create_string_buffer(pages)
-        assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
-        resident = sum(byte & 1 for byte in vector.raw)
-    return resident, pages
-
-
-def _filesystem(path):
-    """The type of the filesystem holding `path` (/proc/self/mounts)."""
-    path, best = os.path.realpath(path), ("", "")
-    with open("/proc/self/mounts") as mounts:
-        for line in mounts:
-            _, point, kind = line.split()[:3]
-            if (path == point or path.startswith(point.rstrip("/") + "/")) \
-                    and len(point) > len(best[0]):
-                best = (point, kind)
-    return best[1]
-
-
 def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
         tmp_path, monkeypatch):
-    # With KERAS_PS_DIRECT_IO=1, on ext4, XFS or Btrfs, a row file is
-    # written with O_DIRECT: none of its pages is left in the page cache
-    # (the kernel neither copies them there nor writes them back later).
-    # Unset (the default) or 0, it goes through the cache.
-    kind = _filesystem(tmp_path)
+    # On ext4, XFS or Btrfs a row file is written with O_DIRECT (none of
+    # its pages is left in the page cache: the kernel neither copies them
+    # there nor writes them back later) when the caller asks for it
+    # (direct_by_default: a delta's files) and KERAS_PS_DIRECT_IO is unset,
+    # or whenever KERAS_PS_DIRECT_IO=1; else through the cache.
+    kind = filesystem(tmp_path)
     if kind not in ("ext4", "xfs", "btrfs"):
         pytest.skip(f"{tmp_path} is on {kind}, which is written buffered")
     lib = _native.library()
@@ -334,25 +305,17 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
             monkeypatch.delenv("KERAS_PS_DIRECT_IO", raising=False)
         else:
             monkeypatch.setenv("KERAS_PS_DIRECT_IO", setting)
-        path = str(tmp_path / f"rows-{setting}.0")
-        lib.keras_ps_write_tensors(path, rows)
-        seen[setting] = _cached_pages(path)
-    resident, pages = seen["1"]
-    assert pages > 200 and resident == 0, seen
-    for setting in ("0", None):
-        resident, pages = seen[setting]
-        assert resident >= pages // 2, seen  # the check sees cached pages
-
-
-def _drop_from_cache(path):
-    """Asks the kernel to drop the file's pages from the page cache; whether
-    it did is for `_cached_pages` to say (tmpfs keeps them)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        for by_default in (True, False):
+            path = str(tmp_path / f"rows-{setting}-{by_default}.0")
+            lib.keras_ps_write_tensors(path, rows,
+                                       direct_by_default=by_default)
+            seen[setting, by_default] = cached_pages(path)
+    assert all(pages > 200 for _, pages in seen.values()), seen
+    for (setting, by_default), (resident, pages) in seen.items():
+        if setting == "1" or (setting is None and by_default):
+            assert resident == 0, seen
+        else:
+            assert resident >= pages // 2, seen  # the check sees cached pages
 
 
 @pytest.mark.parametrize("size", [0, 1, 4097, 3 * 2**20 + 5])
@@ -370,7 +333,7 @@ def test_the_row_file_reader_reads_what_tf_ops_read(size, cold, tmp_path):
     with open(path, "wb") as f:
         f.write(data)
     if cold:
-        _drop_from_cache(path)
+        drop_from_cache(path)
     content, length, fingerprint = _row_files.read_file(path, lib)
     expected = _row_files.read_file(path)  # TF's ops
     assert content.numpy() == data == expected[0].numpy()
@@ -388,15 +351,15 @@ def test_the_row_file_reader_reads_the_next_file_ahead(tmp_path):
     for path in (first, after):
         with open(path, "wb") as f:
             f.write(os.urandom(4 * 2**20))
-    _drop_from_cache(after)
-    resident, pages = _cached_pages(after)
+    drop_from_cache(after)
+    resident, pages = cached_pages(after)
     if resident:
-        pytest.skip(f"{tmp_path} ({_filesystem(tmp_path)}) kept the pages")
+        pytest.skip(f"{tmp_path} ({filesystem(tmp_path)}) kept the pages")
     lib.keras_ps_read_file(first, after)
     deadline = time.monotonic() + 60
-    while _cached_pages(after)[0] < pages and time.monotonic() < deadline:
+    while cached_pages(after)[0] < pages and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _cached_pages(after) == (pages, pages)
+    assert cached_pages(after) == (pages, pages)
 
 
 def test_the_row_file_reader_names_a_missing_file(tmp_path):
