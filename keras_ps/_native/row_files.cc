@@ -18,7 +18,8 @@
 // a second on the cores that train. But a restore on the same machine then
 // reads those files from the disk instead of the cache. So the caller says
 // which files are written so (attr direct_by_default: a delta's, written
-// often and small; not a full backup's, which a restore reads most of),
+// often and small next to the table; not a full backup's, which a restore
+// reads most of),
 // and KERAS_PS_DIRECT_IO, when set, overrides it for every file: 1 all of
 // them, 0 none. Elsewhere (NFS, tmpfs, overlay, FUSE), or when the
 // filesystem refuses O_DIRECT, the file is written through TF's Env. The

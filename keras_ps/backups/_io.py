@@ -174,13 +174,14 @@ class Writer:
 
         return self._describe(per_device(write, sorted(devices)))
 
-    def _block_function(self, group, changed):
+    def _block_function(self, group, changed, direct):
         """(function writing one block of `group`'s row files, rows per
         block); the function takes the prefix, the block number, a
         generation `since` and the number of the file it writes. `changed`:
         of a table, only the rows of the block marked after `since` are
-        written (a block with none writes no file)."""
-        key = (id(group), "block", changed)
+        written (a block with none writes no file). `direct`: the files
+        are a delta's (see `_row_files.write_rows`)."""
+        key = (id(group), "block", changed, direct)
         if key not in self._functions:
             block_rows = _row_files.rows_per_block(
                 group.variables, _row_chunks.chunk_bytes())
@@ -200,20 +201,21 @@ class Writer:
                     return _row_files.write_rows(
                         tf.strings.join([prefix, group.name]), ids, offset,
                         group.variables, block_rows, first_block=number,
-                        kernels=kernels)
+                        kernels=kernels, direct=direct)
 
             self._functions[key] = (_tf_adapter.traced_once_each(
                 tf.function(write, autograph=False)), block_rows)
         return self._functions[key]
 
-    def _bundle_function(self, group):
-        key = (id(group), "bundle")
+    def _bundle_function(self, group, direct):
+        key = (id(group), "bundle", direct)
         if key not in self._functions:
             kernels = self._kernels
             self._functions[key] = _tf_adapter.traced_once_each(tf.function(
                 lambda prefix: _write_groups(prefix, [group], [None],
                                              [group.variables],
-                                             kernels=kernels)[0],
+                                             kernels=kernels,
+                                             direct=direct)[0],
                 autograph=False))
         return self._functions[key]
 
@@ -235,15 +237,19 @@ class Writer:
         Returns:
             (file records for the manifest, rows of tables written).
         """
+        # Deltas merged into one are written past the page cache as a
+        # delta is; a full backup through it.
+        direct = since is not None
+
         def write(device):
             groups, records = self._groups(device), []
             for group in groups:
                 if group.kind == "bundle":
-                    records.append(self._bundle_function(group)(
+                    records.append(self._bundle_function(group, direct)(
                         tf.constant(prefix)).numpy())
                     continue
                 function, block_rows = self._block_function(
-                    group, since is not None and group.table)
+                    group, since is not None and group.table, direct)
                 columns = []
                 for block in range(-(-group.parts[0].rows // block_rows)):
                     if before_block is not None:

@@ -1,8 +1,9 @@
 """Which files of an incremental backup the ps write past the page cache (on
 the shared real cluster, whose ps run with KERAS_PS_DIRECT_IO unset): a
-delta's, written every few hundred steps, go straight to the disk, so the
-kernel's copying and writing back does not slow the steps; a full backup's,
-which a restore on the same machine reads most of, stay in the cache."""
+delta's (merged deltas too), written every few hundred steps, go straight to
+the disk, so the kernel's copying and writing back does not slow the steps;
+a full backup's, which a restore on the same machine reads most of, stay in
+the cache."""
 
 import json
 import os
@@ -14,10 +15,11 @@ import pytest
 import keras_ps
 from keras_ps.backups import _chain
 from _page_cache import cached_pages, filesystem
+from _polling import wait_until
 
 pytestmark = pytest.mark.timeout(240)
 
-ROWS, DIM, IDS, BATCH = 4000, 64, 8, 64
+ROWS, DIM, IDS, BATCH = 40_000, 64, 8, 64
 
 
 def _train(model, seed):
@@ -27,17 +29,15 @@ def _train(model, seed):
     model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=2, verbose=0)
 
 
-def _row_files(directory, entry):
-    """The paths of the row files (not the bundles of small variables) of
-    backup entry `entry`, as the manifest lists them."""
+def _entries(directory):
+    """{entry id: (its manifest entry, paths of its row files)}: the row
+    files, not the bundles of small variables."""
     with open(os.path.join(directory, _chain.MANIFEST_FILE)) as f:
         manifest = json.load(f)
-    for chain in manifest["chains"]:
-        for listed in chain:
-            if listed["id"] == entry.id:
-                return [os.path.join(directory, listed["folder"], f["file"])
-                        for f in listed["files"] if f["kind"] != "bundle"]
-    raise AssertionError(f"backup {entry.id} is not in {manifest}")
+    return {entry["id"]: (entry, [
+        os.path.join(directory, entry["folder"], f["file"])
+        for f in entry["files"] if f["kind"] != "bundle"])
+        for chain in manifest["chains"] for entry in chain}
 
 
 @pytest.mark.parametrize("background_deltas", [False, True],
@@ -57,21 +57,34 @@ def test_a_deltas_row_files_skip_the_page_cache_a_full_backups_do_not(
             keras.layers.Dense(1)])
         model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse")
     directory = str(tmp_path / "backup")
+    # A compaction due at the second delta: about 2,000 rows changed of
+    # 40,000, so it merges the deltas instead of writing a full backup.
     backup = keras_ps.IncrementalBackup(model, directory, min_table_bytes=0,
+                                        max_deltas=1,
                                         background_deltas=background_deltas)
-    _train(model, 0)
-    full = backup.save()
-    _train(model, 1)
-    delta = backup.save()
+    saved = []
+    for seed in range(3):
+        _train(model, seed)
+        saved.append(backup.save())
+        backup.wait()
+    full, delta, _ = saved
+    wait_until(lambda: not backup.compacting, 120, "the compaction")
+    _train(model, 3)
+    sealing = backup.save()  # publishes the merged delta with it
     backup.wait()
-    assert (full.kind, delta.kind) == ("full", "delta")
+    assert [e.kind for e in saved + [sealing]] == ["full"] + ["delta"] * 3
 
-    seen = {}
-    for entry in (full, delta):
-        files = _row_files(directory, entry)
-        assert files, (entry, sorted(os.listdir(directory)))
-        seen[entry.kind] = [cached_pages(f) for f in files]
-    # About 1,000 rows of 64 floats and 2 slots: over a hundred pages.
-    assert sum(pages for _, pages in seen["delta"]) > 100, seen
-    assert all(resident == 0 for resident, _ in seen["delta"]), seen
-    assert all(resident >= pages // 2 for resident, pages in seen["full"]), seen
+    entries = _entries(directory)
+    merged = [i for i, (entry, _) in entries.items() if entry.get("fuzzy")]
+    assert len(merged) == 1 and entries[merged[0]][0]["kind"] == "delta", \
+        entries
+    seen = {what: [cached_pages(path) for path in entries[i][1]]
+            for what, i in [("full", full.id), ("delta", delta.id),
+                            ("merged", merged[0]), ("sealing", sealing.id)]}
+    assert all(seen.values()), seen  # each of them has row files
+    for what in ("delta", "merged", "sealing"):
+        # About 1,000 rows of 64 floats and 2 slots: over a hundred pages.
+        assert sum(pages for _, pages in seen[what]) > 100, seen
+        assert all(resident == 0 for resident, _ in seen[what]), (what, seen)
+    assert all(resident >= pages // 2 for resident, pages in seen["full"]), \
+        seen
