@@ -80,26 +80,26 @@ def enabled():
 
 
 def check_direct_io():
-    """Refuses a `KERAS_PS_DIRECT_IO` other than 0 or 1 and writes it back
-    as exactly "0" or "1" (an empty one is removed: the default). The C++
-    writer reads "1" as every row file written with O_DIRECT, "0" as none,
-    anything else as unset (a delta's files only), so "true" or " 1" would
-    have done something else without a word."""
+    """Refuses a `KERAS_PS_DIRECT_IO` other than 0, 1 or deltas and writes it
+    back exactly so (an empty one is removed: the default, 0). The C++
+    writer reads "1" as every backup row file written with O_DIRECT,
+    "deltas" as a delta's files only, anything else as none, so "true" or
+    " 1" would have left it off without a word."""
     name = _constants.DIRECT_IO_ENV_VAR
     raw = os.environ.get(name)
     if raw is None:
         return
     if raw.strip() == "":
         del os.environ[name]
-    elif raw.strip() in ("0", "1"):
+    elif raw.strip() in ("0", "1", "deltas"):
         os.environ[name] = raw.strip()
     else:
         raise ValueError(
-            f"Environment variable {name} must be 0 (off: every backup row "
-            f"file through the page cache) or 1 (on: every one with "
-            f"O_DIRECT). Received: {name}={raw!r}. Unset it for the default: "
-            "a delta's row files with O_DIRECT, full backups through the "
-            "page cache.")
+            f"Environment variable {name} must be 0 (off, the default: every "
+            "backup row file through the page cache), deltas (a delta's row "
+            "files with O_DIRECT, full backups through the page cache) or 1 "
+            f"(every row file with O_DIRECT). Received: {name}={raw!r}. "
+            "Unset it for the default.")
 
 
 def _tf_dir():

@@ -15,13 +15,12 @@
 // through the page cache. A buffered write copies them into the cache, and
 // the kernel spends CPU again writing them back and dropping them when an
 // old backup is deleted: at a delta every 100 steps that is hundreds of MB
-// a second on the cores that train. But a restore on the same machine then
-// reads those files from the disk instead of the cache. So the caller says
-// which files are written so (attr direct_by_default: a delta's, written
-// often and small next to the table; not a full backup's, which a restore
-// reads most of),
-// and KERAS_PS_DIRECT_IO, when set, overrides it for every file: 1 all of
-// them, 0 none. Elsewhere (NFS, tmpfs, overlay, FUSE), or when the
+// a second on the cores that train. But a restore then reads those files
+// from the disk instead of the cache, so it is opt-in, with
+// KERAS_PS_DIRECT_IO: 1 writes every file so; "deltas" the files whose
+// caller says so (attr direct_by_default: a delta's, written often and
+// small next to the table, not a full backup's, which a restore reads most
+// of); unset or 0, none. Elsewhere (NFS, tmpfs, overlay, FUSE), or when the
 // filesystem refuses O_DIRECT, the file is written through TF's Env. The
 // bytes are the same.
 
@@ -131,15 +130,14 @@ struct AlignedBuffer {
   }
 };
 
-// Whether a file at `path`, in `folder`, is written with O_DIRECT: as
-// KERAS_PS_DIRECT_IO says ("1" or "0"), else as `by_default` says; only on
-// a local disk's filesystem either way.
+// Whether a file at `path`, in `folder`, is written with O_DIRECT: every
+// file with KERAS_PS_DIRECT_IO=1, those the caller marks (`by_default`)
+// with "deltas", none otherwise; only on a local disk's filesystem.
 bool DirectIoAllowed(const std::string& path, const std::string& folder,
                      bool by_default) {
-  const char* setting = std::getenv("KERAS_PS_DIRECT_IO");
-  const bool wanted = setting == nullptr ? by_default
-                                         : std::string(setting) == "1";
-  if (!wanted) return false;
+  const char* raw = std::getenv("KERAS_PS_DIRECT_IO");
+  const std::string setting = raw == nullptr ? "" : raw;
+  if (!(setting == "1" || (setting == "deltas" && by_default))) return false;
   if (path.find("://") != std::string::npos) return false;  // not a local path
   struct statfs fs;
   if (statfs(folder.empty() ? "." : folder.c_str(), &fs) != 0) return false;

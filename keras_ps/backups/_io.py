@@ -237,8 +237,8 @@ class Writer:
         Returns:
             (file records for the manifest, rows of tables written).
         """
-        # Deltas merged into one are written past the page cache as a
-        # delta is; a full backup through it.
+        # Deltas merged into one are a delta's files (past the page cache
+        # with KERAS_PS_DIRECT_IO=deltas); a full backup's are not.
         direct = since is not None
 
         def write(device):
@@ -358,8 +358,9 @@ def _write_function(device, full, specs, kernels):
                     ids.append(_rows_to_write(
                         marks, int(first.shape[0]) if first.shape.rank else 1,
                         since))
-            # A delta's files are written past the page cache, a full
-            # backup's (most of what a restore reads) through it.
+            # A delta's files (past the page cache with
+            # KERAS_PS_DIRECT_IO=deltas), not a full backup's, which are
+            # most of what a restore reads.
             return _write_groups(prefix, layouts, ids, variables, names,
                                  offsets, kernels, direct=not full)
 

@@ -14,7 +14,7 @@ global row ids, then of the rows of each variable of the group, in order
 whole) is the same without the ids. The manifest records each part's size,
 and the file's length and farmhash fingerprint, checked before it is parsed.
 Written with keras_ps' C++ writer (`KerasPsWriteTensors`, one copy of the
-bytes; a delta's files past the page cache, see `write_rows`) and read with
+bytes; past the page cache if asked, see `write_rows`) and read with
 its reader (`KerasPsReadFile`, which reads the next file ahead) where the ps
 has loaded them, else with TF's ops (three copies to write): the same bytes
 either way.
@@ -65,11 +65,12 @@ def write_rows(prefix, local_ids, offset, sources, block_rows,
         block_rows: rows per file.
         kernels: keras_ps' C++ kernels (keras_ps._native.kernels_on the
             device), or None: TF's ops write the files.
-        direct: True for a delta's files: `kernels`' writer writes them
-            with O_DIRECT on a local disk, not through the page cache
-            (training is not slowed by the kernel's copy and writing back,
-            and a restore reads them from the disk), unless
-            `KERAS_PS_DIRECT_IO` says otherwise (1: every file so, 0: none).
+        direct: True for a delta's files: with `KERAS_PS_DIRECT_IO=deltas`
+            on the ps, `kernels`' writer writes them with O_DIRECT on a
+            local disk, not through the page cache (training is not slowed
+            by the kernel's copy and writing back; a restore reads them
+            from the disk). With 1 every file is written so, with 0 (the
+            default) none.
 
     Returns:
         An int64 tensor of shape `[len(RECORD_FIELDS) + 1 + len(sources),

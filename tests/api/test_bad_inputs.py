@@ -284,7 +284,8 @@ def local_cluster_task_exits_at_start(env):
 
 @case("local_cluster_task_refuses_its_env", RuntimeError,
       "Task ps:0 exited with code 2 before it answered",
-      "KERAS_PS_DIRECT_IO='true'", "must be 0 (off", "or 1 (on", "ps-0.log")
+      "KERAS_PS_DIRECT_IO='true'", "must be 0 (off", "deltas (a delta's",
+      "or 1 (every", "ps-0.log")
 def local_cluster_task_refuses_its_env(env):
     # The tasks' own environment: the parent's check does not see it, the
     # task's server refuses it, and the cluster's error quotes the task's.
@@ -487,11 +488,12 @@ def env_native_not_a_switch(env):
 
 
 @case("env_direct_io_not_a_switch", ValueError,
-      "KERAS_PS_DIRECT_IO='yes'", "must be 0 (off", "or 1 (on",
-      "Unset it for the default: a delta's row files with O_DIRECT")
+      "KERAS_PS_DIRECT_IO='yes'", "must be 0 (off, the default",
+      "deltas (a delta's row files with O_DIRECT", "or 1 (every row file",
+      "Unset it for the default")
 def env_direct_io_not_a_switch(env):
-    # The C++ writer takes only "1" and "0": "yes" would have meant the
-    # default without a word.
+    # The C++ writer takes only "1" and "deltas" as on: "yes" would have
+    # left it off without a word.
     _with_env("KERAS_PS_DIRECT_IO", "yes", lambda: keras_ps.LocalCluster(
         num_workers=1, num_ps=1, log_dir=env.tmp()))
 

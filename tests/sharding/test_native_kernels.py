@@ -290,9 +290,9 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
         tmp_path, monkeypatch):
     # On ext4, XFS or Btrfs a row file is written with O_DIRECT (none of
     # its pages is left in the page cache: the kernel neither copies them
-    # there nor writes them back later) when the caller asks for it
-    # (direct_by_default: a delta's files) and KERAS_PS_DIRECT_IO is unset,
-    # or whenever KERAS_PS_DIRECT_IO=1; else through the cache.
+    # there nor writes them back later) with KERAS_PS_DIRECT_IO=1, or with
+    # "deltas" when the caller marks it (direct_by_default: a delta's
+    # files); unset (the default) or 0, through the cache.
     kind = filesystem(tmp_path)
     if kind not in ("ext4", "xfs", "btrfs"):
         pytest.skip(f"{tmp_path} is on {kind}, which is written buffered")
@@ -300,7 +300,7 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
     assert lib is not None, "the kernels could not be built on this machine"
     rows = [tf.random.normal((4000, 64)), tf.range(4000, dtype=tf.int64)]
     seen = {}
-    for setting in ("1", "0", None):
+    for setting in ("1", "deltas", "0", None):
         if setting is None:
             monkeypatch.delenv("KERAS_PS_DIRECT_IO", raising=False)
         else:
@@ -312,7 +312,7 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
             seen[setting, by_default] = cached_pages(path)
     assert all(pages > 200 for _, pages in seen.values()), seen
     for (setting, by_default), (resident, pages) in seen.items():
-        if setting == "1" or (setting is None and by_default):
+        if setting == "1" or (setting == "deltas" and by_default):
             assert resident == 0, seen
         else:
             assert resident >= pages // 2, seen  # the check sees cached pages
