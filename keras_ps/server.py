@@ -170,7 +170,7 @@ def main(argv=None):
     # Before the server starts: a function using them may arrive at once.
     try:
         native = _native.load_in_server()
-    except ValueError as e:  # a KERAS_PS_NATIVE or _DIRECT_IO not 0 or 1
+    except ValueError as e:  # a KERAS_PS_NATIVE or _DIRECT_IO it refuses
         return _fail(str(e))
     config = config_pb2.ConfigProto()
     config.inter_op_parallelism_threads = (
