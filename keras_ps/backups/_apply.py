@@ -15,7 +15,7 @@ from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _row_files
-from keras_ps.backups._io import per_device
+from keras_ps.backups._per_device import per_device
 from keras_ps.tables import _row_chunks
 
 

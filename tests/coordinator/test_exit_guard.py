@@ -211,7 +211,7 @@ THREAD_START_SCRIPT = textwrap.dedent("""
     import threading
 
     from keras_ps import _exit_guard
-    from keras_ps.backups import _io
+    from keras_ps.backups import _per_device
 
     start = threading.Thread.start
 
@@ -223,7 +223,7 @@ THREAD_START_SCRIPT = textwrap.dedent("""
     threading.Thread.start = start_but_the_second_backup_thread
     ran = []
     try:
-        _io.per_device(ran.append, ["ps0", "ps1"])
+        _per_device.per_device(ran.append, ["ps0", "ps1"])
     except RuntimeError as error:
         print("RAISED", error, flush=True)
     print("RAN", *ran, flush=True)
