@@ -1,4 +1,5 @@
-"""Reading keras_ps.callbacks.BackupAndRestore's state file, for tests."""
+"""For the backup tests: reading keras_ps.callbacks.BackupAndRestore's
+state file, and a small model with a table trained row-wise."""
 
 import json
 import os
@@ -12,3 +13,23 @@ def read_backup_state(backup_dir):
             return json.load(f)
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def table_model(resolver, rows, dim, ids):
+    """Embedding(rows, dim) over `ids` ids an example, then Dense(1),
+    compiled with keras_ps' LazyAdam (its slots built). A strategy of its
+    own over `resolver` (the connection is reused) places the variables
+    from the first ps on, as for every other model of the process."""
+    import keras
+
+    import keras_ps
+
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((ids,), dtype="int32"),
+            keras.layers.Embedding(rows, dim), keras.layers.Flatten(),
+            keras.layers.Dense(1)])
+        model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse")
+        model.optimizer.build(model.trainable_variables)
+    return model

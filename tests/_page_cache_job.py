@@ -13,11 +13,11 @@ import json
 import os
 import sys
 
-import keras
 import numpy as np
 
 import keras_ps
 from keras_ps.backups import _chain
+from _backups import table_model
 from _page_cache import cached_pages
 from _polling import wait_until
 from _results import say
@@ -32,7 +32,7 @@ def _train(model, seed):
     model.fit(x, y, batch_size=BATCH, epochs=1, steps_per_epoch=2, verbose=0)
 
 
-def _row_files(directory):
+def _entries_row_files(directory):
     """{entry id: (its manifest entry, paths of its row files)}: the row
     files, not the bundles of small variables."""
     with open(os.path.join(directory, _chain.MANIFEST_FILE)) as f:
@@ -48,13 +48,7 @@ def backups_cached_pages(resolver, directory, background_deltas):
     starts a compaction, the delta that seals it); returns
     {"full" | "delta" | "merged" | "sealing": [(cached, pages) of each of
     its row files]}."""
-    strategy = keras_ps.ParameterServerStrategy(resolver)
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int32"),
-            keras.layers.Embedding(ROWS, DIM), keras.layers.Flatten(),
-            keras.layers.Dense(1)])
-        model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse")
+    model = table_model(resolver, ROWS, DIM, IDS)
     # A compaction due at the second delta: about 2,000 rows changed of
     # 40,000, so it merges the deltas instead of writing a full backup.
     backup = keras_ps.IncrementalBackup(model, directory, min_table_bytes=0,
@@ -72,7 +66,7 @@ def backups_cached_pages(resolver, directory, background_deltas):
     backup.wait()
     assert [e.kind for e in saved + [sealing]] == ["full"] + ["delta"] * 3
 
-    entries = _row_files(directory)
+    entries = _entries_row_files(directory)
     merged = [i for i, (entry, _) in entries.items() if entry.get("fuzzy")]
     assert len(merged) == 1 and entries[merged[0]][0]["kind"] == "delta", \
         entries

@@ -3,13 +3,13 @@ shared real cluster): a second backup object, of a second model of the same
 shapes, writes and restores with the functions the first one traced, and
 the retracing that starting to track a table's rows sets off leaves them."""
 
-import keras
 import numpy as np
 import pytest
 
 import keras_ps
 from keras_ps.backups import _apply
 from keras_ps.backups import _io
+from _backups import table_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -17,17 +17,7 @@ ROWS, DIM, IDS, BATCH = 40, 4, 3, 8
 
 
 def _model(cluster):
-    # A strategy of its own (the connection is reused) places the variables
-    # from the first ps on, as for every other model here.
-    strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-    with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((IDS,), dtype="int32"),
-            keras.layers.Embedding(ROWS, DIM), keras.layers.Flatten(),
-            keras.layers.Dense(1)])
-        model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse")
-        model.optimizer.build(model.trainable_variables)
-    return model
+    return table_model(cluster.resolver, ROWS, DIM, IDS)
 
 
 def _train(model, seed):
