@@ -212,7 +212,7 @@ DEFAULT_SAVE_CHUNK_BYTES = 64 * 2**20
 NATIVE_ENV_VAR = "KERAS_PS_NATIVE"
 # Which backup row files the C++ writer writes with O_DIRECT where the disk
 # takes it: unset or 0, none; deltas, a delta's, merged ones too (full
-# backups go through the page cache); 1 every file. The writer reads the variable itself;
-# keras_ps checks and normalises it first.
+# backups go through the page cache); 1 every file. The writer reads the
+# variable itself; keras_ps checks and normalises it first.
 DIRECT_IO_ENV_VAR = "KERAS_PS_DIRECT_IO"
 CACHE_DIR_ENV_VAR = "KERAS_PS_CACHE_DIR"

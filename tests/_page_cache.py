@@ -3,6 +3,8 @@ row-file writer's O_DIRECT and the reader's read-ahead are checked so)."""
 
 import os
 
+import pytest
+
 
 def cached_pages(path):
     """Pages of the file at `path` in the page cache (mincore)."""
@@ -33,6 +35,14 @@ def filesystem(path):
                     and len(point) > len(best[0]):
                 best = (point, kind)
     return best[1]
+
+
+def skip_unless_written_direct(path):
+    """Skips the test unless `path` is on a filesystem the row-file writer
+    writes with O_DIRECT (a local disk's: ext4, XFS, Btrfs)."""
+    kind = filesystem(path)
+    if kind not in ("ext4", "xfs", "btrfs"):
+        pytest.skip(f"{path} is on {kind}, which is written buffered")
 
 
 def drop_from_cache(path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from _page_cache import filesystem
+from _page_cache import skip_unless_written_direct
 from _page_cache_job import backups_cached_pages
 from _paths import TESTS
 from _results import reports, run_child
@@ -33,12 +33,6 @@ def _check(seen, past_the_cache):
                        for resident, pages in seen[what]), (what, seen)
 
 
-def _local_disk(path):
-    kind = filesystem(path)
-    if kind not in ("ext4", "xfs", "btrfs"):
-        pytest.skip(f"{path} is on {kind}, which is written buffered")
-
-
 @pytest.mark.parametrize("background_deltas", [False, True],
                          ids=["delta", "background_delta"])
 def test_by_default_every_backup_file_goes_through_the_page_cache(
@@ -46,14 +40,14 @@ def test_by_default_every_backup_file_goes_through_the_page_cache(
     # The shared cluster's ps run with this process' environment.
     if os.environ.get("KERAS_PS_DIRECT_IO") is not None:
         pytest.skip("KERAS_PS_DIRECT_IO is set: the ps do as it says")
-    _local_disk(tmp_path)
+    skip_unless_written_direct(tmp_path)
     _check(backups_cached_pages(cluster.resolver, str(tmp_path / "backup"),
                                 background_deltas), past_the_cache=())
 
 
 def test_with_direct_io_deltas_only_a_deltas_files_skip_the_page_cache(
         tmp_path):
-    _local_disk(tmp_path)
+    skip_unless_written_direct(tmp_path)
     code, output = run_child(
         [sys.executable, os.path.join(TESTS, "_page_cache_job.py"),
          str(tmp_path)], timeout=240,

@@ -20,7 +20,8 @@ import tensorflow as tf
 import keras_ps
 from keras_ps import _native
 from keras_ps.tables import _sharded_weights
-from _page_cache import cached_pages, drop_from_cache, filesystem
+from _page_cache import (cached_pages, drop_from_cache, filesystem,
+                         skip_unless_written_direct)
 from _paths import TESTS
 from _results import last_report, run_child
 
@@ -293,9 +294,7 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
     # there nor writes them back later) with KERAS_PS_DIRECT_IO=1, or with
     # "deltas" when the caller marks it (direct_by_default: a delta's
     # files); unset (the default) or 0, through the cache.
-    kind = filesystem(tmp_path)
-    if kind not in ("ext4", "xfs", "btrfs"):
-        pytest.skip(f"{tmp_path} is on {kind}, which is written buffered")
+    skip_unless_written_direct(tmp_path)
     lib = _native.library()
     assert lib is not None, "the kernels could not be built on this machine"
     rows = [tf.random.normal((4000, 64)), tf.range(4000, dtype=tf.int64)]
