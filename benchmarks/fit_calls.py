@@ -11,7 +11,8 @@ process; each system runs in its own process, one at a time.
 
 Model as benchmarks/fit_large_tables.py: Embedding(R, 64) on 2 ps
 (FixedShardsPartitioner(2)), 2 workers, batch 256 x 16 Zipf-like ids over the
-whole table, MLP 128-64-1, steps_per_execution=10. One DatasetCreator object
+whole table, MLP 128-64-1, steps_per_execution=10 (`--dim` and `--tower`
+change the row width and the MLP's hidden layers). One DatasetCreator object
 for every call of a process (a user defines the input once).
 
 Calls, in this order, in one process:
@@ -47,6 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from fit_large_tables import STEPS_PER_EXECUTION  # noqa: E402
 from fit_large_tables import dataset_fn_for, table_model  # noqa: E402
 from fit_large_tables import ID_DISTRIBUTIONS, IDS_ENV_VAR  # noqa: E402
+from fit_large_tables import DIM, TOWER, DIM_ENV_VAR, TOWER_ENV_VAR  # noqa: E402
 from step_breakdown import _cpu_s as cpu_seconds  # noqa: E402
 
 SYSTEMS = ("tf_native_adagrad", "keras_ps_adagrad", "keras_ps_lazyadam",
@@ -214,6 +216,7 @@ def run_one(system, rows):
     return {
         "system": system, "rows": rows,
         "ids": os.environ.get(IDS_ENV_VAR, "zipf"),
+        "dim": DIM, "tower": list(TOWER),
         "intra_op_threads": cluster.intra_op_threads,
         "steady_steps_per_s": steady,
         "steady_cpu_ms_per_step": cpu_ms_per_step,
@@ -413,6 +416,11 @@ def main():
     parser.add_argument("--systems", default=",".join(SYSTEMS))
     parser.add_argument("--ids", choices=ID_DISTRIBUTIONS, default="zipf",
                         help="how a batch's ids are drawn")
+    parser.add_argument("--dim", type=int, default=DIM,
+                        help="the embedding's row width")
+    parser.add_argument("--tower", default=",".join(map(str, TOWER)),
+                        help="units of the Dense layers under the output, "
+                             "comma-separated")
     parser.add_argument("--json", help="also write the raw runs here")
     parser.add_argument("--from-json",
                         help="format saved runs instead: a --json file, or "
@@ -429,7 +437,9 @@ def main():
         system, rows = args._child
         print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
         os._exit(0)
-    os.environ[IDS_ENV_VAR] = args.ids  # the children inherit it
+    os.environ[IDS_ENV_VAR] = args.ids  # the children inherit these
+    os.environ[DIM_ENV_VAR] = str(args.dim)
+    os.environ[TOWER_ENV_VAR] = args.tower
     os.environ[FIRST_CALL_ENV_VAR] = str(args.first_call_steps)
     if args.intra_op_threads is not None:
         os.environ[INTRA_ENV_VAR] = str(args.intra_op_threads)

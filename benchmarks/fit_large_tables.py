@@ -38,7 +38,13 @@ import subprocess
 import sys
 import time
 
-DIM, IDS, BATCH = 64, 16, 256
+IDS, BATCH = 16, 256
+# The model's shape (BENCH_DIM and BENCH_TOWER in the environment, which
+# fit_calls.py's --dim and --tower set for its children): a row's width and
+# the Dense layers' units under the one-unit output.
+DIM_ENV_VAR, TOWER_ENV_VAR = "BENCH_DIM", "BENCH_TOWER"
+DIM = int(os.environ.get(DIM_ENV_VAR, "64"))
+TOWER = tuple(int(u) for u in os.environ.get(TOWER_ENV_VAR, "128,64").split(","))
 STEPS_PER_EXECUTION = 10
 TEST_BATCHES = 40
 ROWS = (1_000_000, 4_000_000, 10_000_000)
@@ -53,7 +59,7 @@ SKIP = {("tf_native_adam", 10_000_000): "OOM-killed at 21.6 GB (dense Adam "
 # many steps as LazyAdam.
 # At the rates of 2026-11-29 (160-190 steps/s in-process), 900 steps pass in
 # 5 s: `--steps-per-epoch 1200` measures 3,600 steps (20-30 s) and puts the
-# switch to 5 steps an iteration (after 100 executions, KERAS_PS_UNROLL_AFTER)
+# switch to 10 steps an iteration (after 100 executions, KERAS_PS_UNROLL_AFTER)
 # inside the warm-up epoch. The accuracy row keeps 300 (dense Adam at 1M runs
 # at 7-20 steps/s).
 SCHEDULE = {"tf_native_adam": (3, 20)}
@@ -98,16 +104,14 @@ def dataset_fn_for(tf, rows):
 def table_model(keras, rows, optimizer, metrics):
     """The benchmarks' model, compiled (under the caller's strategy scope):
     Embedding(rows, DIM) over a batch's IDS ids a row, then Dense layers of
-    128, 64 and 1 units. `keras` is Keras 3 or, for TF's native path,
-    tf_keras."""
-    model = keras.Sequential([
-        keras.Input((IDS,), dtype="int64"),
-        keras.layers.Embedding(rows, DIM),
-        keras.layers.Flatten(),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(1, activation="sigmoid"),
-    ])
+    TOWER's units (128 and 64 by default) and 1 unit. `keras` is Keras 3 or,
+    for TF's native path, tf_keras."""
+    model = keras.Sequential(
+        [keras.Input((IDS,), dtype="int64"),
+         keras.layers.Embedding(rows, DIM),
+         keras.layers.Flatten()]
+        + [keras.layers.Dense(units, activation="relu") for units in TOWER]
+        + [keras.layers.Dense(1, activation="sigmoid")])
     model.compile(optimizer, "binary_crossentropy", metrics=metrics,
                   steps_per_execution=STEPS_PER_EXECUTION)
     return model
