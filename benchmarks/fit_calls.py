@@ -7,7 +7,8 @@ ParameterServerStrategy + ClusterCoordinator + tf_keras), with the ps and
 worker tasks in their own processes as users run them (`keras_ps.LocalCluster`:
 `python -m keras_ps.server` per task, a plain `tf.distribute.Server`, which
 TF's native coordinator drives as well). The coordinator is the measuring
-process; each system runs in its own process, one at a time.
+process; each system runs in its own process, one at a time. `--in-process`
+puts the tasks in the measuring process instead (the in-process cluster).
 
 Model as benchmarks/fit_large_tables.py: Embedding(R, 64) on 2 ps
 (FixedShardsPartitioner(2)), 2 workers, batch 256 x 16 Zipf-like ids over the
@@ -84,6 +85,7 @@ WHOLE_CALL_STEPS = 240
 EPOCH_STEPS = 100
 FIRST_CALL_ENV_VAR = "BENCH_FIRST_CALL_STEPS"  # --first-call-steps, to the children
 INTRA_ENV_VAR = "BENCH_INTRA_OP_THREADS"  # --intra-op-threads, to the children
+IN_PROCESS_ENV_VAR = "BENCH_IN_PROCESS"  # --in-process, to the children
 EVAL_STEPS = 100
 
 
@@ -95,10 +97,33 @@ def _hwm_gb(pid):
     return float("nan")
 
 
+class InProcessCluster:
+    """`--in-process`: the two ps and two workers as servers in this process
+    (keras_ps.create_in_process_cluster; TF's own servers for TF's path, as
+    fit_large_tables.py), standing in for LocalCluster."""
+
+    intra_op_threads = None
+
+    def __init__(self, tf, native):
+        if native:
+            from fit_embedding import start_native_cluster
+            self.resolver, self._servers = start_native_cluster(tf, 2, 2)
+        else:
+            import keras_ps
+            self.resolver = keras_ps.create_in_process_cluster(2, 2)
+        self.spec = self.resolver.cluster_spec().as_dict()
+
+    def shutdown(self):
+        """Nothing: the servers end with the process."""
+
+
 def task_pids(cluster):
     """{task: pid} of this process (the coordinator) and of `cluster`'s two
-    ps and two workers."""
+    ps and two workers (only this process' for an in-process cluster: every
+    task is in it)."""
     pids = {"coordinator": os.getpid()}
+    if isinstance(cluster, InProcessCluster):
+        return pids
     for job in ("ps", "worker"):
         for i in range(2):
             pids[f"{job}{i}"] = cluster.pid(job, i)
@@ -131,9 +156,12 @@ def build(system, rows, metrics=("accuracy",)):
     # Every system runs on the same LocalCluster processes; by default they
     # share the cores (LocalCluster's intra_op_threads=None).
     intra = os.environ.get(INTRA_ENV_VAR)
-    cluster = keras_ps.LocalCluster(
-        num_workers=2, num_ps=2,
-        intra_op_threads=None if intra in (None, "") else int(intra))
+    if os.environ.get(IN_PROCESS_ENV_VAR) == "1":
+        cluster = InProcessCluster(tf, native)
+    else:
+        cluster = keras_ps.LocalCluster(
+            num_workers=2, num_ps=2,
+            intra_op_threads=None if intra in (None, "") else int(intra))
     if native:
         import tf_keras as keras
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
@@ -217,6 +245,7 @@ def run_one(system, rows):
         "system": system, "rows": rows,
         "ids": os.environ.get(IDS_ENV_VAR, "zipf"),
         "dim": DIM, "tower": list(TOWER),
+        "in_process": isinstance(cluster, InProcessCluster),
         "intra_op_threads": cluster.intra_op_threads,
         "steady_steps_per_s": steady,
         "steady_cpu_ms_per_step": cpu_ms_per_step,
@@ -431,6 +460,10 @@ def main():
                         help="each task's intra-op threads (LocalCluster's "
                              "intra_op_threads; default: the cores shared "
                              "between the tasks; 0: TF's default)")
+    parser.add_argument("--in-process", action="store_true",
+                        help="every task in the measuring process (the "
+                             "in-process cluster) instead of LocalCluster's "
+                             "processes")
     parser.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args._child:
@@ -439,6 +472,7 @@ def main():
         os._exit(0)
     os.environ[IDS_ENV_VAR] = args.ids  # the children inherit these
     os.environ[DIM_ENV_VAR] = str(args.dim)
+    os.environ[IN_PROCESS_ENV_VAR] = "1" if args.in_process else ""
     os.environ[TOWER_ENV_VAR] = args.tower
     os.environ[FIRST_CALL_ENV_VAR] = str(args.first_call_steps)
     if args.intra_op_threads is not None:
