@@ -346,7 +346,9 @@ def _cpu_ms(run, tasks=None):
 
 def _cpu_cell(runs):
     total = [_cpu_ms(x) for x in runs if _cpu_ms(x) is not None]
-    ps = [_cpu_ms(x, ("ps0", "ps1")) for x in runs if _cpu_ms(x) is not None]
+    # An in-process run has one process: its ps' share is not apart.
+    ps = [_cpu_ms(x, ("ps0", "ps1")) for x in runs
+          if _cpu_ms(x) is not None and "ps0" in x["steady_cpu_ms_per_step"]]
     if not total:
         return "-"
     return f"{spread(total, 1)} ({spread(ps, 1)})"
