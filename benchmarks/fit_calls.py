@@ -472,10 +472,15 @@ def main():
         system, rows = args._child
         print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
         os._exit(0)
+    tower = args.tower.split(",")
+    if args.dim < 1 or not all(u.isdigit() and int(u) > 0 for u in tower):
+        parser.error(f"--dim {args.dim} --tower {args.tower!r}: the row width "
+                     "and each Dense layer's units must be positive integers "
+                     "(e.g. --dim 32 --tower 256,128)")
     os.environ[IDS_ENV_VAR] = args.ids  # the children inherit these
     os.environ[DIM_ENV_VAR] = str(args.dim)
-    os.environ[IN_PROCESS_ENV_VAR] = "1" if args.in_process else ""
     os.environ[TOWER_ENV_VAR] = args.tower
+    os.environ[IN_PROCESS_ENV_VAR] = "1" if args.in_process else ""
     os.environ[FIRST_CALL_ENV_VAR] = str(args.first_call_steps)
     if args.intra_op_threads is not None:
         os.environ[INTRA_ENV_VAR] = str(args.intra_op_threads)

@@ -2,8 +2,9 @@
 
 Embedding(R, 64) sharded over 2 ps, 2 workers, in-process cluster (as
 fit_embedding.py), batch 256 x 16 ids drawn log-uniformly (Zipf-like) over the
-whole table, MLP 128-64-1, steps_per_execution=10, R = 1M, 4M, 10M. Systems,
-each in its own process:
+whole table, MLP 128-64-1, steps_per_execution=10, R = 1M, 4M, 10M (the
+row width and the MLP's hidden layers: BENCH_DIM and BENCH_TOWER in the
+environment, e.g. 32 and 256,128). Systems, each in its own process:
 
   tf_native_adam     TF ParameterServerStrategy + tf_keras, Adam (dense
                      update of the whole table per step)
