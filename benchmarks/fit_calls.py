@@ -472,6 +472,10 @@ def main():
         system, rows = args._child
         print("RESULT " + json.dumps(run_one(system, int(rows))), flush=True)
         os._exit(0)
+    if args.in_process and args.intra_op_threads is not None:
+        parser.error(f"--intra-op-threads {args.intra_op_threads} sets "
+                     "LocalCluster's tasks; with --in-process there are none "
+                     "(every task is in the measuring process): drop one")
     tower = args.tower.split(",")
     if args.dim < 1 or not all(u.isdigit() and int(u) > 0 for u in tower):
         parser.error(f"--dim {args.dim} --tower {args.tower!r}: the row width "
