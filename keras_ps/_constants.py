@@ -16,6 +16,10 @@ DEFAULT_MAX_PACK = 16
 # server) may take before the task counts as unreachable.
 PROBE_TIMEOUT_ENV_VAR = "KERAS_PS_PROBE_TIMEOUT"
 DEFAULT_PROBE_TIMEOUT = 2.0
+# Shorter probes fail against healthy tasks: a loaded machine takes tens of
+# milliseconds to answer, and a worker whose probes always fail is set aside
+# as hung and never re-admitted.
+MIN_PROBE_TIMEOUT = 0.1
 
 # Seconds between probes of a failed or joining worker while waiting for it
 # to answer. A probe of a port nobody serves yet is refused at once, so this

@@ -50,12 +50,18 @@ class CoordinatorConfig:
                 f"{self.max_pack_source}={self.max_pack!r}. Use 1 to turn "
                 "packing off, or leave it unset for the default "
                 f"{_constants.DEFAULT_MAX_PACK}.")
-        for name in ("probe_timeout", "recovery_interval"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(
-                    f"{name} must be a positive number of seconds. Received: "
-                    f"{name}={value!r}.")
+        if not self.recovery_interval > 0:
+            raise ValueError(
+                "recovery_interval must be a positive number of seconds. "
+                f"Received: recovery_interval={self.recovery_interval!r}.")
+        if not self.probe_timeout >= _constants.MIN_PROBE_TIMEOUT:
+            raise ValueError(
+                f"probe_timeout must be at least "
+                f"{_constants.MIN_PROBE_TIMEOUT} s: a shorter probe fails "
+                "against a healthy worker, which is then set aside as hung "
+                f"and never re-admitted. Received: probe_timeout="
+                f"{self.probe_timeout!r}. Leave it unset for the default "
+                f"{_constants.DEFAULT_PROBE_TIMEOUT:g} s.")
         for name in ("rebuild_retry_delay", "no_worker_timeout", "hang_timeout",
                      "ps_recovery_timeout"):
             value = getattr(self, name)
@@ -99,7 +105,8 @@ class CoordinatorConfig:
             max_pack_source=source,
             probe_timeout=_constants.env_float(
                 _constants.PROBE_TIMEOUT_ENV_VAR,
-                _constants.DEFAULT_PROBE_TIMEOUT, above=0),
+                _constants.DEFAULT_PROBE_TIMEOUT,
+                minimum=_constants.MIN_PROBE_TIMEOUT),
             recovery_interval=_constants.env_float(
                 _constants.RECOVERY_INTERVAL_ENV_VAR,
                 _constants.DEFAULT_RECOVERY_INTERVAL, above=0),

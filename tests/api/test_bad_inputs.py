@@ -456,10 +456,20 @@ def env_hang_timeout_not_number(env):
 
 
 @case("env_probe_timeout_negative", ValueError,
-      "KERAS_PS_PROBE_TIMEOUT='-1'", "must be greater than 0",
+      "KERAS_PS_PROBE_TIMEOUT='-1'", "must be at least 0.1",
       "Unset it to use the default")
 def env_probe_timeout_negative(env):
     _with_env("KERAS_PS_PROBE_TIMEOUT", "-1",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
+@case("env_probe_timeout_too_short", ValueError,
+      "KERAS_PS_PROBE_TIMEOUT='0.0001'", "must be at least 0.1",
+      "Unset it to use the default")
+def env_probe_timeout_too_short(env):
+    # Every probe of a healthy worker would time out: it would be set aside
+    # as hung and never re-admitted, and fit would wait for ever.
+    _with_env("KERAS_PS_PROBE_TIMEOUT", "0.0001",
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 

@@ -410,6 +410,11 @@ def test_coordinator_config_validates_and_reads_the_environment(monkeypatch):
         CoordinatorConfig.from_env()
     with pytest.raises(ValueError, match="probe_timeout=0"):
         CoordinatorConfig(probe_timeout=0)
+    # Shorter than a healthy worker takes to answer on a loaded machine.
+    with pytest.raises(ValueError, match=r"at least 0.1 s.*never re-admitted"
+                       r".*probe_timeout=0.01\. Leave it unset"):
+        CoordinatorConfig(probe_timeout=0.01)
+    assert CoordinatorConfig(probe_timeout=0.1).probe_timeout == 0.1
 
 
 def test_idle_take_returns_when_its_worker_stops_being_runnable():
