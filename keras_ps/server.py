@@ -1,6 +1,7 @@
 """`python -m keras_ps.server`: run one ps or worker task until SIGTERM.
 
-The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index.
+The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index
+(which win over TF_CONFIG; --job_name or --task_index alone is refused).
 Bad configuration ends the process with a one-line error and exit code 2; an
 address another process holds, with one and exit code 3.
 """
@@ -33,7 +34,8 @@ def _parser():
     )
     parser.add_argument("--cluster_spec", help="JSON {job: [host:port, ...]}")
     parser.add_argument("--job_name", choices=None)
-    parser.add_argument("--task_index", type=int, default=0)
+    parser.add_argument("--task_index", type=int, default=None,
+                        help="with --cluster_spec (default 0)")
     parser.add_argument("--inter_op_threads", type=int, default=0,
                         help="inter-op threads (0: max(4, cores))")
     parser.add_argument("--intra_op_threads", type=int, default=0,
@@ -69,6 +71,18 @@ def _task(args):
                 "pass --cluster_spec JSON --job_name ps|worker --task_index "
                 "N.")
         cluster, job, index = cluster_lib.parse_tf_config()
+        flags = [f"--{name} {value}" for name, value in (
+            ("job_name", args.job_name), ("task_index", args.task_index))
+            if value is not None]
+        if flags:
+            # TF_CONFIG names the task; flags that say otherwise would be
+            # ignored without a word.
+            raise ClusterConfigError(
+                f"{' and '.join(flags)} without --cluster_spec: this task "
+                f"comes from TF_CONFIG ({job}:{index}), which the flags "
+                "would not change. Drop them to serve TF_CONFIG's task, or "
+                "pass --cluster_spec too (the flags then win over "
+                "TF_CONFIG).")
         _check_job(job)
         return cluster, job, index
     if args.job_name is None:
@@ -84,17 +98,18 @@ def _task(args):
             f"{args.cluster_spec[:200]!r}. Expected JSON like "
             '{"ps": ["host:port"], "worker": ["host:port"]}.'
         ) from None
+    index = 0 if args.task_index is None else args.task_index
     tasks = spec.get(args.job_name) if isinstance(spec, dict) else None
-    if isinstance(tasks, list) and not 0 <= args.task_index < len(tasks):
+    if isinstance(tasks, list) and not 0 <= index < len(tasks):
         raise ClusterConfigError(
             "--task_index is out of range. Received: --task_index="
-            f"{args.task_index}, but --cluster_spec lists {len(tasks)} "
+            f"{index}, but --cluster_spec lists {len(tasks)} "
             f"{args.job_name} task(s). "
             + (f"Pass --task_index from 0 to {len(tasks) - 1}." if tasks else
                f"Add this task's address to --cluster_spec's {args.job_name!r} "
                "list."))
     config = {"cluster": spec,
-              "task": {"type": args.job_name, "index": args.task_index}}
+              "task": {"type": args.job_name, "index": index}}
     cluster, job, index = cluster_lib.parse_tf_config(config)
     _check_job(job)
     return cluster, job, index

@@ -1052,6 +1052,14 @@ SERVER_CASES = [
                   "--job_name", "ps", "--intra_op_threads", "-2"],
                  ["--intra_op_threads -2 is negative", "Pass 0 for TF's default"],
                  id="server_negative_intra_op_threads"),
+    # The first item, a dict, is the process' TF_CONFIG.
+    pytest.param([{"cluster": _spec(ps=[2001], worker=[2002]),
+                   "task": {"type": "ps", "index": 0}},
+                  "--job_name", "worker", "--task_index", "1"],
+                 ["--job_name worker and --task_index 1 without --cluster_spec",
+                  "comes from TF_CONFIG (ps:0)", "Drop them",
+                  "pass --cluster_spec too"],
+                 id="server_flags_beside_tf_config"),
 ]
 
 
@@ -1060,6 +1068,9 @@ SERVER_CASES = [
 def test_server_cli_bad_flags(argv, needles):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)
+    if argv and isinstance(argv[0], dict):
+        env["TF_CONFIG"] = json.dumps(argv[0])
+        argv = argv[1:]
     result = subprocess.run(
         [sys.executable, "-m", "keras_ps.server", *argv], cwd=REPO, env=env,
         capture_output=True, text=True, timeout=50)
