@@ -25,8 +25,11 @@ class _Seen(logging.Handler):
         super().__init__()
         self.text, self.event = text, threading.Event()
 
+        self.messages = []  # (level name, message) of those records
+
     def emit(self, record):
         if self.text in record.getMessage():
+            self.messages.append((record.levelname, record.getMessage()))
             self.event.set()
 
 
@@ -53,6 +56,9 @@ def connect():
         spec = {job: list(tasks) for job, tasks in cluster.spec.items()}
         nobody = f"localhost:{portpicker.pick_unused_port()}"
         os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "2"
+        # Said at WARNING, which shows without any logging set up.
+        still = _Seen("still waiting for")
+        logging.getLogger("keras_ps").addHandler(still)
         start = time.monotonic()
         try:
             keras_ps.ParameterServerStrategy(keras_ps.cluster.resolver_from_spec(
@@ -62,6 +68,7 @@ def connect():
             unreachable = dict(type=type(error).__name__, message=str(error),
                                seconds=time.monotonic() - start)
         os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "60"
+        logging.getLogger("keras_ps").removeHandler(still)
 
         cluster.kill("worker", 0)
         seen = _Seen("waiting for")
@@ -75,7 +82,8 @@ def connect():
         threading.Thread(target=restart_once_waited, daemon=True).start()
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         total = _count_steps(strategy, 10)
-        say(unreachable=unreachable, waited=seen.event.is_set(), total=total)
+        say(unreachable=unreachable, still_waiting=still.messages,
+            waited=seen.event.is_set(), total=total)
 
 
 def dataset_while_down():
@@ -123,6 +131,9 @@ def dataset_no_worker():
         dataset = coordinator.create_per_worker_dataset(
             lambda: tf.data.Dataset.from_tensors(tf.ones([3])).repeat())
         os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "2"
+        # Said at WARNING, which shows without any logging set up.
+        still = _Seen("still waiting for")
+        logging.getLogger("keras_ps").addHandler(still)
         start = time.monotonic()
         try:
             dataset.element_spec
@@ -131,6 +142,7 @@ def dataset_no_worker():
             timed_out = {"message": str(error),
                          "seconds": time.monotonic() - start}
         os.environ["KERAS_PS_CONNECT_TIMEOUT"] = "60"
+        logging.getLogger("keras_ps").removeHandler(still)
         cluster.restart("worker", 0)
         spec = dataset.element_spec
         say(timed_out=timed_out, spec=[spec.shape.as_list(), spec.dtype.name])

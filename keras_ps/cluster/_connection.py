@@ -102,6 +102,9 @@ def connect(spec):
         return _current
 
 
+_SLOW_START_SECONDS = 10.0  # longer than a task of a healthy cluster takes
+
+
 def _wait_until_tasks_answer(jobs):
     timeout = _constants.env_float(_constants.CONNECT_TIMEOUT_ENV_VAR,
                                    _constants.DEFAULT_CONNECT_TIMEOUT,
@@ -110,11 +113,23 @@ def _wait_until_tasks_answer(jobs):
     waiting = [(job, i, address) for job in ("ps", "worker")
                for i, address in enumerate(jobs[job])]
     logged = False
+    # Said at WARNING (shown without any logging set up) once the wait is
+    # longer than a task takes to start: an address may be wrong.
+    warn_at = time.monotonic() + min(_SLOW_START_SECONDS, timeout / 2)
     while True:
         waiting = [t for t in waiting if not _network.probe(t[2], 1.0)]
         if not waiting:
             return
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        if warn_at is not None and now >= warn_at and now < deadline:
+            logger.warning(
+                "[chief] still waiting for %s to answer; giving up in %.0f s "
+                "(%s=%g). Check that they run at those addresses.",
+                ", ".join(f"{job}:{i} ({address})"
+                          for job, i, address in waiting),
+                deadline - now, _constants.CONNECT_TIMEOUT_ENV_VAR, timeout)
+            warn_at = None
+        if now >= deadline:
             names = ", ".join(f"{job}:{i} ({address})"
                               for job, i, address in waiting)
             raise ClusterUnreachableError(

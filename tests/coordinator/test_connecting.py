@@ -3,6 +3,7 @@ made while a worker is down, and clusters one after another in one process.
 Each runs in its own coordinator process (tests/_cluster_job.py)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,6 +31,13 @@ def test_strategy_waits_for_a_starting_worker_and_names_one_that_never_answers()
     assert "worker:1" in unreachable["message"]
     assert "KERAS_PS_CONNECT_TIMEOUT" in unreachable["message"]
     assert unreachable["seconds"] >= 2
+    # Before that, one warning (shown without any logging set up) named the
+    # task and its address, and how long until the wait ends.
+    [(level, message)] = result["still_waiting"]
+    assert level == "WARNING", message
+    assert "worker:1 (localhost:" in message and "worker:0" not in message
+    assert re.search(r"giving up in \d s \(KERAS_PS_CONNECT_TIMEOUT=2\)",
+                     message), message
     # The strategy was built while worker 0 was down: it waited, the worker
     # came back, and the steps ran.
     assert result["waited"] is True
