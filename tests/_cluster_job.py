@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import keras
+import numpy as np
 import portpicker
 import tensorflow as tf
 
@@ -150,18 +152,28 @@ def dataset_no_worker():
 
 def second_cluster():
     """Clusters one after another in one process, as a notebook makes them."""
-    runs, old = [], None
+    runs, old, old_model = [], None, None
     for _ in range(4):
         resolver = keras_ps.create_in_process_cluster(num_workers=2, num_ps=1)
         strategy = keras_ps.ParameterServerStrategy(resolver)
         runs.append(_count_steps(strategy, 40))
         if old is None:
             old = strategy
-    try:
-        keras_ps.ClusterCoordinator(old)
-        refused = None
-    except keras_ps.errors.ClusterConfigError as error:
-        refused = str(error)
+            with strategy.scope():
+                old_model = keras.Sequential([keras.Input((4,)),
+                                              keras.layers.Dense(2)])
+            old_model.predict(np.ones((1, 4), "float32"), verbose=0)
+    refused = {}
+    for name, use in (("coordinator", lambda: keras_ps.ClusterCoordinator(old)),
+                      # Its weights are on the first cluster's ps: reading
+                      # them through the new connection crashed the process.
+                      ("predict", lambda: old_model.predict(
+                          np.ones((1, 4), "float32"), verbose=0))):
+        try:
+            use()
+            refused[name] = None
+        except keras_ps.errors.ClusterConfigError as error:
+            refused[name] = str(error)
     say(runs=runs, refused=refused)
 
 

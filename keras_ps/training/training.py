@@ -279,6 +279,8 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None,
     parameter servers (a sharded embedding reads only the rows it looks up).
     Predictions are returned in input order, which a distributed predict
     could not promise without extra bookkeeping."""
+    # Reading weights through a replaced connection crashes the process.
+    model.distribute_strategy.check_connected()
     if isinstance(x, DatasetCreator):
         x = x(tf.distribute.InputContext())
     keras_predict = fit_routing.original_trainer_method("predict")
