@@ -51,6 +51,7 @@ def _scoped_compile(keras_compile):
     def compile(self, *args, **kwargs):
         strategy = _keras_ps_strategy(self)
         if strategy is None:
+            _refuse_model_made_outside(self, tf.distribute.get_strategy())
             return keras_compile(self, *args, **kwargs)
         with strategy.scope():
             result = keras_compile(self, *args, **kwargs)
@@ -59,6 +60,26 @@ def _scoped_compile(keras_compile):
         return result
 
     return compile
+
+
+def _refuse_model_made_outside(model, current):
+    """A model created outside a keras_ps strategy's scope and compiled
+    inside it would train on the coordinator, its weights never on a ps
+    (Keras 3 keeps the strategy current when the model was created), without
+    a word; tf_keras refuses it at compile() too."""
+    if not _is_keras_ps_strategy(current):
+        return
+    where = ""
+    if model.weights:
+        first = model.weights[0]
+        device = getattr(getattr(first, "value", None), "device", "") or "?"
+        where = f" (its weight {first.path!r} is on {device})"
+    raise ValueError(
+        f"Model {model.name!r} was created outside `strategy.scope()` of the "
+        f"keras_ps strategy that compile() runs under{where}: its weights "
+        "would not live on the parameter servers, and fit would train it on "
+        "the coordinator. Create the model inside `with strategy.scope():` "
+        "(compile() may then run inside or outside it).")
 
 
 # How many times each keras_ps model was compiled. Keras drops its traced

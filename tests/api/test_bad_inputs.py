@@ -560,6 +560,19 @@ X = np.zeros((16, 4), "float32")
 Y = np.zeros((16, 1), "float32")
 
 
+@case("compile_model_made_outside_scope", ValueError,
+      "Model 'made_outside' was created outside `strategy.scope()`",
+      "'made_outside/dense", "is on /job:", "train it on the coordinator",
+      "Create the model inside `with strategy.scope():`")
+def compile_model_made_outside_scope(env):
+    # Keras 3 keeps the strategy current when a model is created: this one
+    # would have trained on the coordinator without a word.
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)],
+                             name="made_outside")
+    with env.strategy.scope():
+        model.compile(optimizer="sgd", loss="mse")
+
+
 @case("fit_without_steps_per_epoch", ValueError,
       "steps_per_epoch=None", "Pass steps_per_epoch=<number of batches")
 def fit_without_steps_per_epoch(env):
