@@ -1,6 +1,7 @@
 """Slicing a sharded variable, as TF's ShardedVariable does: `sv[spec]` with
 an integer or a slice on axis 0 reads only the shards holding the selected
-rows; anything else reads the whole variable.
+rows; anything else reads the whole variable. And the check that the row
+ids a lookup or an update routes to the shards are in the table.
 """
 
 import numpy as np
@@ -66,3 +67,22 @@ def _local_slice(start, stop, step, lo, hi):
         return None
     local_stop = bottom - lo
     return slice(top - lo, None if local_stop < 0 else local_stop, step)
+
+
+def ids_in_range(ids, rows, name):
+    """`ids`, once none is `rows` or more. Such an id would reach the last
+    shard as a row past its end, and TF's error there would name that
+    shard's row and size, not the id and the table's. (Negative ids are
+    left as they are: Keras' Embedding takes them from the end.)"""
+    # One plain op (tf.debugging.assert_less adds a conditional to every
+    # step): the largest id against the table's rows.
+    largest = tf.reduce_max(ids)
+    check = tf.raw_ops.Assert(
+        condition=largest < rows, summarize=1, data=[
+            f"An id is out of range for {name!r}, a table of {rows} rows: "
+            f"ids must be less than {rows}. Fix: raise the table's rows "
+            "(Embedding's input_dim), or map the ids into range (e.g. "
+            "keras.layers.Hashing or IntegerLookup). The largest id:",
+            largest])
+    with tf.control_dependencies([check]):
+        return tf.identity(ids)

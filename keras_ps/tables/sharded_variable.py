@@ -237,6 +237,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
         """For each shard: (positions in `ids`, local row ids) of its rows."""
         ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
         variables, row_offsets = self._parts()
+        ids = _slicing.ids_in_range(ids, row_offsets[-1], self._name)
         bounds = tf.constant(row_offsets[1:-1], dtype=tf.int64)
         shard = tf.searchsorted(bounds, ids, side="right")
         offsets = tf.constant(row_offsets[:-1], dtype=tf.int64)

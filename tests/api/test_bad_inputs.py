@@ -573,6 +573,21 @@ def compile_model_made_outside_scope(env):
         model.compile(optimizer="sgd", loss="mse")
 
 
+@case("embedding_id_past_the_table", tf.errors.InvalidArgumentError,
+      "An id is out of range for", "a table of 10 rows",
+      "ids must be less than 10", "input_dim", "IntegerLookup",
+      "The largest id:] [12]")
+def embedding_id_past_the_table(env):
+    # In 2 shards of 5 rows, id 12 reached the second as its row 7, and
+    # TF's error named that: "indices[0] = 7 is not in [0, 5)".
+    strategy = env.strategy_with(keras_ps.partitioners.FixedShardsPartitioner(2))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((1,), dtype="int32"),
+                                  keras.layers.Embedding(10, 2),
+                                  keras.layers.Flatten()])
+    model.predict(np.array([[3], [12]], "int32"), verbose=0)
+
+
 @case("fit_without_steps_per_epoch", ValueError,
       "steps_per_epoch=None", "Pass steps_per_epoch=<number of batches")
 def fit_without_steps_per_epoch(env):
