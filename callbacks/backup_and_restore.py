@@ -13,6 +13,7 @@ from keras_ps.callbacks import _backup_modes
 from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
 from keras_ps.backups import _chain
+from keras_ps.backups import _checks
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups import incremental_backup
@@ -208,8 +209,10 @@ class BackupAndRestore(ResumableCallback):
         """Loads the newest backup, if any, and remembers where to resume.
 
         Raises:
-            ValueError: the backup was written by a different model.
+            ValueError: the backup was written by a different model, or an
+                environment variable a backup reads has a bad value.
         """
+        _checks.check_environment()  # not at the first backup, after steps
         if self.save_before_preemption:
             _backup_modes.check_preemption_mode(self.model)
             self._notice.install()

@@ -7,6 +7,7 @@ import os
 import keras
 
 from keras_ps.sidecar import format as fmt
+from keras_ps.tables import _row_chunks
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +76,11 @@ class SidecarCheckpoint(keras.callbacks.Callback):
     def _is_final(self, epoch):
         total = self.total_epochs or (self.params or {}).get("epochs")
         return total is not None and epoch + 1 >= total
+
+    def on_train_begin(self, logs=None):
+        # KERAS_PS_SAVE_CHUNK_BYTES is read at each save: a bad value
+        # fails now, not after the first epoch.
+        _row_chunks.chunk_bytes()
 
     def on_epoch_end(self, epoch, logs=None):
         self.save(epoch, final=self._is_final(epoch))

@@ -19,14 +19,12 @@ import os
 import shutil
 import threading
 import time
-import uuid
-
-import tensorflow as tf
 
 from keras_ps.backups import _apply as _backup_apply
 from keras_ps.backups import _background
 from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
+from keras_ps.backups import _checks as _backup_checks
 from keras_ps.backups import _io as _backup_io
 from keras_ps.backups import _tracking
 from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
@@ -62,7 +60,9 @@ class IncrementalBackup(_background.BackgroundWrites):
     folder that the chief and every ps see at the same path (a shared volume);
     this is checked at the first save or restore. A backup is published by
     an atomic rename of `manifest.json`: a crash while writing leaves the
-    previous backups restorable. Use one directory per model.
+    previous backups restorable. Use one directory per model. The
+    environment variables a backup reads (`KERAS_PS_SAVE_CHUNK_BYTES`,
+    `KERAS_PS_NATIVE`) are checked when this object is made.
 
     Row tracking starts at the first `save*()`, `restore()` or `check()`
     (functions traced before are traced again); it marks what the optimizer
@@ -146,6 +146,7 @@ class IncrementalBackup(_background.BackgroundWrites):
             min_table_bytes = DEFAULT_MIN_TABLE_BYTES
         check_options(max_deltas, max_delta_bytes, keep_chains,
                       min_table_bytes, merge_below)
+        _backup_checks.check_environment()
         self.min_table_bytes = min_table_bytes
         self.directory = os.fspath(directory)
         self.max_deltas = max_deltas
@@ -214,26 +215,8 @@ class IncrementalBackup(_background.BackgroundWrites):
         """Each remote device writes a file the chief must read back."""
         devices = sorted({g.device for g in catalog.groups
                           if "/job:" in (g.device or "")} - self._checked_devices)
-        for device in devices:
-            token = uuid.uuid4().hex
-            path = os.path.join(self.directory, f".probe-{token}")
-            with tf.device(device):
-                tf.io.write_file(path, token)
-            try:
-                with open(path) as f:
-                    seen = f.read()
-            except OSError:
-                seen = None
-            if seen != token:
-                raise ValueError(
-                    f"{device} wrote {path!r}, but this process does not see "
-                    "that file: the ps write their rows of an incremental "
-                    "backup themselves, so the directory must be one folder "
-                    "shared by the chief and every ps at the same path. "
-                    f"Received: directory={self.directory!r}. Fix: mount one "
-                    "shared volume at that path everywhere.")
-            os.remove(path)
-            self._checked_devices.add(device)
+        _backup_checks.check_shared(self.directory, devices)
+        self._checked_devices.update(devices)
 
     # -- saving -------------------------------------------------------------------------
     def save(self, metadata=None):

@@ -626,6 +626,51 @@ def env_save_chunk_bytes_zero(env):
               lambda: model.save_weights(path))
 
 
+def _fit_refused_before_a_step(model, callback):
+    """Fits `model` with `callback`; the error must come before any step."""
+    steps = []
+    counter = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: steps.append(batch))
+    try:
+        model.fit(X, Y, epochs=2, steps_per_epoch=2, verbose=0,
+                  validation_data=(X, Y), callbacks=[counter, callback])
+    finally:
+        assert not steps, f"{len(steps)} executions trained before the error"
+
+
+@case("env_save_chunk_bytes_with_backup", ValueError,
+      "KERAS_PS_SAVE_CHUNK_BYTES='64M'", "must be an integer",
+      "Unset it to use the default")
+def env_save_chunk_bytes_with_backup(env):
+    # Read when a backup is written: refused when fit starts, not after
+    # the first epoch and its validation.
+    model = _model(env.strategy)
+    backup = keras_ps.callbacks.BackupAndRestore(env.tmp())
+    _with_env("KERAS_PS_SAVE_CHUNK_BYTES", "64M",
+              lambda: _fit_refused_before_a_step(model, backup))
+
+
+@case("env_native_with_backup", ValueError,
+      "KERAS_PS_NATIVE='false'", "must be 0 (off) or 1 (on)",
+      "Unset it to use the default")
+def env_native_with_backup(env):
+    # Read by an incremental backup's first write.
+    model = _model(env.strategy)
+    backup = keras_ps.callbacks.BackupAndRestore(env.tmp(), incremental=True)
+    _with_env("KERAS_PS_NATIVE", "false",
+              lambda: _fit_refused_before_a_step(model, backup))
+
+
+@case("env_save_chunk_bytes_with_sidecar_checkpoint", ValueError,
+      "KERAS_PS_SAVE_CHUNK_BYTES='0'", "must be at least 1",
+      "Unset it to use the default")
+def env_save_chunk_bytes_with_sidecar_checkpoint(env):
+    model = _model(env.strategy)
+    writer = keras_ps.callbacks.SidecarCheckpoint(env.tmp())
+    _with_env("KERAS_PS_SAVE_CHUNK_BYTES", "0",
+              lambda: _fit_refused_before_a_step(model, writer))
+
+
 @case("fit_numpy_mismatched_lengths", ValueError,
       "x has 16 rows", "y has 10 rows", "same number of rows",
       "pass arrays of equal length")
@@ -941,6 +986,15 @@ def incremental_backup_max_deltas_zero(env):
       "merge_below=1.5", "from 0 (compaction always writes a full backup)")
 def incremental_backup_merge_below_too_big(env):
     keras_ps.IncrementalBackup(_model(), env.tmp(), merge_below=1.5)
+
+
+@case("incremental_backup_env_native_not_a_switch", ValueError,
+      "KERAS_PS_NATIVE='false'", "must be 0 (off) or 1 (on)",
+      "Unset it to use the default")
+def incremental_backup_env_native_not_a_switch(env):
+    # Read at the first save: refused when the object is made.
+    _with_env("KERAS_PS_NATIVE", "false",
+              lambda: keras_ps.IncrementalBackup(_model(), env.tmp()))
 
 
 @case("incremental_backup_optimizer_not_built", ValueError,

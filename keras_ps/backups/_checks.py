@@ -1,0 +1,56 @@
+"""Checks made before a backup is written: the environment variables that
+writing and restoring backups read, and that the ps see the backup
+directory. Each runs when training starts, so a bad setting fails there,
+not at the first backup after steps were trained."""
+
+import os
+import uuid
+
+import tensorflow as tf
+
+from keras_ps import _native
+from keras_ps.tables import _row_chunks
+
+
+def check_environment():
+    """Reads now the environment variables that backups read when they are
+    written or restored: `KERAS_PS_SAVE_CHUNK_BYTES` (the most bytes of a
+    weight moved at once), `KERAS_PS_NATIVE` (keras_ps' C++ kernels) and,
+    with those on, `KERAS_PS_DIRECT_IO` (read when they load).
+
+    Raises:
+        ValueError: a variable's value is malformed or out of range (the
+            message names it, its value and the default).
+    """
+    _row_chunks.chunk_bytes()
+    if _native.enabled():
+        _native.check_direct_io()
+
+
+def check_shared(directory, devices):
+    """Each remote device of `devices` writes a file into `directory` that
+    this process must read back.
+
+    Raises:
+        ValueError: a device's file is not seen here (the folder is not
+            shared at the same path).
+    """
+    for device in devices:
+        token = uuid.uuid4().hex
+        path = os.path.join(directory, f".probe-{token}")
+        with tf.device(device):
+            tf.io.write_file(path, token)
+        try:
+            with open(path) as f:
+                seen = f.read()
+        except OSError:
+            seen = None
+        if seen != token:
+            raise ValueError(
+                f"{device} wrote {path!r}, but this process does not see "
+                "that file: the ps write their rows of an incremental "
+                "backup themselves, so the directory must be one folder "
+                "shared by the chief and every ps at the same path. "
+                f"Received: directory={directory!r}. Fix: mount one "
+                "shared volume at that path everywhere.")
+        os.remove(path)
