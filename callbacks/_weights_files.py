@@ -13,7 +13,7 @@ from keras_ps.errors import BackupCorruptError
 
 logger = logging.getLogger(__name__)
 
-_PATTERN = "backup-*.weights.h5"
+FILE_PATTERN = "backup-*.weights.h5"
 
 
 def write(model, directory, state_path, state, previous, keep_previous):
@@ -46,7 +46,7 @@ def remove_unlisted(directory, state):
     """Removes the weights files `state` does not list (those of older
     backups, or all once backups are incremental)."""
     listed = {state.get("weights"), (state.get("previous") or {}).get("weights")}
-    for path in glob.glob(os.path.join(directory, _PATTERN)):
+    for path in glob.glob(os.path.join(directory, FILE_PATTERN)):
         if os.path.basename(path) not in listed:
             try:
                 os.remove(path)

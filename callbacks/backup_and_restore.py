@@ -10,6 +10,7 @@ import sys
 import tensorflow as tf
 
 from keras_ps.callbacks import _backup_modes
+from keras_ps.callbacks import _state_file
 from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
 from keras_ps.backups import _chain
@@ -23,7 +24,6 @@ from keras_ps.training._fit_epochs import LOST_SHARDS, ResumableCallback
 
 logger = logging.getLogger(__name__)
 
-_STATE_FILE = "backup_state.json"
 _INCREMENTAL_FOLDER = "incremental"
 # incremental="auto" turns incremental backups on from this many bytes of
 # row-tracked tables (with their optimizer slots).
@@ -131,7 +131,9 @@ class BackupAndRestore(ResumableCallback):
             when the newest file cannot be read; twice the disk. False
             (default): such a file ends `fit` with `BackupCorruptError`
             naming it. Incremental backups always keep the chain before the
-            newest full backup and fall back to the newest intact one.
+            newest full backup and fall back to the newest intact one. A
+            damaged state file (backup_state.json) is such an error too,
+            but for incremental backups, whose manifest holds the same.
 
     Example:
     ```python
@@ -184,7 +186,7 @@ class BackupAndRestore(ResumableCallback):
         self.short_lead = save_before_preemption  # acts within executions
         self._notice = PreemptionNotice()
         self._newest_backup_at = None  # (epoch, step)
-        self._state_path = os.path.join(self.backup_dir, _STATE_FILE)
+        self._state_path = os.path.join(self.backup_dir, _state_file.FILE_NAME)
         self._resume = None
         self._epoch = 0
         self._steps_since_save = 0
@@ -411,7 +413,6 @@ class BackupAndRestore(ResumableCallback):
         # Wait for the steps in flight, so the backup holds every step it counts.
         ClusterCoordinator(self.model.distribute_strategy).join()
         self._serial += 1
-        previous = self._read_state()
         extra = {key: provide() for key, provide in self.state_providers.items()}
         state = {"epoch": epoch, "step": step, "serial": self._serial,
                  "extra": extra}
@@ -424,7 +425,7 @@ class BackupAndRestore(ResumableCallback):
             _weights_files.remove_unlisted(self.backup_dir, state)
         else:
             _weights_files.write(self.model, self.backup_dir,
-                                 self._state_path, state, previous,
+                                 self._state_path, state, self._read_state(),
                                  self.double_checkpoint)
         self._steps_since_save = 0
         self._newest_backup_at = (epoch, step)
@@ -432,12 +433,4 @@ class BackupAndRestore(ResumableCallback):
                     self._serial, epoch, step)
 
     def _read_state(self):
-        try:
-            with open(self._state_path) as f:
-                return json.load(f)
-        except FileNotFoundError:
-            # The first incremental backup was published, the state file
-            # not yet written.
-            if incremental_backup.has_backup(self._incremental_path):
-                return {"weights": None}
-            return None
+        return _state_file.read(self._state_path, self._incremental_path)

@@ -932,6 +932,20 @@ def backup_restore_other_model(env):
     callback.on_train_begin()
 
 
+@case("backup_state_file_not_an_object", keras_ps.errors.BackupCorruptError,
+      "backup_state.json", "it holds a JSON list, not an object",
+      "['backup-1.weights.h5']", "put back a copy of the file",
+      "delete the backup directory")
+def backup_state_file_not_an_object(env):
+    directory = env.tmp()
+    _model().save_weights(os.path.join(directory, "backup-1.weights.h5"))
+    with open(os.path.join(directory, "backup_state.json"), "w") as f:
+        json.dump([], f)
+    callback = keras_ps.callbacks.BackupAndRestore(directory)
+    callback.set_model(_model())
+    callback.on_train_begin()
+
+
 @case("backup_save_freq_zero", ValueError,
       "save_freq=0", "'epoch', a positive integer number of steps, or False")
 def backup_save_freq_zero(env):

@@ -2,7 +2,9 @@
 on disk here), on the shared real cluster: with Keras 3's
 `double_checkpoint=True` the backup before it is restored, with a warning
 naming the file; without it, `fit` raises `BackupCorruptError` naming the
-file and the fix."""
+file and the fix. A damaged state file (backup_state.json) is the same
+error, but for incremental backups, whose manifest holds what it held:
+the newest of them is restored."""
 
 import glob
 import json
@@ -101,3 +103,47 @@ def test_an_unreadable_backup_without_one_before_names_the_file_and_fix(
     assert repr(newest) in message and "double_checkpoint=True" in message
     assert "delete the backup directory" in message
 
+
+
+def _damage(path, how):
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write({"empty": "", "half": text[:len(text) // 2],
+                 "list": "[]"}[how])
+
+
+@pytest.mark.parametrize("how", ["empty", "half", "list"])
+def test_a_damaged_state_file_names_it_and_the_fix(strategy, tmp_path, how):
+    directory = str(tmp_path / "backup")
+    _fit(_model(strategy), BackupAndRestore(
+        directory, incremental=False, delete_checkpoint=False), epochs=1)
+    path = os.path.join(directory, "backup_state.json")
+    _damage(path, how)
+    with pytest.raises(keras_ps.errors.BackupCorruptError) as raised:
+        _fit(_model(strategy), BackupAndRestore(directory), epochs=2)
+    message = str(raised.value)
+    assert f"Backup state file {path!r} cannot be read" in message
+    assert "['backup-1.weights.h5']" in message, message
+    assert "put back a copy of the file" in message
+    assert f"delete the backup directory {directory!r}" in message
+
+
+@pytest.mark.parametrize("how", ["empty", "half", "list"])
+def test_a_damaged_state_file_of_incremental_backups_restores_the_newest(
+        strategy, tmp_path, caplog, how):
+    caplog.set_level(logging.WARNING)
+    directory = str(tmp_path / "backup")
+    _fit(_model(strategy), BackupAndRestore(
+        directory, incremental=True, delete_checkpoint=False), epochs=2)
+    path = os.path.join(directory, "backup_state.json")
+    _damage(path, how)
+    model = _model(strategy)
+    history = _fit(model, BackupAndRestore(
+        directory, incremental=True, delete_checkpoint=False), epochs=3)
+    # The manifest's newest backup is the one after epoch 1.
+    assert history.epoch == [2]
+    assert int(model.optimizer.iterations.numpy()) == 3 * STEPS
+    assert f"backup state file {path} cannot be read" in caplog.text
+    assert "restoring the newest incremental backup" in caplog.text
+    assert _state(directory)["epoch"] == 3  # written whole again
