@@ -179,6 +179,7 @@ class BackupAndRestore(ResumableCallback):
                 "backed up. Fix: save_freq='epoch' or a number of steps, or "
                 "save_before_preemption=True.")
         self.backup_dir = os.fspath(backup_dir)
+        _checks.check_directory(self.backup_dir, "backup_dir")
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
         self.save_before_preemption = save_before_preemption
@@ -211,14 +212,15 @@ class BackupAndRestore(ResumableCallback):
         """Loads the newest backup, if any, and remembers where to resume.
 
         Raises:
-            ValueError: the backup was written by a different model, or an
-                environment variable a backup reads has a bad value.
+            ValueError: the backup was written by a different model, an
+                environment variable a backup reads has a bad value, or
+                a file is where `backup_dir` should be.
         """
         _checks.check_environment()  # not at the first backup, after steps
         if self.save_before_preemption:
             _backup_modes.check_preemption_mode(self.model)
             self._notice.install()
-        os.makedirs(self.backup_dir, exist_ok=True)
+        _checks.make_directory(self.backup_dir, "backup_dir")
         self._resume = None
         self.restored_state = None
         self._incremental = _backup_modes.incremental_writer(

@@ -6,6 +6,7 @@ import os
 
 import keras
 
+from keras_ps.backups import _checks
 from keras_ps.sidecar import format as fmt
 from keras_ps.tables import _row_chunks
 
@@ -60,6 +61,7 @@ class SidecarCheckpoint(keras.callbacks.Callback):
                 "max_to_keep must be a positive integer or None. Received: "
                 f"max_to_keep={max_to_keep!r}.")
         self.checkpoint_dir = os.fspath(checkpoint_dir)
+        _checks.check_directory(self.checkpoint_dir, "checkpoint_dir")
         self.total_epochs = total_epochs
         self.max_to_keep = max_to_keep
         self._last = None  # (name, epoch, step, final) of the newest write
@@ -79,8 +81,9 @@ class SidecarCheckpoint(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         # KERAS_PS_SAVE_CHUNK_BYTES is read at each save: a bad value
-        # fails now, not after the first epoch.
+        # fails now, not after the first epoch; so does a file in the way.
         _row_chunks.chunk_bytes()
+        _checks.make_directory(self.checkpoint_dir, "checkpoint_dir")
 
     def on_epoch_end(self, epoch, logs=None):
         self.save(epoch, final=self._is_final(epoch))
@@ -100,7 +103,7 @@ class SidecarCheckpoint(keras.callbacks.Callback):
         Returns:
             The checkpoint's name.
         """
-        os.makedirs(self.checkpoint_dir, exist_ok=True)
+        _checks.make_directory(self.checkpoint_dir, "checkpoint_dir")
         step = self._step()
         name = fmt.checkpoint_name(step)
         tmp = fmt.temporary_weights_path(self.checkpoint_dir, name)

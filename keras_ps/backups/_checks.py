@@ -1,7 +1,8 @@
-"""Checks made before a backup is written: the environment variables that
-writing and restoring backups read, and that the ps see the backup
-directory. Each runs when training starts, so a bad setting fails there,
-not at the first backup after steps were trained."""
+"""Checks made before a backup or a checkpoint is written: the directory to
+write into, the environment variables that writing and restoring backups
+read, and that the ps see the backup directory. Each runs when training
+starts (or when the object is made), so a bad setting fails there, not at
+the first backup after steps were trained."""
 
 import os
 import uuid
@@ -10,6 +11,35 @@ import tensorflow as tf
 
 from keras_ps import _native
 from keras_ps.tables import _row_chunks
+
+
+def check_directory(path, argument):
+    """Raises ValueError when `path` (a directory to write into, given as
+    the argument `argument`), or the nearest folder above it that exists,
+    is a file."""
+    existing = path
+    while existing and not os.path.exists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            return
+        existing = parent
+    if existing and not os.path.isdir(existing):
+        what = ("is" if existing == path
+                else f"is inside {existing!r}, which is")
+        raise ValueError(
+            f"{argument} must be a directory (created if missing), but "
+            f"{path!r} {what} a file. Received: {argument}={path!r}. Fix: "
+            "pass the path of a directory, or move the file away.")
+
+
+def make_directory(path, argument):
+    """Creates directory `path` if missing.
+
+    Raises:
+        ValueError: a file is in the way (see `check_directory`).
+    """
+    check_directory(path, argument)
+    os.makedirs(path, exist_ok=True)
 
 
 def check_environment():

@@ -946,6 +946,40 @@ def backup_state_file_not_an_object(env):
     callback.on_train_begin()
 
 
+def _a_file(env):
+    path = os.path.join(env.tmp(), "a_file")
+    with open(path, "w") as f:
+        f.write("x")
+    return path
+
+
+@case("backup_dir_is_a_file", ValueError,
+      "backup_dir must be a directory (created if missing)", "is a file",
+      "Received: backup_dir=", "pass the path of a directory")
+def backup_dir_is_a_file(env):
+    keras_ps.callbacks.BackupAndRestore(_a_file(env))
+
+
+@case("sidecar_checkpoint_dir_is_a_file", ValueError,
+      "checkpoint_dir must be a directory (created if missing)",
+      "a_file/ckpt' is inside", "which is a file",
+      "pass the path of a directory")
+def sidecar_checkpoint_dir_is_a_file(env):
+    keras_ps.callbacks.SidecarCheckpoint(os.path.join(_a_file(env), "ckpt"))
+
+
+@case("sidecar_checkpoint_dir_made_a_file_before_fit", ValueError,
+      "checkpoint_dir must be a directory", "is a file",
+      "pass the path of a directory")
+def sidecar_checkpoint_dir_made_a_file_before_fit(env):
+    # Refused when fit starts, not at the first epoch's end.
+    directory = os.path.join(env.tmp(), "ckpt")
+    writer = keras_ps.callbacks.SidecarCheckpoint(directory)
+    with open(directory, "w") as f:
+        f.write("x")
+    _fit_refused_before_a_step(_model(env.strategy), writer)
+
+
 @case("backup_save_freq_zero", ValueError,
       "save_freq=0", "'epoch', a positive integer number of steps, or False")
 def backup_save_freq_zero(env):
