@@ -2,11 +2,34 @@
 
 import logging
 
+from keras_ps.backups import _checks
 from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training._fit_epochs import LOST_SHARDS
 
 logger = logging.getLogger(__name__)
+
+
+def check_modes(incremental, recover_ps):
+    """`incremental` and `recover_ps` as `BackupAndRestore` keeps them (a
+    numpy bool made Python's).
+
+    Raises:
+        ValueError: either is not one of its values (naming it): 0 and 1
+            are refused, not read as False and True.
+    """
+    if not (incremental == "auto" if isinstance(incremental, str)
+            else _checks.is_bool(incremental)):
+        raise ValueError(
+            "incremental must be 'auto', True or False. Received: "
+            f"incremental={incremental!r}.")
+    if not (recover_ps == LOST_SHARDS if isinstance(recover_ps, str)
+            else _checks.is_bool(recover_ps)):
+        raise ValueError(
+            f"recover_ps must be True, False or {LOST_SHARDS!r}. "
+            f"Received: recover_ps={recover_ps!r}.")
+    return (incremental if isinstance(incremental, str) else bool(incremental),
+            recover_ps if isinstance(recover_ps, str) else bool(recover_ps))
 
 
 def incremental_writer(model, incremental, path, options, auto_min_bytes):

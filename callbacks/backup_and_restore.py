@@ -147,14 +147,8 @@ class BackupAndRestore(ResumableCallback):
                  save_before_preemption=False, recover_ps=True,
                  incremental="auto", max_deltas=20, max_delta_bytes=None,
                  background_deltas=False, double_checkpoint=False):
-        if incremental not in ("auto", True, False):
-            raise ValueError(
-                "incremental must be 'auto', True or False. Received: "
-                f"incremental={incremental!r}.")
-        if not (isinstance(recover_ps, bool) or recover_ps == LOST_SHARDS):
-            raise ValueError(
-                f"recover_ps must be True, False or {LOST_SHARDS!r}. "
-                f"Received: recover_ps={recover_ps!r}.")
+        incremental, recover_ps = _backup_modes.check_modes(incremental,
+                                                            recover_ps)
         super().__init__(recover_ps=recover_ps)
         if not backup_dir:
             raise ValueError(
@@ -167,11 +161,10 @@ class BackupAndRestore(ResumableCallback):
                 "save_freq must be 'epoch', a positive integer number of "
                 "steps, or False (backups before a preemption only). "
                 f"Received: save_freq={save_freq!r}.")
-        for name, value in (("save_before_preemption", save_before_preemption),
-                            ("double_checkpoint", double_checkpoint)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False. Received: "
-                                 f"{name}={value!r}.")
+        _checks.check_bools(delete_checkpoint=delete_checkpoint,
+                            save_before_preemption=save_before_preemption,
+                            double_checkpoint=double_checkpoint,
+                            background_deltas=background_deltas)
         if save_freq is False and not save_before_preemption:
             raise ValueError(
                 "save_freq=False writes backups only before a preemption, "
@@ -181,10 +174,10 @@ class BackupAndRestore(ResumableCallback):
         self.backup_dir = os.fspath(backup_dir)
         _checks.check_directory(self.backup_dir, "backup_dir")
         self.save_freq = save_freq
-        self.delete_checkpoint = delete_checkpoint
-        self.save_before_preemption = save_before_preemption
-        self.double_checkpoint = double_checkpoint
-        self.short_lead = save_before_preemption  # acts within executions
+        self.delete_checkpoint = bool(delete_checkpoint)
+        self.save_before_preemption = bool(save_before_preemption)
+        self.double_checkpoint = bool(double_checkpoint)
+        self.short_lead = self.save_before_preemption  # acts within executions
         self._notice = PreemptionNotice()
         self._newest_backup_at = None  # (epoch, step)
         self._state_path = os.path.join(self.backup_dir, _state_file.FILE_NAME)

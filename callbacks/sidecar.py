@@ -51,12 +51,14 @@ class SidecarCheckpoint(keras.callbacks.Callback):
                 f"checkpoint_dir={checkpoint_dir!r}. Fix: pass the directory "
                 "the evaluator reads.")
         if total_epochs is not None and (
-                not isinstance(total_epochs, int) or total_epochs < 1):
+                isinstance(total_epochs, bool)
+                or not isinstance(total_epochs, int) or total_epochs < 1):
             raise ValueError(
                 "total_epochs must be a positive integer or None. Received: "
                 f"total_epochs={total_epochs!r}.")
         if max_to_keep is not None and (
-                not isinstance(max_to_keep, int) or max_to_keep < 1):
+                isinstance(max_to_keep, bool)
+                or not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ValueError(
                 "max_to_keep must be a positive integer or None. Received: "
                 f"max_to_keep={max_to_keep!r}.")
@@ -102,7 +104,11 @@ class SidecarCheckpoint(keras.callbacks.Callback):
 
         Returns:
             The checkpoint's name.
+
+        Raises:
+            ValueError: `final` is not True or False.
         """
+        _checks.check_bools(final=final)
         _checks.make_directory(self.checkpoint_dir, "checkpoint_dir")
         step = self._step()
         name = fmt.checkpoint_name(step)

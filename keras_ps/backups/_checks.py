@@ -1,16 +1,33 @@
-"""Checks made before a backup or a checkpoint is written: the directory to
-write into, the environment variables that writing and restoring backups
-read, and that the ps see the backup directory. Each runs when training
-starts (or when the object is made), so a bad setting fails there, not at
-the first backup after steps were trained."""
+"""Checks made before a backup or a checkpoint is written: arguments that
+must be True or False, the directory to write into, the environment
+variables that writing and restoring backups read, and that the ps see the
+backup directory. Each runs when training starts (or when the object is
+made), so a bad setting fails there, not at the first backup after steps
+were trained."""
 
 import os
 import uuid
 
+import numpy as np
 import tensorflow as tf
 
 from keras_ps import _native
 from keras_ps.tables import _row_chunks
+
+
+def is_bool(value):
+    """True for Python's and numpy's bools; False for anything else, 0, 1
+    and strings such as "no" (which would read as True) included."""
+    return isinstance(value, (bool, np.bool_))
+
+
+def check_bools(**arguments):
+    """Raises ValueError naming the first of `arguments` (name=value) that
+    is not True or False (see `is_bool`)."""
+    for name, value in arguments.items():
+        if not is_bool(value):
+            raise ValueError(f"{name} must be True or False. Received: "
+                             f"{name}={value!r}.")
 
 
 def check_directory(path, argument):

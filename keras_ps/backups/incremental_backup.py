@@ -146,6 +146,8 @@ class IncrementalBackup(_background.BackgroundWrites):
             min_table_bytes = DEFAULT_MIN_TABLE_BYTES
         check_options(max_deltas, max_delta_bytes, keep_chains,
                       min_table_bytes, merge_below)
+        _backup_checks.check_bools(background_deltas=background_deltas,
+                                   background_compaction=background_compaction)
         _backup_checks.check_environment()
         self.min_table_bytes = min_table_bytes
         self.directory = os.fspath(directory)
@@ -392,6 +394,7 @@ class IncrementalBackup(_background.BackgroundWrites):
             ValueError: the backup was written by a different model, or
                 with a DynamicEmbedding on another number of ps.
         """
+        _backup_checks.check_bools(fallback=fallback)
         with self._lock:
             self._abandon_pending_after_a_ps_loss()
             self._finish_pending()

@@ -1007,6 +1007,26 @@ def backup_double_checkpoint_not_a_bool(env):
     keras_ps.callbacks.BackupAndRestore(env.tmp(), double_checkpoint="yes")
 
 
+@case("backup_delete_checkpoint_not_a_bool", ValueError,
+      "delete_checkpoint='no'", "True or False")
+def backup_delete_checkpoint_not_a_bool(env):
+    # "no" read as True once deleted the backup the user meant to keep.
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), delete_checkpoint="no")
+
+
+@case("backup_background_deltas_not_a_bool", ValueError,
+      "background_deltas='no'", "True or False")
+def backup_background_deltas_not_a_bool(env):
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), background_deltas="no")
+
+
+@case("backup_incremental_zero", ValueError,
+      "incremental=0", "'auto', True or False")
+def backup_incremental_zero(env):
+    # 0 once passed the check and then turned incremental backups on.
+    keras_ps.callbacks.BackupAndRestore(env.tmp(), incremental=0)
+
+
 @case("backup_incremental_not_a_choice", ValueError,
       "incremental='yes'", "'auto', True or False")
 def backup_incremental_not_a_choice(env):
@@ -1045,6 +1065,12 @@ def incremental_backup_env_native_not_a_switch(env):
               lambda: keras_ps.IncrementalBackup(_model(), env.tmp()))
 
 
+@case("incremental_backup_background_compaction_not_a_bool", ValueError,
+      "background_compaction='no'", "True or False")
+def incremental_backup_background_compaction_not_a_bool(env):
+    keras_ps.IncrementalBackup(_model(), env.tmp(), background_compaction="no")
+
+
 @case("incremental_backup_optimizer_not_built", ValueError,
       "not built", "optimizer.build(model.trainable_variables)")
 def incremental_backup_optimizer_not_built(env):
@@ -1064,6 +1090,12 @@ def incremental_restore_other_model(env):
     directory = env.tmp()
     keras_ps.IncrementalBackup(_built(_model()), directory).save_full()
     keras_ps.IncrementalBackup(_built(_other_model()), directory).restore()
+
+
+@case("sidecar_max_to_keep_a_bool", ValueError,
+      "max_to_keep=True", "a positive integer or None")
+def sidecar_max_to_keep_a_bool(env):
+    keras_ps.callbacks.SidecarCheckpoint(env.tmp(), max_to_keep=True)
 
 
 @case("sidecar_export_unknown_placeholder", ValueError,
@@ -1147,6 +1179,26 @@ def test_bad_input(make_error, exception, needles, env):
     message = full_message(raised.value)
     missing = [needle for needle in needles if needle not in message]
     assert not missing, f"{missing} not in the message:\n{message}"
+
+
+@pytest.mark.timeout(30)
+def test_numpy_bools_are_taken_as_bools(tmp_path):
+    """Where a bool is asked for, numpy's is Python's (a mask's element, a
+    flag read from an array); only other types are refused."""
+    backup = keras_ps.callbacks.BackupAndRestore(
+        str(tmp_path), delete_checkpoint=np.False_, incremental=np.True_,
+        recover_ps=np.True_, double_checkpoint=np.True_,
+        background_deltas=np.False_, save_before_preemption=np.False_)
+    assert [backup.delete_checkpoint, backup.incremental, backup.recover_ps,
+            backup.double_checkpoint, backup.save_before_preemption] == [
+        False, True, True, True, False]
+    assert all(type(value) is bool for value in (
+        backup.delete_checkpoint, backup.incremental, backup.recover_ps))
+    incremental = keras_ps.IncrementalBackup(
+        _model(), str(tmp_path), background_deltas=np.True_,
+        background_compaction=np.False_)
+    assert (incremental.background_deltas,
+            incremental.background_compaction) == (True, False)
 
 
 # The server command line: a one-line error and exit code 2, no traceback -----------
