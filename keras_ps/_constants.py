@@ -51,6 +51,14 @@ DEFAULT_NO_WORKER_TIMEOUT = 0.0
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"
 DEFAULT_EVAL_SHARDS_PER_WORKER = 4
 
+# Seconds a `ShardedInput` may spend counting the records of a dataset whose
+# size tf.data does not know (a filter, a generator) before it gives up: such
+# a dataset may never end (a .repeat() before the filter). 0: no limit. While
+# it counts it logs a warning every COUNT_LOG_INTERVAL seconds.
+COUNT_TIMEOUT_ENV_VAR = "KERAS_PS_COUNT_TIMEOUT"
+DEFAULT_COUNT_TIMEOUT = 600.0
+COUNT_LOG_INTERVAL = 10.0
+
 # How many steps of a scheduled training or evaluation function are written
 # out one after another in each iteration of its tf.while_loop (0 or 1: one
 # step an iteration). A loop whose body reads and updates variables on the ps

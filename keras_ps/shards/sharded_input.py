@@ -6,16 +6,14 @@ A shard is one file (read with `read_fn`) or one range of records of a
 a time to whichever worker is free; see keras_ps/shards/epoch.py.
 """
 
-import logging
 import math
 import os
 
 import numpy as np
 import tensorflow as tf
 
+from keras_ps.shards import _count
 from keras_ps.shards import epoch as epoch_lib
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZE = 32
 DEFAULT_FILE_SHUFFLE_BUFFER = 1024
@@ -161,8 +159,7 @@ class ShardedInput:
                     "once. Received: a dataset of infinite cardinality. Fix: "
                     "remove .repeat() (fit's `epochs` repeats the data).")
             if count == tf.data.UNKNOWN_CARDINALITY:
-                count = int(data.reduce(np.int64(0), lambda n, _: n + 1))
-                logger.info("[chief] ShardedInput counted %d records", count)
+                count = _count.count_records(data)
                 data = data.apply(tf.data.experimental.assert_cardinality(count))
             dataset = data
         else:

@@ -752,6 +752,37 @@ def sharded_input_infinite_dataset(env):
     keras_ps.ShardedInput(tf.data.Dataset.range(4).repeat())
 
 
+def _forever_filtered():
+    """A dataset that repeats forever behind a filter: tf.data does not
+    know its size, so ShardedInput counts it."""
+    return tf.data.Dataset.range(4).repeat().filter(lambda n: n >= 0)
+
+
+def _forever_generated():
+    def forever():
+        while True:
+            yield np.zeros(4, "float32")
+
+    return tf.data.Dataset.from_generator(
+        forever, output_signature=tf.TensorSpec([4], tf.float32))
+
+
+@case("sharded_input_repeat_then_filter", ValueError,
+      "gave up counting", "found no end", "KERAS_PS_COUNT_TIMEOUT=1",
+      "remove .repeat()", "assert_cardinality(N)")
+def sharded_input_repeat_then_filter(env):
+    _with_env("KERAS_PS_COUNT_TIMEOUT", "1",
+              lambda: keras_ps.ShardedInput(_forever_filtered()))
+
+
+@case("sharded_input_endless_generator", ValueError,
+      "gave up counting", "a generator that never stops",
+      "KERAS_PS_COUNT_TIMEOUT=1", "assert_cardinality(N)")
+def sharded_input_endless_generator(env):
+    _with_env("KERAS_PS_COUNT_TIMEOUT", "1",
+              lambda: keras_ps.ShardedInput(_forever_generated()))
+
+
 @case("sharded_input_read_fn_with_arrays", ValueError,
       "only for a list of files", "with data of type ndarray",
       "dataset.map(fn)")

@@ -613,3 +613,39 @@ def test_within_shard_shuffle_is_reproducible_from_the_seed():
     assert shard_order(seed=1, epoch=0, shard=1) == first  # same seed, same order
     assert shard_order(seed=1, epoch=1, shard=1) != first  # a new epoch reshuffles
     assert shard_order(seed=2, epoch=0, shard=1) != first
+
+
+@pytest.mark.timeout(60)
+def test_a_dataset_of_unknown_size_is_counted_and_one_that_never_ends_is_refused(
+        monkeypatch, caplog):
+    import itertools
+    import logging
+
+    import tensorflow as tf
+
+    import keras_ps
+    from keras_ps.shards import _count
+
+    finite = tf.data.Dataset.range(100).filter(lambda n: n % 2 == 0)
+    assert keras_ps.ShardedInput(finite).num_records == 50
+    # Given its size, the data is not counted.
+    sized = finite.apply(tf.data.experimental.assert_cardinality(50))
+    monkeypatch.setattr(_count, "count_records", None)
+    assert keras_ps.ShardedInput(sized).num_records == 50
+    monkeypatch.undo()
+
+    # Each chunk counted takes 4 s on this clock: warnings at 12 and 24 s,
+    # and the count gives up at 32 s, past KERAS_PS_COUNT_TIMEOUT=30.
+    caplog.set_level(logging.WARNING, logger="keras_ps.shards._count")
+    monkeypatch.setenv("KERAS_PS_COUNT_TIMEOUT", "30")
+    clock = itertools.count(0.0, 4.0)
+    forever = tf.data.Dataset.range(4).repeat().filter(lambda n: n >= 0)
+    with pytest.raises(ValueError) as raised:
+        _count.count_records(forever, clock=lambda: next(clock))
+    assert "gave up counting" in str(raised.value)
+    assert f"it counted {8 * _count.CHUNK_RECORDS:,}" in str(raised.value)
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "counting the records of a dataset of unknown size" in warnings[0]
+    assert "assert_cardinality(N)" in warnings[0]
+    assert "KERAS_PS_COUNT_TIMEOUT" in warnings[0]
