@@ -210,6 +210,22 @@ def check_validation_freq(validation_freq):
             f"first). Received: validation_freq={validation_freq!r}.")
 
 
+def check_validation_data(validation_data, validation_steps):
+    """Without `validation_steps`, fit evaluates `validation_data` exactly
+    once after each epoch: it must end. Checked before the first step, so
+    no epoch is trained for nothing."""
+    if validation_steps is None and isinstance(
+            validation_data, tf.data.Dataset) and int(
+            validation_data.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "Without validation_steps, fit evaluates validation_data exactly "
+            "once after each epoch, so it must be finite. Received: "
+            "validation_data of infinite cardinality (it repeats forever) "
+            "and validation_steps=None. Fix: remove .repeat() from the "
+            "validation data, or pass validation_steps=N to evaluate N "
+            "batches after each epoch.")
+
+
 def should_validate(epoch, validation_freq):
     """Whether `fit` evaluates `validation_data` after `epoch` (0-based)."""
     if isinstance(validation_freq, int):

@@ -89,6 +89,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
     inputs.check_validation_freq(validation_freq)
+    inputs.check_validation_data(validation_data, validation_steps)
     if isinstance(x, shards.ShardedInput):
         # Dynamic data shards: the epoch is every shard once (training/sharded_fit.py).
         inputs.no_targets(x, y, sample_weight)

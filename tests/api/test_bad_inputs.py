@@ -607,6 +607,22 @@ def fit_validation_freq_zero(env):
                              validation_data=(X, Y), validation_freq=0)
 
 
+@case("fit_validation_data_infinite", ValueError,
+      "validation_data of infinite cardinality", "validation_steps=None",
+      "remove .repeat()", "pass validation_steps=N")
+def fit_validation_data_infinite(env):
+    repeated = tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).repeat()
+    # A callback that fails the test if a step trains: the check comes first.
+    _model(env.strategy).fit(X, Y, epochs=1, steps_per_epoch=2, verbose=0,
+                             validation_data=repeated,
+                             callbacks=[_NoTrainingStep()])
+
+
+class _NoTrainingStep(keras.callbacks.Callback):
+    def on_train_batch_begin(self, batch, logs=None):
+        raise AssertionError("a step was scheduled before the check")
+
+
 @case("env_eval_shards_per_worker_zero", ValueError,
       "KERAS_PS_EVAL_SHARDS_PER_WORKER='0'", "must be at least 1",
       "Unset it to use the default 4")
