@@ -37,7 +37,7 @@ def _shard_function(model, variables, make_dataset, num_shards):
         iterator = iter(make_dataset().shard(num_shards, shard_index))
         weights = [(w, tf.identity(w.value)) for w in regularized]
 
-        def body(_, *state):
+        def body(_, batches, *state):
             optional = iterator.get_next_as_optional()
 
             def run_step():
@@ -52,12 +52,13 @@ def _shard_function(model, variables, make_dataset, num_shards):
                 return updated
 
             state = tf.cond(optional.has_value(), run_step, lambda: list(state))
-            return (tf.logical_not(optional.has_value()), *state)
+            batches += tf.cast(optional.has_value(), tf.int64)
+            return (tf.logical_not(optional.has_value()), batches, *state)
 
-        _, *final = tf.while_loop(
+        _, batches, *final = tf.while_loop(
             lambda done, *_: tf.logical_not(done), body,
-            (tf.constant(False), *initial_state))
-        return final
+            (tf.constant(False), tf.constant(0, tf.int64), *initial_state))
+        return batches, final
 
     return tf.function(evaluate_shard, autograph=False)
 
@@ -67,7 +68,8 @@ def evaluate_exactly_once(model, coordinator, dataset):
 
     Returns:
         The metrics as a dict of Python numbers (also left in the model's
-        metric variables, as Keras' evaluate leaves them).
+        metric variables, as Keras' evaluate leaves them); an empty dict,
+        as Keras returns, when `dataset` holds no batch.
     """
     cardinality = int(dataset.cardinality())
     if cardinality == tf.data.INFINITE_CARDINALITY:
@@ -91,11 +93,23 @@ def evaluate_exactly_once(model, coordinator, dataset):
                for i in range(num_shards)]
     coordinator.join()
     totals = [value.copy() for value in initial]
+    batches = 0
     for remote in remotes:
-        for total, start, final in zip(totals, initial, remote.fetch()):
+        shard_batches, shard_state = remote.fetch()
+        batches += int(shard_batches)
+        for total, start, final in zip(totals, initial, shard_state):
             total += np.asarray(final) - start
     for v, total in zip(variables, totals):
         v.assign(total)
-    logger.info("[chief] exact evaluation: %d shards over %d workers",
-                num_shards, coordinator.num_workers)
+    logger.info("[chief] exact evaluation: %d batches in %d shards over %d "
+                "workers", batches, num_shards, coordinator.num_workers)
+    if batches == 0:
+        # The metrics' initial values would read as a perfect score.
+        logger.warning(
+            "[chief] evaluate evaluated no batch: the data is empty (a "
+            "filter that drops every example?). It returns no metrics, as "
+            "Keras does: {} (or [] without return_dict), and fit's epoch logs "
+            "get no val_ metrics. Fix: check the evaluation data or fit's "
+            "validation_data.")
+        return {}
     return python_logs(model.get_metrics_result())

@@ -209,6 +209,34 @@ def test_evaluate_with_steps_and_infinite_data_error(fit_strategy):
     assert isinstance(model.evaluate(x, y, verbose=0), list)
 
 
+def test_empty_evaluation_data_gives_no_metrics_and_a_warning(fit_strategy,
+                                                             caplog):
+    """Keras returns no metrics for data with no batch; keras_ps does the
+    same and warns, never the metrics' initial values (a loss of 0)."""
+    import logging
+
+    x, y = _data(64)
+    model = _model(fit_strategy)
+    empty = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).filter(
+        lambda a, b: False)
+    caplog.set_level(logging.WARNING,
+                     logger="keras_ps.training.exact_evaluation")
+    assert model.evaluate(empty, verbose=0, return_dict=True) == {}
+    assert model.evaluate(empty, verbose=0) == []
+    assert caplog.text.count("evaluate evaluated no batch: the data is "
+                             "empty") == 2
+    assert "check the evaluation data or fit's validation_data" in caplog.text
+
+    caplog.clear()
+    stopper = keras.callbacks.EarlyStopping("val_loss", patience=0)
+    history = model.fit(x, y, epochs=3, steps_per_epoch=2, verbose=0,
+                        validation_data=empty, callbacks=[stopper])
+    assert sorted(history.history) == ["accuracy", "loss"]
+    # A val_loss of 0 every epoch would have stopped it after the second.
+    assert len(history.history["loss"]) == 3
+    assert caplog.text.count("evaluate evaluated no batch") == 3
+
+
 def test_predict_matches_local_model(fit_strategy):
     x, _ = _data(100)
     model = _model(fit_strategy)
