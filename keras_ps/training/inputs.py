@@ -195,6 +195,17 @@ def exact_input(x, y, sample_weight, batch_size):
         batch_size or DEFAULT_BATCH_SIZE)
 
 
+def check_batch_size(name, value):
+    """A batch size keras_ps batches arrays with: a positive integer, or
+    None or 0 for the default 32 (as Keras reads them)."""
+    if value is None or (isinstance(value, (int, np.integer)) and
+                         not isinstance(value, bool) and value >= 0):
+        return
+    raise ValueError(
+        f"`{name}` must be a positive integer (or None for the default "
+        f"{DEFAULT_BATCH_SIZE}). Received: {name}={value!r}.")
+
+
 def check_validation_freq(validation_freq):
     """Keras' forms: validate every N epochs (a positive int), or after the
     epochs listed (1 for the first)."""

@@ -90,6 +90,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     _check_compiled(model, "fit")
     inputs.check_validation_freq(validation_freq)
     inputs.check_validation_data(validation_data, validation_steps)
+    inputs.check_batch_size("batch_size", batch_size)
+    inputs.check_batch_size("validation_batch_size", validation_batch_size)
     if isinstance(x, shards.ShardedInput):
         # Dynamic data shards: the epoch is every shard once (training/sharded_fit.py).
         inputs.no_targets(x, y, sample_weight)
@@ -216,6 +218,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
             f"Received: x={x!r}. Fix: pass the records as a finite "
             "tf.data.Dataset: evaluate is exactly-once on finite data.")
     _check_compiled(model, "evaluate")
+    inputs.check_batch_size("batch_size", batch_size)
     strategy = model.distribute_strategy
     coordinator = ClusterCoordinator(strategy)
     if exact is None:

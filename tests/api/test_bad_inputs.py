@@ -687,6 +687,36 @@ def env_save_chunk_bytes_with_sidecar_checkpoint(env):
               lambda: _fit_refused_before_a_step(model, writer))
 
 
+@case("fit_negative_batch_size", ValueError,
+      "batch_size=-4", "must be a positive integer",
+      "None for the default 32")
+def fit_negative_batch_size(env):
+    _model(env.strategy).fit(X, Y, batch_size=-4, epochs=1,
+                             steps_per_epoch=2, verbose=0)
+
+
+@case("fit_fractional_batch_size", ValueError,
+      "batch_size=8.5", "must be a positive integer")
+def fit_fractional_batch_size(env):
+    _model(env.strategy).fit(X, Y, batch_size=8.5, epochs=1,
+                             steps_per_epoch=2, verbose=0)
+
+
+@case("fit_negative_validation_batch_size", ValueError,
+      "validation_batch_size=-1", "must be a positive integer")
+def fit_negative_validation_batch_size(env):
+    # Refused before the first epoch trains, not when validation starts.
+    _model(env.strategy).fit(X, Y, epochs=1, steps_per_epoch=2, verbose=0,
+                             validation_data=(X, Y), validation_batch_size=-1,
+                             callbacks=[_NoTrainingStep()])
+
+
+@case("evaluate_negative_batch_size", ValueError,
+      "batch_size=-2", "must be a positive integer")
+def evaluate_negative_batch_size(env):
+    _model(env.strategy).evaluate(X, Y, batch_size=-2, verbose=0)
+
+
 @case("fit_numpy_mismatched_lengths", ValueError,
       "x has 16 rows", "y has 10 rows", "same number of rows",
       "pass arrays of equal length")
