@@ -5,6 +5,7 @@
 training) or one finite dataset (for exactly-once evaluation).
 """
 
+import contextlib
 import math
 
 import keras
@@ -108,13 +109,15 @@ def as_arrays(x, y, sample_weight):
     return data
 
 
-def training_input(x, y, sample_weight, batch_size, shuffle):
+def training_input(x, y, sample_weight, batch_size, shuffle, what):
     """A dataset_fn or a tf.data.Dataset for the coordinator, repeated."""
     if isinstance(x, DatasetCreator):
         no_targets(x, y, sample_weight)
         return x
     if isinstance(x, tf.data.Dataset):
         no_targets(x, y, sample_weight)
+        if int(x.cardinality()) == 0:
+            raise ValueError(_no_batch_message(x, what))
         return x.repeat()
     if isinstance(x, keras.utils.PyDataset) or (
             callable(getattr(x, "__iter__", None)) and not is_array_like(x)):
@@ -127,6 +130,28 @@ def training_input(x, y, sample_weight, batch_size, shuffle):
     if x is None:
         raise ValueError("fit/evaluate need input data. Received: x=None.")
     return arrays_dataset_fn(x, y, sample_weight, batch_size, shuffle)
+
+
+@contextlib.contextmanager
+def empty_data_explained(x, what):
+    """Turns running out of data into an error saying the data is empty,
+    for input that `training_input` repeats (all but a DatasetCreator)."""
+    try:
+        yield
+    except tf.errors.OutOfRangeError as error:
+        if isinstance(x, DatasetCreator):
+            raise
+        raise ValueError(_no_batch_message(x, what)) from error
+
+
+def _no_batch_message(x, what):
+    return (
+        f"The data given to {what} yields no batch: {what} repeats a "
+        "tf.data.Dataset or arrays itself (no .repeat() is needed), so the "
+        "data ran out only because there was nothing to read. Received: x of "
+        f"type {type(x).__name__} with no batch. Fix: check the data: a "
+        "filter that drops every example, an empty file, or fewer rows than "
+        "workers (each worker reads its own part of the arrays).")
 
 
 def no_targets(x, y, sample_weight):

@@ -123,7 +123,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     strategy = model.distribute_strategy
     coordinator = ClusterCoordinator(strategy)
     dataset = coordinator.create_per_worker_dataset(
-        inputs.training_input(x, y, sample_weight, batch_size, shuffle))
+        inputs.training_input(x, y, sample_weight, batch_size, shuffle, "fit"))
     fit_routing.symbolic_build(model, strategy, dataset.element_spec)
     iterator = iter(dataset)
     steps_fn = _step_functions.for_model(model, "train_step")
@@ -178,7 +178,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                 break
         return training_logs
 
-    with _fit_epochs.cancelled_on_error(coordinator):
+    with inputs.empty_data_explained(x, "fit"), \
+            _fit_epochs.cancelled_on_error(coordinator):
         training_logs = _fit_epochs.train_with_ps_recovery(
             coordinator, _fit_epochs.recovering_callback(callback_list),
             train_from, (start_epoch, start_step), progress)
@@ -245,7 +246,8 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
                     steps, callbacks, verbose):
     steps = inputs.require_steps("steps", steps, "evaluation")
     dataset = coordinator.create_per_worker_dataset(
-        inputs.training_input(x, y, sample_weight, batch_size, shuffle=False))
+        inputs.training_input(x, y, sample_weight, batch_size, shuffle=False,
+                              what="evaluate"))
     fit_routing.symbolic_build(model, model.distribute_strategy,
                                   dataset.element_spec)
     iterator = iter(dataset)
@@ -255,7 +257,8 @@ def _evaluate_steps(model, coordinator, x, y, sample_weight, batch_size,
     callback_list.on_test_begin()
     model.reset_metrics()
     tracker = StepLogsTracker()
-    with _fit_epochs.cancelled_on_error(coordinator):
+    with inputs.empty_data_explained(x, "evaluate"), \
+            _fit_epochs.cancelled_on_error(coordinator):
         for begin, count in _executions(steps, per_execution):
             callback_list.on_test_batch_begin(begin)
             remote = coordinator.schedule(

@@ -717,6 +717,34 @@ def evaluate_negative_batch_size(env):
     _model(env.strategy).evaluate(X, Y, batch_size=-2, verbose=0)
 
 
+def _no_batch():
+    return tf.data.Dataset.from_tensor_slices((X, Y)).batch(4).filter(
+        lambda x, y: False)
+
+
+@case("fit_empty_dataset", ValueError,
+      "The data given to fit yields no batch", "no .repeat() is needed",
+      "a filter that drops every example")
+def fit_empty_dataset(env):
+    _model(env.strategy).fit(_no_batch(), epochs=1, steps_per_epoch=3,
+                             verbose=0)
+
+
+@case("fit_empty_dataset_of_known_size", ValueError,
+      "The data given to fit yields no batch", "check the data")
+def fit_empty_dataset_of_known_size(env):
+    # tf.data knows it is empty: refused before anything is scheduled.
+    empty = tf.data.Dataset.from_tensor_slices((X[:0], Y[:0])).batch(4)
+    _model(env.strategy).fit(empty, epochs=1, steps_per_epoch=3, verbose=0,
+                             callbacks=[_NoTrainingStep()])
+
+
+@case("evaluate_steps_empty_dataset", ValueError,
+      "The data given to evaluate yields no batch", "no .repeat() is needed")
+def evaluate_steps_empty_dataset(env):
+    _model(env.strategy).evaluate(_no_batch(), steps=3, verbose=0)
+
+
 @case("fit_numpy_mismatched_lengths", ValueError,
       "x has 16 rows", "y has 10 rows", "same number of rows",
       "pass arrays of equal length")
