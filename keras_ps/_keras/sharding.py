@@ -8,9 +8,11 @@ is current, and its partitioner, is told by the function the strategy passes
 to `install` (this module sits below the strategy and does not import it).
 """
 
+import contextlib
 import functools
 
 import tensorflow as tf
+from keras.src.backend.common import global_state
 from keras.src.backend.tensorflow import core as tf_core
 from keras.src.backend.tensorflow import numpy as tf_numpy
 from keras.src.backend.tensorflow import optimizer as tf_optimizer
@@ -41,6 +43,8 @@ SHARDING_TARGETS = (
 LAYER_STATE_LISTS = ("_trainable_variables", "_non_trainable_variables")
 OPTIMIZER_STATE_LISTS = ("_variables",)
 _ADD_WEIGHT_POSITIONAL = ("shape", "initializer", "dtype")
+# Keras' global attribute holding the current `keras.StatelessScope`.
+STATELESS_SCOPE_ATTRIBUTE = "stateless_scope"
 
 
 # Missing public API: Keras 3 has no variable partitioning and no hook on
@@ -58,9 +62,29 @@ def _sharded_add_weight(keras_add_weight):
         kwargs.update(zip(_ADD_WEIGHT_POSITIONAL, args))
         return _sharded_weights.add_sharded_weight(
             self, functools.partial(keras_add_weight, self), partitioner,
-            device, **kwargs)
+            device, eager_scope=_outside_stateless_scope, **kwargs)
 
     return add_weight
+
+
+# Missing public API: Keras builds a layer or model without a `build()` of
+# its own by tracing its `call` in `backend.compute_output_spec`, inside a
+# `keras.StatelessScope`; there `add_weight` makes a variable without its
+# tf.Variable and creates that when the outermost scope ends. The shards of
+# a sharded weight must have their tf.Variables at once (the container the
+# layer reads through is made of them), and Keras has no way to step out of
+# a stateless scope. So the shards are made with no stateless scope current
+# and eagerly (`tf.init_scope`): the layer's real weights, as the deferred
+# ones would have been at the end of the scope.
+@contextlib.contextmanager
+def _outside_stateless_scope():
+    scope = global_state.get_global_attribute(STATELESS_SCOPE_ATTRIBUTE)
+    global_state.set_global_attribute(STATELESS_SCOPE_ATTRIBUTE, None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        global_state.set_global_attribute(STATELESS_SCOPE_ATTRIBUTE, scope)
 
 
 # Missing public API: no way to tell a tf.distribute strategy "this

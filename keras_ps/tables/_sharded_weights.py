@@ -137,7 +137,7 @@ class _CaptureVariable:
 
 def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
                        shape=None, initializer=None, dtype=None, name=None,
-                       **kwargs):
+                       eager_scope=contextlib.nullcontext, **kwargs):
     """`layer.add_weight(...)` under a partitioner: a ShardedWeight or a Variable.
 
     Up to SLICED_INIT_MAX_BYTES the full initializer runs once, on
@@ -152,6 +152,9 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
         partitioner: the strategy's `variable_partitioner`.
         init_device: where to evaluate the full initializer.
         shape, initializer, dtype, name, **kwargs: as `Layer.add_weight`.
+        eager_scope: `() -> context manager` under which the shards are made
+            eagerly, with their tf.Variables, even while Keras traces a
+            model's `call` to build it (a stateless scope).
 
     Raises:
         PartitionerError: see `num_shards`.
@@ -167,6 +170,18 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
     if initializer is None:
         initializer = "glorot_uniform" if "float" in dtype else "zeros"
     initializer = keras.initializers.get(initializer)
+    with eager_scope():
+        shards, inner = _make_shards(layer, keras_add_weight, init_device,
+                                     shape, initializer, dtype, name, count,
+                                     kwargs)
+    path = shards[0].path[: -len("_part_0")]
+    logger.info("[chief] weight %s %s split into %d shards", path, shape, count)
+    return ShardedWeight(shards, inner, path)
+
+
+def _make_shards(layer, keras_add_weight, init_device, shape, initializer,
+                 dtype, name, count, kwargs):
+    """The shards of a weight (keras.Variables) and their tf.Variables."""
     ranges = partitioners_lib.shard_row_ranges(shape[0], count)
     nbytes = tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype).size
     if nbytes <= SLICED_INIT_MAX_BYTES:
@@ -188,11 +203,9 @@ def add_sharded_weight(layer, keras_add_weight, partitioner, init_device,
                 f"Layer {layer.name!r} created weight {name!r} without its "
                 f"variable (received {len(capture.created)} tf.Variables). "
                 "keras_ps shards only weights created eagerly; build the layer "
-                "under strategy.scope(), outside any stateless scope.")
+                "under strategy.scope().")
         inner.append(capture.created[0])
-    path = shards[0].path[: -len("_part_0")]
-    logger.info("[chief] weight %s %s split into %d shards", path, shape, count)
-    return ShardedWeight(shards, inner, path)
+    return shards, inner
 
 
 # Up to this size a sharded weight is initialised whole on one ps and sliced,

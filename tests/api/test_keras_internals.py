@@ -141,6 +141,34 @@ def test_sharding_add_sharded_weight_slices_one_initializer():
     assert isinstance(scalar, keras.Variable)
 
 
+
+@pytest.mark.timeout(60)
+def test_sharding_shards_are_made_eagerly_in_a_stateless_scope():
+    from keras.src import backend
+    from keras.src.backend.common import global_state
+
+    # Keras builds a model without build() by tracing call in a StatelessScope,
+    # which it keeps under this global attribute.
+    seen = []
+    backend.compute_output_spec(lambda: seen.append(
+        global_state.get_global_attribute(
+            keras_sharding.STATELESS_SCOPE_ATTRIBUTE)))
+    assert isinstance(seen[0], keras.StatelessScope)
+    layer = keras.layers.Dense(3)
+    keras_add_weight = hooks.original(
+        keras_sharding.LAYER_CLASS, "add_weight").__get__(layer)
+    with keras.StatelessScope() as scope:
+        weight = _sharded_weights.add_sharded_weight(
+            layer, keras_add_weight, FixedShardsPartitioner(2), "/cpu:0",
+            shape=(5, 3), initializer="ones", name="k",
+            eager_scope=keras_sharding._outside_stateless_scope)
+        assert global_state.get_global_attribute(
+            keras_sharding.STATELESS_SCOPE_ATTRIBUTE) is scope
+    assert [w.name for w in layer.weights] == ["k_part_0", "k_part_1"]
+    assert [id(w.value) for w in layer.weights] == [
+        id(v) for v in weight.variables]
+    np.testing.assert_array_equal(weight.numpy(), np.ones((5, 3)))
+
 @pytest.mark.timeout(60)
 def test_sharding_slots_group_once_complete():
     shards, weight = _local_weight()

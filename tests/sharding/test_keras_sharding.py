@@ -256,3 +256,162 @@ def test_bad_partitioner_results_name_the_weight(cluster, strategy, spec, proble
     message = str(info.value)
     assert "bad_table/embeddings" in message and "(6, 4)" in message
     assert repr(spec) in message
+
+
+# -- subclassed models under a partitioner ---------------------------------------
+class TwoDense(keras.Model):
+    """Layers as attributes and a `call`, no `build()`: Keras builds it by
+    tracing `call` in a stateless scope."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden = keras.layers.Dense(4, activation="tanh")
+        self.head = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.head(self.hidden(x))
+
+
+class Recommender(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.items = keras.layers.Embedding(10000, 32)
+        self.head = keras.layers.Dense(1)
+
+    def call(self, ids):
+        return self.head(keras.ops.mean(self.items(ids), axis=1))
+
+
+SUBCLASS_STEPS = 2
+_rng = np.random.default_rng(0)
+SUBCLASS_DATA = {
+    "dense": (_rng.normal(size=(16, 3)).astype("float32"),
+              _rng.normal(size=(16, 1)).astype("float32")),
+    "embedding": (_rng.integers(0, 10000, size=(16, 2)).astype("int32"),
+                  _rng.normal(size=(16, 1)).astype("float32")),
+}
+SUBCLASSES = {"dense": TwoDense, "embedding": Recommender}
+# model.weights as a plain model lists them, then under the partitioner.
+PLAIN_WEIGHTS = {"dense": ["kernel", "bias", "kernel", "bias"],
+                 "embedding": ["embeddings", "kernel", "bias"]}
+SHARDED_WEIGHTS = {
+    "dense": ["kernel_part_0", "kernel_part_1", "bias_part_0", "bias_part_1",
+              "kernel_part_0", "kernel_part_1", "bias"],  # bias (1,): 1 row
+    "embedding": ["embeddings_part_0", "embeddings_part_1", "kernel", "bias"],
+}
+
+
+@pytest.fixture(scope="module")
+def min_size(cluster, strategy):
+    """The TF tutorial's partitioner: 10000 x 32 floats in 2 shards, the
+    Dense head whole."""
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=MinSizePartitioner(
+            min_shard_bytes=256 << 10, max_shards=2))
+
+
+def subclassed(kind, build, strategies, callbacks=(), epochs=1):
+    """A subclassed model made under its partitioner, built by calling it
+    (`build="call"`) or left to `fit` (`build="fit"`), then fit; and fit's
+    History."""
+    x, y = SUBCLASS_DATA[kind]
+    with strategies[kind].scope():
+        model = SUBCLASSES[kind]()
+        if build == "call":
+            model(x[:1])
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    history = model.fit(x, y, batch_size=8, epochs=epochs,
+                        steps_per_epoch=SUBCLASS_STEPS, verbose=0,
+                        callbacks=list(callbacks))
+    return model, history
+
+
+def plain_twin(kind):
+    """The same class, built without any strategy."""
+    model = SUBCLASSES[kind]()
+    model(SUBCLASS_DATA[kind][0][:1])
+    return model
+
+
+SUBCLASS_CASES = [(kind, build) for kind in ("dense", "embedding")
+                  for build in ("call", "fit")]
+
+
+@pytest.fixture(scope="module", params=SUBCLASS_CASES,
+                ids=[f"{k}-built_by_{b}" for k, b in SUBCLASS_CASES])
+def trained_subclass(request, two_shards, min_size):
+    kind, build = request.param
+    model, _ = subclassed(kind, build,
+                          {"dense": two_shards, "embedding": min_size})
+    return kind, model
+
+
+def test_subclassed_model_has_the_weights_of_a_plain_model(trained_subclass):
+    kind, model = trained_subclass
+    assert [w.name for w in plain_twin(kind).weights] == PLAIN_WEIGHTS[kind]
+    assert [w.name for w in model.weights] == SHARDED_WEIGHTS[kind]
+    assert model.trainable_weights == model.weights
+    # Every weight the model lists is a shard its layers compute with.
+    used = {id(v) for layer in model.layers for w in
+            (getattr(layer, a, None) for a in ("_kernel", "bias", "_embeddings"))
+            if w is not None for v in getattr(w, "variables", [w.value])}
+    assert {id(w.value) for w in model.weights} == used
+    # Adam: its iterations and learning rate, then two slots per shard.
+    slots = [v.name for v in model.optimizer.variables][2:]
+    assert sorted(slots) == sorted(
+        f"{w.path.replace('/', '_')}_{slot}" for w in model.trainable_weights
+        for slot in ("momentum", "velocity"))
+
+
+def test_subclassed_model_weights_file_loads_both_ways(trained_subclass,
+                                                       two_shards, min_size,
+                                                       tmp_path):
+    kind, model = trained_subclass
+    x, _ = SUBCLASS_DATA[kind]
+    expected = model.predict(x, verbose=0)
+    model.save_weights(str(tmp_path / "sharded.weights.h5"))
+    plain = plain_twin(kind)
+    plain.load_weights(str(tmp_path / "sharded.weights.h5"))
+    np.testing.assert_allclose(plain(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+    plain.save_weights(str(tmp_path / "plain.weights.h5"))
+    with {"dense": two_shards, "embedding": min_size}[kind].scope():
+        again = SUBCLASSES[kind]()
+        again(x[:1])
+    again.load_weights(str(tmp_path / "plain.weights.h5"))
+    np.testing.assert_allclose(again.predict(x, verbose=0), expected,
+                               rtol=1e-5, atol=1e-6)
+    model.load_weights(str(tmp_path / "sharded.weights.h5"))  # its own file
+    np.testing.assert_allclose(model.predict(x, verbose=0), expected,
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_subclassed_model_exports(trained_subclass, tmp_path):
+    kind, model = trained_subclass
+    x, _ = SUBCLASS_DATA[kind]
+    model.export(str(tmp_path / "export"), verbose=False)
+    loaded = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(loaded.serve(x).numpy(), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+
+
+class _WeightsAtStart(keras.callbacks.Callback):
+    def on_train_begin(self, logs=None):
+        self.weights = [w.numpy() for w in self.model.weights]
+
+
+@pytest.mark.parametrize("kind, build", SUBCLASS_CASES,
+                         ids=[f"{k}-built_by_{b}" for k, b in SUBCLASS_CASES])
+def test_subclassed_model_resumes_from_its_backup(kind, build, two_shards,
+                                                  min_size, tmp_path):
+    strategies = {"dense": two_shards, "embedding": min_size}
+    directory = str(tmp_path / "backup")
+    first, _ = subclassed(kind, build, strategies, epochs=2, callbacks=[
+        keras_ps.callbacks.BackupAndRestore(directory, delete_checkpoint=False)])
+    # A new model, as a rerun of the program makes: it resumes after epoch 1.
+    start = _WeightsAtStart()
+    second, history = subclassed(kind, build, strategies, epochs=3, callbacks=[
+        keras_ps.callbacks.BackupAndRestore(directory), start])
+    assert history.epoch == [2]
+    assert int(second.optimizer.iterations.numpy()) == 3 * SUBCLASS_STEPS
+    for restored, saved in zip(start.weights, first.weights):
+        np.testing.assert_array_equal(restored, saved.numpy())
