@@ -191,11 +191,12 @@ def install(is_keras_ps_strategy):
 # -- Section: lazily built models under a variable_partitioner -----------------
 # Missing public API: Keras builds an unbuilt model inside
 # `backend.compute_output_spec` (`Trainer._symbolic_build`), where weights are
-# created in a stateless, symbolic scope without their tf.Variable, so a
-# partitioner cannot split them (tf_keras built with eager variables). Before
-# that symbolic build, keras_ps builds such a model by one eager call on a
-# batch of zeros shaped like the input (batch size 1) on the coordinator,
-# under the strategy's scope: every weight is created (and split) eagerly.
+# created in a stateless, symbolic scope without their tf.Variable (tf_keras
+# built with eager variables). A sharded weight steps out of that scope to
+# make its shards (keras_ps._keras.sharding); before that symbolic build,
+# keras_ps also builds such a model by one eager call on a batch of zeros
+# shaped like the input (batch size 1) on the coordinator, under the
+# strategy's scope, so that every weight is made eagerly, as tf_keras did.
 def _zeros_like_spec(spec):
     if not isinstance(spec, tf.TensorSpec) or spec.shape.rank is None:
         return None
