@@ -61,6 +61,17 @@ def _check_address(job, index, address):
         )
 
 
+# Names of this machine's loopback interface: one port there is one server.
+_LOOPBACK = {"localhost", "127.0.0.1", "::1", "[::1]", "0.0.0.0"}
+
+
+def _same_server(address):
+    """The address' host (lower case, loopback names as one) and port."""
+    host, _, port = address.rpartition(":")
+    host = host.lower()
+    return ("localhost" if host in _LOOPBACK else host), int(port)
+
+
 def _tf():
     import tensorflow as tf
 
@@ -124,12 +135,16 @@ def normalize_cluster_spec(spec):
             )
         for i, address in enumerate(tasks):
             _check_address(job, i, address)
-            if address in seen:
+            key = _same_server(address)
+            if key in seen:
+                other, other_address = seen[key]
+                spelt = ("" if other_address == address else
+                         f" (as {other_address!r} for {other}: one server)")
                 raise ClusterConfigError(
-                    f"Address {address!r} is used by both {seen[address]} and "
-                    f"{job}:{i}. Every task needs its own host:port."
+                    f"Address {address!r} is used by both {other} and "
+                    f"{job}:{i}{spelt}. Every task needs its own host:port."
                 )
-            seen[address] = f"{job}:{i}"
+            seen[key] = (f"{job}:{i}", address)
         result[job] = list(tasks)
     return result
 

@@ -215,6 +215,16 @@ def cluster_duplicate_address(env):
     cluster_lib.normalize_cluster_spec(_spec(ps=[2001], worker=[2001]))
 
 
+@case("cluster_same_server_two_spellings", ClusterConfigError,
+      "'127.0.0.1:2001'", "ps:0", "worker:0",
+      "as 'localhost:2001' for ps:0: one server",
+      "Every task needs its own host:port")
+def cluster_same_server_two_spellings(env):
+    # The strings differ: TF failed later with "Context id ... already exists".
+    cluster_lib.normalize_cluster_spec({"ps": ["localhost:2001"],
+                                        "worker": ["127.0.0.1:2001"]})
+
+
 @case("cluster_address_without_port", ClusterConfigError,
       "worker:0", "Received: 'localhost'", "Expected 'host:port'")
 def cluster_address_without_port(env):
