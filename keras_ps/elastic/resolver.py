@@ -9,6 +9,7 @@ no node of the rendezvous. This module imports TensorFlow, so
 
 import logging
 import math
+import numbers
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -58,12 +59,18 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                  token: Optional[str] = None,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
                  startup_timeout: float = 300.0, rpc_layer: str = "grpc"):
+        if isinstance(ps, str):
+            raise TypeError(
+                f"ps must be a list of 'host:port' addresses. Received: "
+                f"ps={ps!r}, a string. Pass ps=[{ps!r}].")
         if not ps:
             raise ValueError(f"ElasticClusterResolver needs at least one ps "
                              f"address. Received: ps={ps!r}.")
-        if min_workers < 1:
-            raise ValueError(f"min_workers must be >= 1. Received: "
-                             f"min_workers={min_workers}.")
+        if (isinstance(min_workers, bool)
+                or not isinstance(min_workers, numbers.Integral)
+                or min_workers < 1):
+            raise ValueError(f"min_workers must be an integer, 1 or more. "
+                             f"Received: min_workers={min_workers!r}.")
         if not poll_interval > 0:
             raise ValueError(f"poll_interval must be > 0 seconds. Received: "
                              f"poll_interval={poll_interval!r}.")

@@ -1228,6 +1228,22 @@ def sidecar_model_not_compiled(env):
 
 
 # Rendezvous ------------------------------------------------------------------------
+@case("elastic_resolver_ps_a_string", TypeError,
+      "ps='localhost:2001', a string", "Pass ps=['localhost:2001']")
+def elastic_resolver_ps_a_string(env):
+    # It was read as a list of one-letter addresses: "Received: 'l'".
+    elastic.ElasticClusterResolver(env.rendezvous.endpoint, ps="localhost:2001",
+                                   token=TOKEN)
+
+
+@case("elastic_resolver_min_workers_a_string", ValueError,
+      "min_workers='2'", "an integer, 1 or more")
+def elastic_resolver_min_workers_a_string(env):
+    elastic.ElasticClusterResolver(env.rendezvous.endpoint,
+                                   ps=["localhost:2001"], min_workers="2",
+                                   token=TOKEN)
+
+
 @case("rendezvous_wrong_token", elastic.RendezvousAuthError,
       "wrong rendezvous token", "x-keras-ps-token", "token=")
 def rendezvous_wrong_token(env):
