@@ -40,12 +40,21 @@ class DatasetCreator:
     ```
     """
 
-    def __init__(self, dataset_fn):
+    def __init__(self, dataset_fn, input_options=None):
         if not callable(dataset_fn):
             raise TypeError(
                 "DatasetCreator needs a callable dataset_fn(input_context). "
                 f"Received: dataset_fn={dataset_fn!r}.")
+        if input_options is not None and not isinstance(
+                input_options, tf.distribute.InputOptions):
+            raise TypeError(
+                "input_options must be a tf.distribute.InputOptions or None. "
+                f"Received: input_options={input_options!r}.")
         self.dataset_fn = dataset_fn
+        # TF's argument, taken so that its code runs as written. Its options
+        # place elements on a replica's devices (prefetching to a GPU); a
+        # keras_ps worker runs its steps where its dataset makes them.
+        self.input_options = input_options
 
     def __call__(self, input_context):
         dataset = self.dataset_fn(input_context)
@@ -57,6 +66,18 @@ class DatasetCreator:
 
     def __repr__(self):
         return f"DatasetCreator({self.dataset_fn!r})"
+
+
+def from_tf_keras(x):
+    """`x`, or a keras_ps DatasetCreator for tf_keras' own (TF's
+    `tf.keras.utils.experimental.DatasetCreator`): code moving off tf_keras
+    may still make that one, and it holds the same function."""
+    kind = type(x)
+    if (kind.__name__ == "DatasetCreator" and not isinstance(x, DatasetCreator)
+            and kind.__module__.split(".")[0] in ("tf_keras", "keras")
+            and callable(getattr(x, "dataset_fn", None))):
+        return DatasetCreator(x.dataset_fn, getattr(x, "input_options", None))
+    return x
 
 
 

@@ -88,6 +88,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
     as Keras' `Model.fit`; `steps_per_epoch` is required, except with a
     `keras_ps.ShardedInput`, whose epoch is every record once)."""
     _check_compiled(model, "fit")
+    x, validation_data = inputs.from_tf_keras(x), inputs.from_tf_keras(
+        validation_data)
     inputs.check_validation_freq(validation_freq)
     inputs.check_validation_data(validation_data, validation_steps)
     inputs.check_batch_size("batch_size", batch_size)
@@ -209,6 +211,7 @@ def evaluate(model, x=None, y=None, batch_size=None, verbose="auto",
     metrics locally and returns them, and the coordinator adds each shard's
     metrics once, so a shard redone after a worker loss is not counted twice.
     """
+    x = inputs.from_tf_keras(x)
     for name in fit_routing.KERAS_PRIVATE_EVALUATE_ARGS:
         kwargs.pop(name, None)
     if kwargs:
@@ -288,6 +291,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None,
     could not promise without extra bookkeeping."""
     # Reading weights through a replaced connection crashes the process.
     model.distribute_strategy.check_connected()
+    x = inputs.from_tf_keras(x)
     if isinstance(x, DatasetCreator):
         x = x(tf.distribute.InputContext())
     keras_predict = fit_routing.original_trainer_method("predict")

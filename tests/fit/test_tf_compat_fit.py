@@ -151,3 +151,35 @@ def test_run_until_data_ends_with_sharded_input(plain_strategy):
                                          r"Received: steps_per_epoch=5\..*"
                                          r"or pass -1"):
         model.fit(data, steps_per_epoch=5, verbose=0)
+
+
+def _one_weight_model(strategy):
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    return model
+
+
+def test_dataset_creator_takes_tf_input_options(plain_strategy):
+    # TF's signature: DatasetCreator(dataset_fn, input_options=None).
+    creator = _creator()
+    options = tf.distribute.InputOptions(experimental_fetch_to_device=False)
+    model = _one_weight_model(plain_strategy)
+    model.fit(keras_ps.DatasetCreator(creator.dataset_fn, input_options=options),
+              epochs=1, steps_per_epoch=4, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    with pytest.raises(TypeError, match=r"input_options=\{'fetch': False\}"):
+        keras_ps.DatasetCreator(creator.dataset_fn, input_options={"fetch": False})
+
+
+def test_tf_keras_dataset_creator_is_taken_as_keras_ps_own(plain_strategy):
+    # Code moving off tf_keras may still make tf_keras' DatasetCreator
+    # (tf.keras.utils.experimental.DatasetCreator before Keras 3).
+    tf_keras = pytest.importorskip(
+        "tf_keras", reason="tf_keras is installed with the [benchmark] extras")
+    creator = tf_keras.utils.experimental.DatasetCreator(_creator().dataset_fn)
+    model = _one_weight_model(plain_strategy)
+    model.fit(creator, epochs=1, steps_per_epoch=4, verbose=0,
+              validation_data=creator, validation_steps=2)
+    assert int(model.optimizer.iterations.numpy()) == 4
+    assert np.isfinite(model.evaluate(creator, steps=2, verbose=0))
