@@ -384,3 +384,11 @@ class ClusterCoordinator:
         """False while a worker may be hung: a function run for the first
         time is registered on every worker, and waits for a hung one."""
         return self._workers.trace_is_safe()
+
+
+# TF's `tf.distribute.coordinator.ClusterCoordinator(strategy)` returns
+# `strategy._cluster_coordinator` once that is set: for a keras_ps strategy it
+# is keras_ps' coordinator of it, so TF code that makes TF's coordinator runs
+# as written.
+strategy_lib.ParameterServerStrategy._cluster_coordinator = property(
+    ClusterCoordinator, doc="keras_ps' coordinator of this strategy.")

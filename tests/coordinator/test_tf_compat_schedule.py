@@ -54,3 +54,11 @@ def test_an_optimizer_built_first_trains_with_its_slots_on_a_ps(
     for slot in slots:
         assert "/job:ps/" in slot.value.device, (slot.path, slot.value.device)
         assert float(tf.reduce_sum(tf.abs(slot.value))) > 0, slot.path
+
+
+def test_tf_own_coordinator_class_gives_keras_ps_coordinator(strategy,
+                                                             coordinator):
+    # TF code moving to keras_ps may still make TF's coordinator.
+    made = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    assert made is coordinator
+    assert made.schedule(tf.function(lambda: tf.constant(3))).fetch() == 3
