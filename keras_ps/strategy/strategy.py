@@ -91,11 +91,13 @@ class ParameterServerStrategy(tf.distribute.Strategy):
                 "keras_ps.cluster.resolver_from_tf_config() or "
                 "keras_ps.cluster.resolver_from_spec({...})."
             )
-        if variable_partitioner is not None and not callable(variable_partitioner):
+        if variable_partitioner is not None and (
+                not callable(variable_partitioner)
+                or isinstance(variable_partitioner, type)):
             raise TypeError(
-                "variable_partitioner must be callable (shape, dtype, axis=0). "
-                f"Received: variable_partitioner={variable_partitioner!r}."
-            )
+                "variable_partitioner must be callable (shape, dtype, axis=0): "
+                "a partitioner, e.g. FixedShardsPartitioner(2), not its class. "
+                f"Received: variable_partitioner={variable_partitioner!r}.")
         if not isinstance(fused_adam, bool):
             raise TypeError(
                 f"fused_adam must be True or False. Received: "

@@ -973,6 +973,17 @@ def partitioner_not_callable(env):
     keras_ps.ParameterServerStrategy(env.resolver, variable_partitioner=4)
 
 
+@case("partitioner_a_class", TypeError,
+      "variable_partitioner=<class", "FixedShardsPartitioner'>",
+      "e.g. FixedShardsPartitioner(2), not its class")
+def partitioner_a_class(env):
+    # Called as a partitioner, the class failed with "__init__() takes 2
+    # positional arguments but 3 were given" when a variable was made.
+    keras_ps.ParameterServerStrategy(
+        env.resolver,
+        variable_partitioner=keras_ps.partitioners.FixedShardsPartitioner)
+
+
 @case("fused_adam_not_bool", TypeError,
       "fused_adam='yes'", "must be True or False")
 def fused_adam_not_bool(env):
