@@ -286,6 +286,19 @@ def write_variable_proto(variable, proto, options):
         variable, proto, options, enforce_naming=False)
 
 
+def waiting_restorations(trackable):
+    """{child name: checkpoint positions} a `tf.train.Checkpoint.restore`
+    left on `trackable` for children not made yet (live dict). No public
+    API: TF keeps them in `_deferred_dependencies`, matched by name only."""
+    return trackable._deferred_dependencies
+
+
+def restore_waiting(trackable, name, child):
+    """Restores into `child` what waits on `trackable` under `name`, as TF
+    does when `trackable` tracks a new child under that name."""
+    trackable._handle_deferred_dependencies(name=name, trackable=child)
+
+
 def sleep_dataset(microseconds):
     """A dataset transformation that waits `microseconds` before each element
     (TF's non-public test op; for benchmarks and tests of slow input).

@@ -122,9 +122,6 @@ def train(args, resolver):
     # 8 rows (7 heroes + 1 out-of-vocabulary) split 4 + 4 over the two ps.
     print("embedding shards:", [(tuple(w.shape), w.value.device.split("/")[1])
                                 for w in embedding.weights])
-    with strategy.scope():
-        # Slots now (on their variable's ps), so a restore can fill them.
-        optimizer.build(model.trainable_variables)
 
     # -- checkpoint, and restart from it ---------------------------------------
     checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer,
@@ -132,7 +129,11 @@ def train(args, resolver):
     manager = tf.train.CheckpointManager(
         checkpoint, os.path.join(args.workdir, "ckpt"), max_to_keep=2)
     if manager.latest_checkpoint:
-        checkpoint.restore(manager.latest_checkpoint).assert_consumed()
+        # The optimizer is not built yet: its slots (RMSprop's, one per shard,
+        # on the shard's ps) are filled from the checkpoint when the first
+        # step builds it, as in plain Keras.
+        checkpoint.restore(manager.latest_checkpoint) \
+            .assert_existing_objects_matched()
         print(f"Restored {manager.latest_checkpoint} at epoch "
               f"{int(epoch_counter.numpy())}")
 

@@ -6,7 +6,9 @@ Missing public API: Keras 3's Adam has no sparse update, and an optimizer
 subclass cannot make a slot colocated with its variable on a ps without the
 optimizer's distribution strategy (`_distribution_strategy`), nor find a
 variable's moment slots (`_momentums`, `_velocities`) without its index
-(`_get_variable_index`).
+(`_get_variable_index`), nor have a checkpoint restored before the build
+fill a sharded weight's row-step slot without its variable list
+(`_variables`).
 """
 
 import tensorflow as tf
@@ -32,12 +34,16 @@ def add_row_step_slots(optimizer, var_list):
         if not inner.shape.rank:
             slots.append(None)
             continue
-        with optimizer._distribution_strategy.extended.colocate_vars_with(inner):
-            row_step = optimizer.add_variable(
-                shape=(inner.shape[0],), initializer="zeros", dtype="int64",
-                name=f"{variable.name}_row_step")
-        _sharded_weights.group_slot(row_step, variable, "row_step")
-        slots.append(row_step)
+
+        def make_slot(inner=inner, variable=variable):
+            extended = optimizer._distribution_strategy.extended
+            with extended.colocate_vars_with(inner):
+                return optimizer.add_variable(
+                    shape=(inner.shape[0],), initializer="zeros",
+                    dtype="int64", name=f"{variable.name}_row_step")
+
+        slots.append(_sharded_weights.add_grouped_slot(
+            optimizer._variables, variable, "row_step", make_slot))
     return slots
 
 

@@ -38,6 +38,7 @@ SHARDING_TARGETS = (
     (SAVING_MODULE, "_load_state"),
     (OPTIMIZER_CLASS, "add_variable_from_reference"),
     (OPTIMIZER_CLASS, "_trackable_children"),
+    (OPTIMIZER_CLASS, "_track_variable"),
 )
 # Lists that Keras' saving code reads as "this object's variables, in order".
 LAYER_STATE_LISTS = ("_trainable_variables", "_non_trainable_variables")
@@ -147,17 +148,34 @@ def _collapsed_state(keras_walk):
 # Missing public API: Keras optimizers do not report which slot belongs to
 # which variable. We wrap the TF optimizer's `add_variable_from_reference`
 # (every built-in optimizer makes its slots there) to group a shard's slots,
-# so saving writes one full slot per sharded weight.
+# so saving writes one full slot per sharded weight, and a checkpoint restored
+# before the optimizer was built fills them (`add_grouped_slot`).
 def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
-        slot = keras_add_slot(self, reference_variable, name=name,
-                              initializer=initializer)
-        _sharded_weights.group_slot(slot, reference_variable, name or "var")
-        return slot
+        return _sharded_weights.add_grouped_slot(
+            self._variables, reference_variable, name or "var",
+            lambda: keras_add_slot(self, reference_variable, name=name,
+                                   initializer=initializer))
 
     return add_variable_from_reference
+
+
+# Missing public API: Keras has no hook on an optimizer adding a variable.
+# TF restores a variable made after `tf.train.Checkpoint.restore` by its
+# index in the optimizer's variable list (`_track_variable` appends every
+# one), where a checkpoint counts each sharded weight's slot once. We wrap
+# `_track_variable` so that, once the list holds shards, a variable added
+# later (a slot of an unsharded weight) is restored by the checkpoint's index.
+def _restoring_track_variable(keras_track_variable):
+    @functools.wraps(keras_track_variable)
+    def _track_variable(self, variable):
+        with _sharded_weights.restores_by_collapsed_index(
+                getattr(self, "_variables", None)):
+            return keras_track_variable(self, variable)
+
+    return _track_variable
 
 
 # Missing public API: a Keras 3 optimizer is the path through which
@@ -179,6 +197,7 @@ def _collapsed_children(keras_children):
 _SHARDING_WRAPPERS = (
     _sharded_add_weight, _unpartitioned_initialize, _sharded_take,
     _collapsed_state, _collapsed_state, _grouping_add_slot, _collapsed_children,
+    _restoring_track_variable,
 )
 
 

@@ -5,6 +5,7 @@ any cluster test runs. No cluster needed.
 """
 
 import inspect
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -42,6 +43,7 @@ _EXPECTED_SHARDING_SIGNATURES = {
     "add_variable_from_reference": ["self", "reference_variable", "name",
                                     "initializer"],
     "_trackable_children": ["self", "save_type", "kwargs"],
+    "_track_variable": ["self", "variable"],
 }
 
 
@@ -78,6 +80,14 @@ def test_sharding_keras_internals_used_by_the_hooks():
     # The optimizer's variable lists are checkpoint dependencies.
     children = optimizer._trackable_children("checkpoint")
     assert "_trainable_variables" in children and "_variables" in children
+    # Every optimizer variable is appended to `_variables` (the list a
+    # checkpoint restores by index) through `_track_variable`.
+    tracked = []
+    with mock.patch.object(keras_sharding.OPTIMIZER_CLASS, "_track_variable",
+                           lambda self, v: tracked.append(v)):
+        slot = optimizer.add_variable_from_reference(layer.kernel, "m")
+    assert tracked == [slot] and optimizer.variables[-1] is not slot
+    assert children["_variables"] is optimizer._variables
 
 
 def _local_weight(rows=(2, 3), cols=3):

@@ -21,7 +21,7 @@ def test_public_names_import_in_fresh_process():
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
 
 
-def test_tf_internals_still_exist():
+def test_tf_internals_still_exist(tmp_path):
     """Fails loudly when a TF upgrade moves an internal keras_ps relies on."""
     from keras_ps import _tf_adapter
     from keras_ps import _exit_guard
@@ -62,6 +62,19 @@ def test_tf_internals_still_exist():
             y = x * 3.0
         _tf_adapter.record_operation("Test", [y], [x], lambda dy: [dy * 5.0])
     assert tape.gradient(y, x).numpy() == 5.0
+    # A restore leaves the value of a list entry not made yet waiting on the
+    # list, by index; it fills the variable given for that index later.
+    saved = tf.Module()
+    saved.values = [tf.Variable(3.0)]
+    path = tf.train.Checkpoint(m=saved).write(str(tmp_path / "ckpt"))
+    fresh = tf.Module()
+    fresh.values = []
+    tf.train.Checkpoint(m=fresh).read(path)
+    assert list(_tf_adapter.waiting_restorations(fresh.values)) == ["0"]
+    later = tf.Variable(0.0)
+    _tf_adapter.restore_waiting(fresh.values, "0", later)
+    assert later.numpy() == 3.0
+    assert not _tf_adapter.waiting_restorations(fresh.values)
 
 
 def _retracing_warnings(make, caplog):
