@@ -16,7 +16,7 @@ import tensorflow as tf
 from keras_ps import _native
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _rowwise
-from keras_ps.tables import _sharded_weights
+from keras_ps.tables import _slot_restore
 from keras_ps._keras import optimizers as _optimizers
 from keras_ps._keras import per_apply
 
@@ -42,7 +42,7 @@ def add_row_step_slots(optimizer, var_list):
                     shape=(inner.shape[0],), initializer="zeros",
                     dtype="int64", name=f"{variable.name}_row_step")
 
-        slots.append(_sharded_weights.add_grouped_slot(
+        slots.append(_slot_restore.add_grouped_slot(
             optimizer._variables, variable, "row_step", make_slot))
     return slots
 

@@ -20,6 +20,7 @@ from keras.src.layers import layer as layer_lib
 from keras.src.saving import saving_lib
 
 from keras_ps.tables import _sharded_weights
+from keras_ps.tables import _slot_restore
 from keras_ps.tables import partitioners
 from keras_ps.tables import sharded_variable
 from keras_ps import _keras as hooks
@@ -154,7 +155,7 @@ def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
-        return _sharded_weights.add_grouped_slot(
+        return _slot_restore.add_grouped_slot(
             self._variables, reference_variable, name or "var",
             lambda: keras_add_slot(self, reference_variable, name=name,
                                    initializer=initializer))
@@ -171,7 +172,7 @@ def _grouping_add_slot(keras_add_slot):
 def _restoring_track_variable(keras_track_variable):
     @functools.wraps(keras_track_variable)
     def _track_variable(self, variable):
-        with _sharded_weights.restores_by_collapsed_index(
+        with _slot_restore.restores_by_collapsed_index(
                 getattr(self, "_variables", None)):
             return keras_track_variable(self, variable)
 

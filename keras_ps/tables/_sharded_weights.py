@@ -25,7 +25,6 @@ import threading
 import keras
 import tensorflow as tf
 
-from keras_ps import _tf_adapter
 from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _rowwise
 from keras_ps.tables import partitioners as partitioners_lib
@@ -35,9 +34,9 @@ logger = logging.getLogger(__name__)
 
 # Each shard (a keras.Variable, or an optimizer slot of a shard) carries
 # (container, shard index) under this attribute; a shard's slot made before
-# the slots of the other shards carries True under _PENDING_SLOT_ATTR.
+# the slots of the other shards carries True under PENDING_SLOT_ATTR.
 _SHARD_ATTR = "_keras_ps_shard"
-_PENDING_SLOT_ATTR = "_keras_ps_pending_slot"
+PENDING_SLOT_ATTR = "_keras_ps_pending_slot"
 # A variable with this attribute set is saved by the layer that owns it (e.g.
 # a dynamic table's rows, with only its live rows): the variable lists that
 # saving and checkpoints walk leave it out. Its optimizer slots are announced
@@ -243,26 +242,6 @@ class _SliceInitializer:
         return part if dtype is None else tf.cast(part, dtype)
 
 
-def add_grouped_slot(optimizer_variables, reference, name, make_slot):
-    """`make_slot()`, an optimizer slot named `name` of `reference`, grouped
-    with its shards' slots (`group_slot`) and restored from a checkpoint
-    that waits for it (`restores_by_collapsed_index`).
-
-    Args:
-        optimizer_variables: the optimizer's variable list (`_variables`),
-            to which `make_slot` appends the slot.
-        reference: the variable the slot is made for.
-        name: the slot's name ("momentum", ...).
-        make_slot: `() -> slot`.
-    """
-    grouped = (shard_of(reference) is not None
-               or getattr(reference, SLOT_OWNER_ATTR, None) is not None)
-    with restores_by_collapsed_index(optimizer_variables, grouped):
-        slot = make_slot()
-        group_slot(slot, reference, name)
-    return slot
-
-
 def group_slot(slot, reference, name):
     """Records an optimizer slot made for a shard; once every shard has its
     slot `name`, groups them into a ShardedWeight (for saving only)."""
@@ -277,11 +256,11 @@ def group_slot(slot, reference, name):
     pending = container._pending_slots.setdefault(
         name, [None] * len(container.variables))
     pending[index] = slot
-    setattr(slot, _PENDING_SLOT_ATTR, True)
+    setattr(slot, PENDING_SLOT_ATTR, True)
     if all(p is not None for p in pending):
         del container._pending_slots[name]
         for p in pending:
-            delattr(p, _PENDING_SLOT_ATTR)
+            delattr(p, PENDING_SLOT_ATTR)
         slots = [_inner(s) for s in pending]
         ShardedWeight(pending, slots, f"{container.path}_{name}")
 
@@ -374,54 +353,6 @@ def collapse_children(children):
     """Trackable children with every list that holds shards collapsed."""
     return {name: _checkpoint_list(child) if holds_shards(child) else child
             for name, child in children.items()}
-
-
-# -- restoring slots made after a checkpoint restore ------------------------
-# `tf.train.Checkpoint.restore` before an optimizer is built leaves each saved
-# slot waiting on the optimizer's variable list under its index in the
-# checkpoint, which counts a sharded weight's slot once (`collapse`). TF
-# restores each variable appended later under its own index in the list,
-# which counts every shard: past the first sharded weight every slot, sharded
-# or not, met another slot's value (a shape error that TF's list swallows),
-# and stayed at zero. So once shards are involved, what waits on the list is
-# held back while it grows and restored after, by checkpoint index, into
-# whole sharded slots (any number of shards: one full tensor is split).
-_holding = threading.local()
-
-
-def _pending(variable):
-    return getattr(variable, _PENDING_SLOT_ATTR, False)
-
-
-@contextlib.contextmanager
-def restores_by_collapsed_index(values, grouped=False):
-    """Within the block, variables appended to `values` (an optimizer's
-    variable list) are not restored under their index in it; after it, what
-    a checkpoint restore left waiting on `values` is restored into
-    `collapse(values)` by index, up to the first slot whose shards are not
-    all made. Does nothing while no restore waits on `values`, or while it
-    holds no shards and `grouped` (a shard's slot is being made) is False:
-    then the two indices agree and TF restores as for a plain model."""
-    waiting = (_tf_adapter.waiting_restorations(values) if
-               isinstance(values, tf.__internal__.tracking.Trackable) else None)
-    holding = _holding.__dict__.setdefault("ids", set())
-    if (not waiting or id(values) in holding or not (
-            grouped or holds_shards(values) or any(map(_pending, values)))):
-        yield
-        return
-    held = dict(waiting)
-    waiting.clear()
-    holding.add(id(values))
-    try:
-        yield
-    finally:
-        holding.discard(id(values))
-        waiting.update(held)
-    for index, value in enumerate(collapse(values)):
-        if _pending(value):
-            break
-        if str(index) in waiting:
-            _tf_adapter.restore_waiting(values, str(index), value)
 
 
 # -- the forward lookup -----------------------------------------------------------
