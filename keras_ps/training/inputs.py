@@ -283,6 +283,19 @@ def check_validation_data(validation_data, validation_steps):
             "batches after each epoch.")
 
 
+def check_predict_data(x, steps):
+    """Without `steps`, predict reads `x` until it ends: data that repeats
+    forever would run until the process is stopped, its predictions held in
+    memory and never returned (as Keras does; refused here instead)."""
+    if steps is None and isinstance(x, tf.data.Dataset) and int(
+            x.cardinality()) == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "Without steps, predict reads its data until it ends, and this "
+            "data repeats forever. Received: a dataset of infinite "
+            "cardinality and steps=None. Fix: remove .repeat() from the "
+            "data to predict on, or pass steps=N to predict N batches.")
+
+
 def should_validate(epoch, validation_freq):
     """Whether `fit` evaluates `validation_data` after `epoch` (0-based)."""
     if isinstance(validation_freq, int):

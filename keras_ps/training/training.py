@@ -294,6 +294,7 @@ def predict(model, x, batch_size=None, verbose="auto", steps=None,
     x = inputs.from_tf_keras(x)
     if isinstance(x, DatasetCreator):
         x = x(tf.distribute.InputContext())
+    inputs.check_predict_data(x, steps)
     keras_predict = fit_routing.original_trainer_method("predict")
     return keras_predict(model, x, batch_size=batch_size, verbose=verbose,
                          steps=steps, callbacks=callbacks)

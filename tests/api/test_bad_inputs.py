@@ -628,6 +628,29 @@ def fit_validation_data_infinite(env):
                              callbacks=[_NoTrainingStep()])
 
 
+@case("predict_infinite_without_steps", ValueError,
+      "infinite cardinality and steps=None", "remove .repeat()",
+      "pass steps=N")
+def predict_infinite_without_steps(env):
+    repeated = tf.data.Dataset.from_tensor_slices(X).batch(4).repeat()
+    _model(env.strategy).predict(repeated, verbose=0,
+                                 callbacks=[_NoPredictStep()])
+
+
+@case("predict_dataset_creator_infinite_without_steps", ValueError,
+      "infinite cardinality and steps=None", "pass steps=N")
+def predict_dataset_creator_infinite_without_steps(env):
+    def dataset_fn(input_context):
+        return tf.data.Dataset.from_tensor_slices(X).batch(4).repeat()
+    _model(env.strategy).predict(keras_ps.DatasetCreator(dataset_fn),
+                                 verbose=0, callbacks=[_NoPredictStep()])
+
+
+class _NoPredictStep(keras.callbacks.Callback):
+    def on_predict_batch_begin(self, batch, logs=None):
+        raise AssertionError("a batch was predicted before the check")
+
+
 class _NoTrainingStep(keras.callbacks.Callback):
     def on_train_batch_begin(self, batch, logs=None):
         raise AssertionError("a step was scheduled before the check")
