@@ -5,9 +5,12 @@ TensorFlow is imported only by `create_in_process_cluster`; `LocalCluster`
 starts each task as `python -m keras_ps.server`.
 """
 
+import collections.abc
 import glob
 import json
 import logging
+import math
+import numbers
 import os
 import signal
 import subprocess
@@ -103,6 +106,52 @@ def wait_until_stopped(pid, timeout=60.0):
         time.sleep(0.002)
 
 
+def _check_arguments(num_workers, num_ps, log_dir, env, start_timeout):
+    """Refuses LocalCluster arguments of the wrong type before any task
+    starts (they failed deep inside, or in the tasks, with bare errors).
+
+    Raises:
+        TypeError: an argument of the wrong type, named with the fix.
+        ClusterConfigError: a start_timeout of 0 or less, or not finite.
+    """
+    for name, job, value in (("num_workers", "worker", num_workers),
+                             ("num_ps", "ps", num_ps)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            example = (f" ({name}={int(value)})" if isinstance(value, str)
+                       and value.strip().isdigit() else "")
+            raise TypeError(
+                f"LocalCluster's {name} must be an integer, the number of "
+                f"{job} tasks. Received: {name}={value!r} of type "
+                f"{type(value).__name__}. Pass an integer, 1 or more"
+                f"{example}.")
+    if log_dir is not None and not isinstance(log_dir, (str, os.PathLike)):
+        raise TypeError(
+            f"LocalCluster's log_dir must be a path. Received: log_dir="
+            f"{log_dir!r} of type {type(log_dir).__name__}. Pass the path of "
+            "a directory (created if missing), or None for a temporary one.")
+    if env is not None and not isinstance(env, collections.abc.Mapping):
+        raise TypeError(
+            f"LocalCluster's env must be a dict of environment variables. "
+            f"Received: env={env!r} of type {type(env).__name__}. Pass e.g. "
+            "env={'KERAS_PS_NATIVE': '0'}, or None.")
+    for key, value in (env or {}).items():
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise TypeError(
+                "LocalCluster's env maps names to values, both strings (as "
+                f"os.environ). Received: env[{key!r}]={value!r} "
+                f"({type(key).__name__}: {type(value).__name__}). Pass "
+                f"env={{{str(key)!r}: {str(value)!r}}}.")
+    if (isinstance(start_timeout, bool)
+            or not isinstance(start_timeout, numbers.Real)
+            or not 0 < start_timeout < math.inf):
+        error = (ClusterConfigError if isinstance(start_timeout, numbers.Real)
+                 and not isinstance(start_timeout, bool) else TypeError)
+        raise error(
+            "LocalCluster's start_timeout is the seconds each task has to "
+            f"answer on its port. Received: start_timeout={start_timeout!r}. "
+            "Pass a positive number of seconds (the default is 60).")
+
+
 class LocalCluster:
     """A ps/worker cluster of real processes on this machine's loopback.
 
@@ -139,11 +188,12 @@ class LocalCluster:
 
     def __init__(self, num_workers=2, num_ps=1, log_dir=None, env=None,
                  start_timeout=60.0, intra_op_threads=None):
+        _check_arguments(num_workers, num_ps, log_dir, env, start_timeout)
         if num_workers < 1 or num_ps < 1:
             raise ClusterConfigError(
                 "A LocalCluster needs at least one worker and one ps. "
-                f"Received: num_workers={num_workers}, num_ps={num_ps}."
-            )
+                f"Received: num_workers={num_workers}, num_ps={num_ps}. "
+                "Pass counts of 1 or more.")
         if intra_op_threads is None:
             intra_op_threads = max(
                 1, (os.cpu_count() or 1) // (num_workers + num_ps))

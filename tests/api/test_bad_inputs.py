@@ -19,6 +19,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import portpicker  # noqa: E402
+import psutil  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
@@ -307,6 +308,75 @@ def local_cluster_task_refuses_its_env(env):
       "intra_op_threads=-1", "share this machine's cores", "0 for TF's default")
 def local_cluster_negative_intra_op_threads(env):
     keras_ps.LocalCluster(num_workers=1, num_ps=1, intra_op_threads=-1)
+
+
+def _refused_before_a_task_starts(**kwargs):
+    """LocalCluster(**kwargs), which must fail before it starts a process."""
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    try:
+        keras_ps.LocalCluster(**kwargs)
+    finally:
+        started = [child for child in psutil.Process().children(recursive=True)
+                   if child.pid not in before]
+        assert not started, f"processes started before the error: {started}"
+
+
+@case("local_cluster_num_workers_a_string", TypeError,
+      "num_workers='2' of type str", "must be an integer",
+      "Pass an integer, 1 or more (num_workers=2)")
+def local_cluster_num_workers_a_string(env):
+    # It failed with "'<' not supported between instances of 'str' and 'int'".
+    _refused_before_a_task_starts(num_workers="2", num_ps=1)
+
+
+@case("local_cluster_num_ps_a_float", TypeError,
+      "num_ps=1.0 of type float", "Pass an integer, 1 or more")
+def local_cluster_num_ps_a_float(env):
+    _refused_before_a_task_starts(num_workers=1, num_ps=1.0)
+
+
+@case("local_cluster_negative_num_ps", ClusterConfigError,
+      "num_ps=-1", "at least one worker and one ps", "Pass counts of 1 or more")
+def local_cluster_negative_num_ps(env):
+    _refused_before_a_task_starts(num_workers=1, num_ps=-1)
+
+
+@case("local_cluster_env_value_not_a_string", TypeError,
+      "env['KERAS_PS_NATIVE']=0", "both strings",
+      "Pass env={'KERAS_PS_NATIVE': '0'}")
+def local_cluster_env_value_not_a_string(env):
+    # It failed in subprocess with "expected str, bytes or os.PathLike
+    # object, not int", naming no variable.
+    _refused_before_a_task_starts(num_workers=1, num_ps=1,
+                                  env={"KERAS_PS_NATIVE": 0})
+
+
+@case("local_cluster_env_not_a_dict", TypeError,
+      "env=['KERAS_PS_NATIVE=0'] of type list",
+      "must be a dict of environment variables", "Pass e.g. env={")
+def local_cluster_env_not_a_dict(env):
+    _refused_before_a_task_starts(num_workers=1, num_ps=1,
+                                  env=["KERAS_PS_NATIVE=0"])
+
+
+@case("local_cluster_log_dir_not_a_path", TypeError,
+      "log_dir=3 of type int", "Pass the path of a directory")
+def local_cluster_log_dir_not_a_path(env):
+    _refused_before_a_task_starts(num_workers=1, num_ps=1, log_dir=3)
+
+
+@case("local_cluster_start_timeout_a_string", TypeError,
+      "start_timeout='60'", "Pass a positive number of seconds")
+def local_cluster_start_timeout_a_string(env):
+    # It failed only after the tasks had started, comparing seconds.
+    _refused_before_a_task_starts(num_workers=1, num_ps=1,
+                                  start_timeout="60")
+
+
+@case("local_cluster_start_timeout_zero", ClusterConfigError,
+      "start_timeout=0", "Pass a positive number of seconds")
+def local_cluster_start_timeout_zero(env):
+    _refused_before_a_task_starts(num_workers=1, num_ps=1, start_timeout=0)
 
 
 # The coordinator ---------------------------------------------------------------------
