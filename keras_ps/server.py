@@ -173,11 +173,10 @@ def main(argv=None):
         return _fail(str(e))
 
     address = cluster[job][index]
-    if not _network.port_is_free(_network.split_address(address)[1]):
-        return _fail(
-            f"port of {job}:{index} ({address}) is already in use. Stop the "
-            "process holding it or give this task another port.",
-            _network.EXIT_ADDRESS_TAKEN)
+    port = _network.split_address(address)[1]
+    if not _network.port_is_free(port):
+        return _fail(_network.address_taken(job, index, address),
+                     _network.EXIT_ADDRESS_TAKEN)
 
     # TF's server alone, without the rest of its Python API: serving starts
     # 2.5 s sooner (a worker joining a running job waits on this).
@@ -199,13 +198,14 @@ def main(argv=None):
             start=True,
         )
     except Exception as e:
+        # TF's error names no address. A port taken since the check above
+        # is held still; anything else is no reason to try another port.
+        if not _network.port_is_free(port):
+            return _fail(_network.address_taken(job, index, address),
+                         _network.EXIT_ADDRESS_TAKEN)
         first_line = (str(e).splitlines() or [type(e).__name__])[0]
-        # TF's UnknownError when gRPC cannot bind the port (taken since the
-        # check above); anything else is no reason to try another port.
-        taken = first_line == "Could not start gRPC server"
         return _fail(f"could not start {job}:{index} at {address}: "
-                     f"{first_line}",
-                     _network.EXIT_ADDRESS_TAKEN if taken else 2)
+                     f"{first_line}")
     threads = (f"{config.inter_op_parallelism_threads} inter-op threads, "
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")

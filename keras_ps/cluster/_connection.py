@@ -19,6 +19,7 @@ from keras_ps import _constants
 from keras_ps import _exit_guard
 from keras_ps import _tf_adapter
 from keras_ps.cluster import _network
+from keras_ps.errors import ClusterConfigError
 from keras_ps.errors import ClusterUnreachableError
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ def connect(spec):
 
     Raises:
         ClusterUnreachableError: some task did not answer in time.
+        ClusterConfigError: another process holds the chief's port.
     """
     global _current
     jobs = {job: list(spec[job]) for job in ("ps", "worker")}
@@ -80,6 +82,13 @@ def connect(spec):
     with _lock:
         if _current is not None and _current.jobs == jobs:
             return _current
+        chief = jobs.get(COORDINATOR_JOB, [None])[0]
+        # This process serves as chief:0 at its address in the spec; TF's
+        # error when the port is taken ("Could not start gRPC server")
+        # names neither. (Connected before with this chief, it holds it.)
+        if (chief is not None and (_current is None or _current.jobs.get(
+                COORDINATOR_JOB) != [chief])):
+            _check_chief_port(chief)
         _wait_until_tasks_answer(jobs)
         if _current is not None:
             logger.warning(
@@ -89,10 +98,15 @@ def connect(spec):
             _current._replace()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(jobs), rpc_layer="grpc")
-        tf.config.experimental_connect_to_cluster(
-            resolver, job_name=COORDINATOR_JOB, task_index=0,
-            make_master_device_default=False,
-            cluster_device_filters=cluster_device_filters(jobs))
+        try:
+            tf.config.experimental_connect_to_cluster(
+                resolver, job_name=COORDINATOR_JOB, task_index=0,
+                make_master_device_default=False,
+                cluster_device_filters=cluster_device_filters(jobs))
+        except tf.errors.UnknownError as e:
+            if chief is not None:  # taken since the check above?
+                _check_chief_port(chief, cause=e)
+            raise
         # A new kind of eager op must not wait for a stopped task.
         _tf_adapter.eager_ops_as_plain_ops()
         # Nor may a new function hold every thread while it waits for one.
@@ -100,6 +114,18 @@ def connect(spec):
             _exit_guard.tf_section)
         _current = Connection(jobs)
         return _current
+
+
+def _check_chief_port(address, cause=None):
+    if not _network.port_is_free(_network.split_address(address)[1]):
+        raise ClusterConfigError(
+            "The coordinator cannot serve as chief:0: the "
+            + _network.address_taken(
+                COORDINATOR_JOB, 0, address,
+                "the cluster spec (TF_CONFIG, or the resolver's)")
+            + " Or "
+            "leave the chief out of the spec: the coordinator then serves "
+            "on a free port of its own.") from cause
 
 
 _SLOW_START_SECONDS = 10.0  # longer than a task of a healthy cluster takes

@@ -113,6 +113,16 @@ EXIT_ADDRESS_TAKEN = 3
 SERVER_ERROR_PREFIX = "keras_ps.server: error: "
 
 
+def address_taken(job, index, address,
+                  spec="its cluster spec (TF_CONFIG, or --cluster_spec)"):
+    """The message for a task whose port another process holds."""
+    port = split_address(address)[1]
+    return (f"port of {job}:{index} ({address}) is already in use: another "
+            f"process on this machine holds port {port}, so {job}:{index} "
+            "cannot serve there. Stop the process holding it (`ss -ltnp` "
+            f"lists them), or give {job}:{index} a free port in {spec}.")
+
+
 def port_is_free(port):
     """True when this machine can bind `port` (no server listens on it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

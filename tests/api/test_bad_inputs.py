@@ -7,9 +7,11 @@ that need one, a real RendezvousServer with a token on a portpicker port, and
 real `python -m keras_ps.server` processes for the command line.
 """
 
+import contextlib
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -136,6 +138,19 @@ def case(case_id, exception, *needles, timeout=30):
                                   marks=pytest.mark.timeout(timeout)))
         return fn
     return register
+
+
+@contextlib.contextmanager
+def _message_names(*texts):
+    """Lets the block's error through once its message holds `texts`: the
+    values a case knows only when it runs (a port, an address)."""
+    try:
+        yield
+    except Exception as error:
+        message = full_message(error)
+        missing = [text for text in texts if text not in message]
+        assert not missing, f"{missing} not in the message:\n{message}"
+        raise
 
 
 def _spec(**jobs):
@@ -377,6 +392,26 @@ def local_cluster_start_timeout_a_string(env):
       "start_timeout=0", "Pass a positive number of seconds")
 def local_cluster_start_timeout_zero(env):
     _refused_before_a_task_starts(num_workers=1, num_ps=1, start_timeout=0)
+
+
+@case("chief_port_taken", ClusterConfigError,
+      "The coordinator cannot serve as chief:0", "is already in use",
+      "Stop the process holding it",
+      "give chief:0 a free port in the cluster spec (TF_CONFIG",
+      "leave the chief out of the spec")
+def chief_port_taken(env):
+    # TF's own error was "Could not start gRPC server", naming no address.
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        chief = f"localhost:{holder.getsockname()[1]}"
+        spec = dict(env.resolver.cluster_spec().as_dict(), chief=[chief])
+        tf_config = json.dumps({"cluster": spec,
+                                "task": {"type": "chief", "index": 0}})
+        with _message_names(f"chief:0 ({chief})"):
+            _with_env("TF_CONFIG", tf_config,
+                      lambda: keras_ps.ParameterServerStrategy(
+                          cluster_lib.resolver_from_tf_config()))
 
 
 # The coordinator ---------------------------------------------------------------------
@@ -1472,6 +1507,16 @@ SERVER_CASES = [
                   "comes from TF_CONFIG (ps:0)", "Drop them",
                   "pass --cluster_spec too"],
                  id="server_flags_beside_tf_config"),
+    # HELD_PORT stands for a port a socket of the test holds (exit code 3,
+    # the code a launcher retries on).
+    pytest.param([{"cluster": {"ps": ["localhost:HELD_PORT"],
+                               "worker": ["localhost:2002"]},
+                   "task": {"type": "ps", "index": 0}}],
+                 ["port of ps:0 (localhost:HELD_PORT) is already in use",
+                  "another process on this machine holds port HELD_PORT",
+                  "Stop the process holding it",
+                  "give ps:0 a free port in its cluster spec (TF_CONFIG"],
+                 id="server_port_taken"),
 ]
 
 
@@ -1480,13 +1525,22 @@ SERVER_CASES = [
 def test_server_cli_bad_flags(argv, needles):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)
-    if argv and isinstance(argv[0], dict):
-        env["TF_CONFIG"] = json.dumps(argv[0])
-        argv = argv[1:]
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_ps.server", *argv], cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=50)
-    assert result.returncode == 2, result.stderr
+    held = "HELD_PORT" in json.dumps(argv)
+    with contextlib.ExitStack() as stack:
+        if held:
+            holder = stack.enter_context(socket.socket())
+            holder.bind(("", 0))
+            holder.listen()
+            port = str(holder.getsockname()[1])
+            argv = json.loads(json.dumps(argv).replace("HELD_PORT", port))
+            needles = [n.replace("HELD_PORT", port) for n in needles]
+        if argv and isinstance(argv[0], dict):
+            env["TF_CONFIG"] = json.dumps(argv[0])
+            argv = argv[1:]
+        result = subprocess.run(
+            [sys.executable, "-m", "keras_ps.server", *argv], cwd=REPO,
+            env=env, capture_output=True, text=True, timeout=50)
+    assert result.returncode == (3 if held else 2), result.stderr
     assert "Traceback" not in result.stderr, result.stderr
     # TF's C++ runtime prints its start-up lines before any Python runs
     # (whatever TF_CPP_MIN_LOG_LEVEL says); keras_ps adds exactly one line.
