@@ -73,7 +73,8 @@ def connect(spec):
 
     Raises:
         ClusterUnreachableError: some task did not answer in time.
-        ClusterConfigError: another process holds the chief's port.
+        ClusterConfigError: another process holds the chief's port, or a
+            ps or worker address is a gRPC server of another service.
     """
     global _current
     jobs = {job: list(spec[job]) for job in ("ps", "worker")}
@@ -90,6 +91,7 @@ def connect(spec):
                 COORDINATOR_JOB) != [chief])):
             _check_chief_port(chief)
         _wait_until_tasks_answer(jobs)
+        _check_tasks_serve_tensorflow(jobs)
         if _current is not None:
             logger.warning(
                 "[chief] connecting to another cluster (ps %s, workers %s); "
@@ -126,6 +128,24 @@ def _check_chief_port(address, cause=None):
             + " Or "
             "leave the chief out of the spec: the coordinator then serves "
             "on a free port of its own.") from cause
+
+
+def _check_tasks_serve_tensorflow(jobs):
+    """Raises if a ps or worker address is a gRPC server of another service
+    (TF's error names neither the address nor what it expected)."""
+    for job in ("ps", "worker"):
+        for i, address in enumerate(jobs[job]):
+            refusal = _network.foreign_service(address, 5.0)
+            if refusal is not None:
+                raise ClusterConfigError(
+                    f"{job}:{i} at {address!r} is not a TensorFlow server: "
+                    f"it answered TF's WorkerService with {refusal!r}. The "
+                    "ps and worker addresses must be TF servers (`python -m "
+                    "keras_ps.server`, or tf.distribute.Server). Check the "
+                    f"{job} addresses of the cluster spec; a keras_ps "
+                    "rendezvous server's address is the rdzv_endpoint of "
+                    "ElasticClusterResolver (or the agent's "
+                    "--rdzv_endpoint), not a task.")
 
 
 _SLOW_START_SECONDS = 10.0  # longer than a task of a healthy cluster takes

@@ -72,6 +72,29 @@ def incarnation(address, timeout):
     return incarnations[0] if incarnations else None
 
 
+# The status codes with which a gRPC server that is no TF server (another
+# service, such as keras_ps' rendezvous) answers TF's WorkerService.
+_FOREIGN_CODES = ("UNIMPLEMENTED", "UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+def foreign_service(address, timeout):
+    """How the gRPC server at `address` refused TF's WorkerService/GetStatus
+    call, when it serves another service: "CODE: details". None when a TF
+    server answers (or nothing does within `timeout` seconds)."""
+    import grpc
+
+    try:
+        with grpc.insecure_channel(address) as channel:
+            channel.unary_unary(
+                "/tensorflow.WorkerService/GetStatus",
+                request_serializer=lambda _: b"",
+                response_deserializer=bytes)(None, timeout=timeout)
+    except grpc.RpcError as error:
+        if error.code().name in _FOREIGN_CODES:
+            return f"{error.code().name}: {error.details() or ''}"
+    return None
+
+
 def _device_incarnations(get_status_response):
     """The incarnation of each device in a GetStatusResponse's bytes
     (repeated DeviceAttributes, field 1)."""

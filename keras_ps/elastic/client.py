@@ -293,6 +293,17 @@ class RendezvousClient:
                 int(metadata[api.MISSING_COUNT_METADATA_KEY]))
         if code is grpc.StatusCode.CANCELLED and self._closed.is_set():
             return api.RendezvousClosedError("the RendezvousClient is closed")
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            # The rendezvous server serves every method of its service: a
+            # server without them serves another (a ps or worker task does).
+            return api.RendezvousError(
+                f"{self._endpoint} is not a keras_ps rendezvous server: it "
+                f"answered the rendezvous call with UNIMPLEMENTED "
+                f"({details or 'no details'}), so it serves another gRPC "
+                "service (a TF ps or worker task answers so). Expected the "
+                "HOST:PORT of `python -m keras_ps.elastic.launch "
+                "--standalone` (or a RendezvousServer): pass that as "
+                "rdzv_endpoint (--rdzv_endpoint of the agent).")
         cls = api.ERRORS_BY_STATUS_CODE.get(code.name, api.RendezvousError)
         if cls is api.RendezvousClosedError:
             details = (f"rendezvous server {self._endpoint} is unavailable: "

@@ -125,11 +125,15 @@ def _rpc(method):
     return wrapper
 
 
-class _TokenInterceptor(grpc.ServerInterceptor):
-    """Rejects calls without the right `x-keras-ps-token` metadata."""
+class _CallInterceptor(grpc.ServerInterceptor):
+    """Answers a call of another service (TF's, when this server's address
+    is given as a ps or worker) with UNIMPLEMENTED saying what this server
+    is, and rejects calls without the right `x-keras-ps-token` metadata."""
 
-    def __init__(self, token: str):
-        self._token = token.encode("ascii")
+    _SERVICE = "/keras_ps.elastic.Rendezvous/"
+
+    def __init__(self, token: Optional[str]):
+        self._token = token and token.encode("ascii")
 
         def deny(request, context):
             context.abort(
@@ -142,6 +146,15 @@ class _TokenInterceptor(grpc.ServerInterceptor):
         self._deny = grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if not method.startswith(self._SERVICE):
+            return grpc.unary_unary_rpc_method_handler(
+                lambda request, context: context.abort(
+                    grpc.StatusCode.UNIMPLEMENTED,
+                    f"this is a keras_ps rendezvous server, which serves "
+                    f"keras_ps.elastic.Rendezvous only, not {method}"))
+        if self._token is None:
+            return continuation(handler_call_details)
         for key, value in handler_call_details.invocation_metadata or ():
             if key == api.TOKEN_METADATA_KEY:
                 if isinstance(value, str):
@@ -368,11 +381,10 @@ class RendezvousServer:
         if self._server is not None:
             raise RuntimeError("RendezvousServer already started")
         config = self._config
-        interceptors = [_TokenInterceptor(config.token)] if config.token else []
         server = grpc.server(
             concurrent.futures.ThreadPoolExecutor(
                 max_workers=config.max_workers, thread_name_prefix="rdzv"),
-            interceptors=interceptors,
+            interceptors=[_CallInterceptor(config.token)],
             options=[("grpc.so_reuseport", 0),
                      ("grpc.max_receive_message_length", _MAX_REQUEST_BYTES)],
             maximum_concurrent_rpcs=config.max_concurrent_rpcs)

@@ -414,6 +414,20 @@ def chief_port_taken(env):
                           cluster_lib.resolver_from_tf_config()))
 
 
+@case("cluster_ps_is_the_rendezvous_server", ClusterConfigError,
+      "is not a TensorFlow server",
+      "UNIMPLEMENTED: this is a keras_ps rendezvous server",
+      "must be TF servers (`python -m keras_ps.server`",
+      "the rdzv_endpoint of ElasticClusterResolver")
+def cluster_ps_is_the_rendezvous_server(env):
+    # TF's own error was "Method not found!" from "/job:ps/replica:0/task:0".
+    workers = env.resolver.cluster_spec().as_dict()["worker"]
+    endpoint = env.rendezvous.endpoint
+    with _message_names(f"ps:0 at {endpoint!r}"):
+        keras_ps.ParameterServerStrategy(cluster_lib.resolver_from_spec(
+            {"ps": [endpoint], "worker": workers}))
+
+
 # The coordinator ---------------------------------------------------------------------
 @case("schedule_python_function", TypeError,
       "fn='plain_step'", "tf.function(fn)")
@@ -1376,6 +1390,37 @@ def elastic_resolver_min_workers_a_string(env):
     elastic.ElasticClusterResolver(env.rendezvous.endpoint,
                                    ps=["localhost:2001"], min_workers="2",
                                    token=TOKEN)
+
+
+@case("elastic_resolver_endpoint_is_a_worker", elastic.RendezvousError,
+      "is not a keras_ps rendezvous server", "UNIMPLEMENTED",
+      "a TF ps or worker task answers so",
+      "python -m keras_ps.elastic.launch --standalone", "as rdzv_endpoint")
+def elastic_resolver_endpoint_is_a_worker(env):
+    # It failed with "rendezvous call failed with UNIMPLEMENTED: ".
+    worker = env.resolver.cluster_spec().as_dict()["worker"][0]
+    resolver = elastic.ElasticClusterResolver(
+        worker, ps=["localhost:2001"], token=TOKEN, startup_timeout=5)
+    try:
+        with _message_names(f"{worker} is not"):
+            resolver.cluster_spec()
+    finally:
+        resolver.close()
+
+
+@case("elastic_agent_endpoint_is_a_worker", elastic.RendezvousError,
+      "is not a keras_ps rendezvous server", "UNIMPLEMENTED",
+      "--rdzv_endpoint of the agent")
+def elastic_agent_endpoint_is_a_worker(env):
+    from keras_ps.elastic.agent import AgentConfig, ElasticAgent
+
+    worker = env.resolver.cluster_spec().as_dict()["worker"][0]
+    config = AgentConfig(rdzv_endpoint=worker, address="127.0.0.1:21010",
+                         min_nodes=1, max_nodes=1, task=("true",),
+                         token=TOKEN, join_timeout=5)
+    with elastic.RendezvousClient(worker, token=TOKEN, timeout=5) as client:
+        with _message_names(f"{worker} is not"):
+            ElasticAgent(config, client=client).run()
 
 
 @case("rendezvous_wrong_token", elastic.RendezvousAuthError,

@@ -17,6 +17,7 @@ import pytest
 from _paths import REPO
 from _polling import wait_until
 from _results import last_report
+from keras_ps import cluster as cluster_lib
 from keras_ps.elastic import api
 from keras_ps.elastic import launch
 from keras_ps.elastic.client import RendezvousClient
@@ -116,6 +117,34 @@ def test_agent_names_an_address_another_process_holds(rdzv, agents):
     assert "exit code 3: keras_ps.server's code for an address another " \
         f"process holds; free {address} or give the agent another " \
         "--address" in text, text
+
+
+@pytest.mark.timeout(240)
+def test_agent_given_a_worker_as_rendezvous_names_it(agents, tmp_path):
+    # A TF server (a keras_ps worker task) answers the rendezvous calls with
+    # UNIMPLEMENTED: the agent's one error line names the address and what
+    # it expected, and the agent ends (exit 1) without starting its task.
+    worker = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "keras_ps.server", "--job_name", "worker",
+         "--cluster_spec", f'{{"worker": ["{worker}"]}}'], cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    try:
+        assert cluster_lib.wait_for_port(worker, 120, server)
+        process, _, log = agents(worker, ["true"], "--max_restarts=0")
+        assert process.wait(120) == 1
+    finally:
+        server.kill()
+        server.wait()
+    text = log.read_text()
+    assert task_pids(log) == [], text
+    errors = [line for line in text.splitlines()
+              if "keras_ps.elastic.launch: error: " in line]
+    assert len(errors) == 1, text
+    assert f"{worker} is not a keras_ps rendezvous server" in errors[0], text
+    assert "UNIMPLEMENTED" in errors[0] and "a TF ps or worker task" \
+        in errors[0] and "--rdzv_endpoint of the agent" in errors[0], text
 
 
 @pytest.mark.timeout(60)
