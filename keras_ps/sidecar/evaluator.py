@@ -26,8 +26,11 @@ logger = logging.getLogger(__name__)
 
 Checkpoint = fmt.Checkpoint
 
-# Seconds between "still waiting" log lines while no new checkpoint appears.
+# Seconds between "still waiting" log lines while no new checkpoint appears,
+# and between warnings while checkpoint_dir does not exist (the first look
+# warns at once: a wrong path would otherwise wait without a word).
 _WAIT_LOG_INTERVAL = 30.0
+_MISSING_DIR_WARN_INTERVAL = 60.0
 # The optimizer group of a weights file: the evaluator does not need it.
 _OPTIMIZER_GROUP = "optimizer"
 
@@ -173,14 +176,11 @@ class SidecarEvaluator:
                     f"{arg} must be a positive integer or None. Received: "
                     f"{arg}={value!r}.")
         for arg, value in (("poll_interval", poll_interval), ("timeout", timeout)):
-            if value is not None and not (isinstance(value, (int, float))
-                                          and value > 0):
+            if (value is not None or arg == "poll_interval") and not (
+                    isinstance(value, (int, float)) and value > 0):
                 raise ValueError(
                     f"{arg} must be a positive number of seconds. Received: "
                     f"{arg}={value!r}.")
-        if poll_interval is None:
-            raise ValueError("poll_interval must be a positive number of "
-                             "seconds. Received: poll_interval=None.")
         if not model.compiled:
             raise ValueError(
                 "SidecarEvaluator's model is not compiled. Received: model="
@@ -219,6 +219,7 @@ class SidecarEvaluator:
         last = None  # the newest checkpoint evaluated or skipped
         waiting_since = time.monotonic()
         next_log = waiting_since + _WAIT_LOG_INTERVAL
+        next_warning = waiting_since  # while checkpoint_dir does not exist
         logger.info("[evaluator] watching %s for checkpoints",
                     self.checkpoint_dir)
         while True:
@@ -240,6 +241,16 @@ class SidecarEvaluator:
                             "it was evaluated; stopping", last)
                 return made
             now = time.monotonic()
+            if now >= next_warning and not tf.io.gfile.isdir(
+                    self.checkpoint_dir):
+                logger.warning(
+                    "[evaluator] checkpoint_dir %r does not exist: no "
+                    "checkpoint has appeared there yet (%.0f s so far). "
+                    "Waiting for training to create it; check that training "
+                    "writes to this path (SidecarCheckpoint(checkpoint_dir), "
+                    "on storage this machine sees).", self.checkpoint_dir,
+                    now - waiting_since)
+                next_warning = now + _MISSING_DIR_WARN_INTERVAL
             if self.timeout is not None and now - waiting_since >= self.timeout:
                 raise SidecarTimeoutError(
                     f"No new checkpoint in the checkpoint directory for "

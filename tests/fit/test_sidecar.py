@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -21,6 +22,7 @@ import tensorflow as tf
 
 import keras_ps
 from _paths import REPO
+from _polling import wait_until
 from _results import reports
 from keras_ps import evaluator as evaluator_cli
 from keras_ps.sidecar import evaluator as evaluation
@@ -216,6 +218,45 @@ def test_no_checkpoint_times_out_with_periodic_log(tmp_path, monkeypatch,
     assert "SidecarCheckpoint" in message and "timeout=0.6" in message
     assert isinstance(info.value, TimeoutError)
     assert caplog.text.count("waiting for a checkpoint in") >= 2
+
+
+def test_missing_checkpoint_dir_warns_and_evaluates_once_it_appears(
+        tmp_path, monkeypatch, caplog):
+    """A checkpoint_dir that does not exist is named in a WARNING at the
+    first look, then every _MISSING_DIR_WARN_INTERVAL seconds (not at every
+    poll); the evaluator keeps waiting and evaluates once training creates
+    the directory."""
+    monkeypatch.setattr(evaluation, "_MISSING_DIR_WARN_INTERVAL", 0.3)
+    missing = str(tmp_path / "not_yet")
+    sidecar = keras_ps.SidecarEvaluator(_model(), _data(), missing,
+                                        poll_interval=0.02, timeout=60)
+    polls = []
+    listed = sidecar._list_checkpoints
+    monkeypatch.setattr(sidecar, "_list_checkpoints",
+                        lambda: polls.append(1) or listed())
+    made = []
+
+    def warnings():
+        return [r for r in caplog.records if r.levelno == logging.WARNING
+                and "does not exist" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="keras_ps"):
+        thread = threading.Thread(target=lambda: made.extend(sidecar.start()))
+        start = time.monotonic()
+        thread.start()
+        wait_until(lambda: len(warnings()) >= 3, 30, "three warnings")
+        elapsed, count, looks = time.monotonic() - start, len(warnings()), \
+            len(polls)
+        _train(missing, epochs=1)  # a final checkpoint: the evaluator stops
+        thread.join(60)
+    assert not thread.is_alive()
+    assert [e.checkpoint.name for e in made] == fmt.list_checkpoints(missing)
+    first = warnings()[0].getMessage()
+    assert f"checkpoint_dir {missing!r} does not exist" in first, first
+    assert "no checkpoint has appeared there yet" in first, first
+    assert "check that training writes to this path" in first, first
+    # One at the first look, then one per interval at most: not every poll.
+    assert count <= 1 + elapsed / 0.3 and looks > count, (count, looks)
 
 
 def test_checkpoint_of_another_model_names_the_weight(tmp_path):
