@@ -179,6 +179,12 @@ class LocalCluster:
             `fit` used 7.4-9.8 ms of CPU per step, 5.6-6.9 ms with one
             thread (benchmarks/RESULTS.md). 0 keeps TF's default.
 
+    Raises:
+        TypeError: an argument of the wrong type (before any task starts).
+        ClusterConfigError: a count below 1, or another value it cannot
+            use (before any task starts).
+        RuntimeError: a task exited or did not answer in time.
+
     Example:
     ```python
     with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
