@@ -46,6 +46,14 @@ class CheckpointMismatchError(KerasPSError, ValueError):
     """A checkpoint's weights do not fit the evaluator's model."""
 
 
+class LoadedFunctionError(KerasPSError, ValueError):
+    """A function loaded from a SavedModel reads a variable that
+    `tf.saved_model.load` made sharded (under a `variable_partitioner`):
+    traced with one variable, it cannot read shards. TF raises a
+    `ValueError` for the same call; this is one, naming the variable and
+    how to load to serve."""
+
+
 class BackupWriteError(KerasPSError, OSError):
     """A backup could not be written (its volume is full, or not writable).
 
@@ -58,6 +66,7 @@ class BackupWriteError(KerasPSError, OSError):
 # Shown (and pickled) under the public module that re-exports them.
 for _error in (KerasPSError, ClusterConfigError, PartitionerError,
                ScheduleUsageError, RepeatedFailureError, SidecarTimeoutError,
-               CheckpointMismatchError, BackupWriteError):
+               CheckpointMismatchError, BackupWriteError,
+               LoadedFunctionError):
     _error.__module__ = "keras_ps.errors"
 del _error

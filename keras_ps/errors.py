@@ -19,6 +19,7 @@ from keras_ps._base_errors import BackupWriteError  # noqa: F401
 from keras_ps._base_errors import CheckpointMismatchError  # noqa: F401
 from keras_ps._base_errors import ClusterConfigError  # noqa: F401
 from keras_ps._base_errors import KerasPSError
+from keras_ps._base_errors import LoadedFunctionError  # noqa: F401
 from keras_ps._base_errors import PartitionerError  # noqa: F401
 from keras_ps._base_errors import RepeatedFailureError  # noqa: F401
 from keras_ps._base_errors import ScheduleUsageError  # noqa: F401

@@ -18,6 +18,7 @@ from keras_ps import _tf_adapter
 from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _row_chunks
 from keras_ps.tables import _rowwise
+from keras_ps.tables import _saved_model
 from keras_ps.tables import _slicing
 
 
@@ -333,10 +334,19 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
             var_shape=self._variables[index].shape.as_list()).spec
 
     def _serialize_to_tensors(self):
+        # A Keras weight while tf.saved_model.save traces its save and
+        # restore functions: its shards are the SavedModel's variables, so
+        # none. Functions reading the shards would fail inside
+        # tf.saved_model.load under a partitioner, which loads them sharded.
+        if (not self._saved_as_one_variable
+                and _tf_adapter.in_save_context()):
+            return {}
         return {"VARIABLE_VALUE": tf.concat(
             [v.read_value() for v in self._variables], axis=0)}
 
     def _restore_from_tensors(self, restored_tensors):
+        if not restored_tensors:
+            return tf.no_op()
         value = restored_tensors["VARIABLE_VALUE"]
         # Inside the restore tf.function the shape may be unknown until run.
         if not value.shape.is_compatible_with(self.shape):
@@ -386,7 +396,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def _export_to_saved_model_graph(self, object_map, tensor_map, options,
                                      **kwargs):
         if not self._saved_as_one_variable:  # the shards hold the values
-            object_map[self] = _NoValues()
+            object_map[self] = _saved_model.NoValues()
             return []
         full = self._parts()[0][0]
         resources = full._export_to_saved_model_graph(
@@ -404,25 +414,14 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def __tf_experimental_restore_capture__(self, concrete_function,
                                             internal_capture):
         # A loaded function traced with one full variable cannot read
-        # shards: None makes calling it raise TF's own ValueError, as for
-        # TF's sharded variable. The values are loaded all the same.
-        del concrete_function, internal_capture
-        return None
+        # shards: calling it raises LoadedFunctionError, naming this
+        # variable and the fix (TF gives None, and its own ValueError).
+        del internal_capture
+        return _saved_model.unreadable_capture(self, concrete_function)
 
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "
                 f"shards={len(self._variables)}>")
-
-
-class _NoValues(tf.__internal__.tracking.Trackable):
-    """A Keras ShardedWeight in a SavedModel's graph: its shards (its
-    children there) hold the values, so it saves nothing itself."""
-
-    def _serialize_to_tensors(self):
-        return {}
-
-    def _restore_from_tensors(self, restored_tensors):
-        return tf.no_op()
 
 
 class _SavedModelCopy(ShardedVariable):

@@ -173,11 +173,15 @@ def test_module_loads_resharded_under_a_partitioner(saved_module, shards,
     assert len(loaded.table.variables) == shards
     assert len({v.device for v in loaded.table.variables}) == shards
     np.testing.assert_array_equal(loaded.table.numpy(), VALUES)
-    # As in TF: the loaded function was traced with one full variable and
-    # cannot read shards; it raises TF's ValueError. Load without a
-    # partitioner to serve (the test above).
-    with pytest.raises(ValueError, match="non-Keras model"):
+    # As in TF, the loaded function was traced with one full variable and
+    # cannot read shards; keras_ps' error (a ValueError, as TF's) names
+    # the variable and how to load to serve (the test above).
+    with pytest.raises(keras_ps.errors.LoadedFunctionError) as raised:
         loaded.lookup(IDS)
+    assert isinstance(raised.value, ValueError)
+    for needle in ("'lookup'", "'table'", "outside strategy.scope()",
+                   "without variable_partitioner"):
+        assert needle in str(raised.value)
 
 
 @pytest.mark.parametrize("shard_config", [(3, 2), (2, 3), (3, 1), (1, 3)],
@@ -194,3 +198,102 @@ def test_variable_saved_and_loaded_with_other_shard_counts(
         assert len(loaded.variables) == shard_config[1]
     np.testing.assert_array_equal(tf.convert_to_tensor(loaded).numpy(),
                                   [1., 2., 3., 4., 5., 6.])
+
+
+# -- Keras models loaded under the strategy ------------------------------------
+X = np.array([[1, 29], [5, 0], [17, 17]], np.int32)
+
+
+def _save(model, kind, path):
+    if kind == "export":
+        model.export(str(path), verbose=False)
+    else:
+        tf.saved_model.save(model, str(path))
+
+
+def _loaded_weights(loaded, kind):
+    """The loaded variables of `_keras_model()`'s weights, in their order."""
+    if kind == "export":
+        return list(loaded.variables)
+    return [loaded._layers[1]._embeddings, loaded._layers[3]._kernel,
+            loaded._layers[3].bias]
+
+
+def _serve(loaded, kind, x):
+    if kind == "export":
+        return loaded.serve(x).numpy()
+    (y,) = loaded.signatures["serving_default"](inputs=tf.constant(x)).values()
+    return y.numpy()
+
+
+def _keras_model():
+    return keras.Sequential([
+        keras.Input((2,), dtype="int32"), keras.layers.Embedding(30, 4),
+        keras.layers.Flatten(), keras.layers.Dense(3)])
+
+
+@pytest.fixture(scope="module")
+def min_size(cluster, strategy):
+    # 480-byte embedding in 3 shards of 160 bytes; the 96-byte kernel whole.
+    return keras_ps.ParameterServerStrategy(
+        cluster.resolver, variable_partitioner=keras_ps.partitioners.
+        MinSizePartitioner(min_shard_bytes=128, max_shards=3))
+
+
+@pytest.mark.parametrize("kind", ["export", "saved_model_save"])
+@pytest.mark.parametrize("partitioner", ["fixed_2", "min_size"])
+def test_plain_keras_model_loads_sharded_on_ps_under_a_partitioner(
+        kind, partitioner, two_shards, min_size, plain_strategy, tmp_path):
+    model = _keras_model()  # no strategy: its weights are on the coordinator
+    expected = model(X).numpy()
+    _save(model, kind, tmp_path / "model")
+    with (two_shards if partitioner == "fixed_2" else min_size).scope():
+        loaded = tf.saved_model.load(str(tmp_path / "model"))
+    weights = _loaded_weights(loaded, kind)
+    shards = [2, 2, 2] if partitioner == "fixed_2" else [3, 1, 1]
+    for variable, weight, count in zip(weights, model.weights, shards):
+        np.testing.assert_array_equal(np.asarray(tf.convert_to_tensor(
+            variable)), weight.numpy())
+        parts = (variable.variables
+                 if isinstance(variable, keras_ps.ShardedVariable)
+                 else [variable])
+        assert len(parts) == count, variable
+        assert all("/job:ps/" in v.device for v in parts)
+        assert len({v.device for v in parts}) == count
+    with pytest.raises(keras_ps.errors.LoadedFunctionError,
+                       match="embeddings.*outside strategy.scope()"):
+        _serve(loaded, kind, X)
+    # What the message advises: without a partitioner, on the ps, it serves.
+    with plain_strategy.scope():
+        loaded = tf.saved_model.load(str(tmp_path / "model"))
+    assert all("/job:ps/" in v.device for v in _loaded_weights(loaded, kind))
+    np.testing.assert_allclose(_serve(loaded, kind, X), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["export", "saved_model_save"])
+def test_keras_ps_model_with_sharded_weights_loads_under_a_partitioner(
+        trained, kind, two_shards, plain_strategy, tmp_path):
+    """A model trained with 3 shards: each shard a variable of its
+    SavedModel. `tf.saved_model.load` under a partitioner failed inside
+    load() with "Item 0 is type: NoneType" (the SavedModel held a save
+    function reading the shards, which loaded sharded)."""
+    expected = trained(X).numpy()
+    shards = [v.numpy() for v in trained.layers[0].embeddings.variables]
+    _save(trained, kind, tmp_path / "model")
+    with two_shards.scope():
+        loaded = tf.saved_model.load(str(tmp_path / "model"))
+    if kind == "export":
+        loaded_shards = list(loaded.variables)[:3]
+    else:
+        loaded_shards = [getattr(loaded._layers[1]._embeddings, f"part_{i}")
+                         for i in range(3)]
+    for variable, value in zip(loaded_shards, shards):
+        assert isinstance(variable, keras_ps.ShardedVariable)
+        assert all("/job:ps/" in v.device for v in variable.variables)
+        np.testing.assert_array_equal(variable.numpy(), value)
+    with pytest.raises(keras_ps.errors.LoadedFunctionError):
+        _serve(loaded, kind, X)
+    with plain_strategy.scope():
+        loaded = tf.saved_model.load(str(tmp_path / "model"))
+    np.testing.assert_allclose(_serve(loaded, kind, X), expected,
+                               rtol=1e-5, atol=1e-6)
