@@ -1133,6 +1133,28 @@ def fixed_shards_zero(env):
     keras_ps.partitioners.FixedShardsPartitioner(0)
 
 
+class _Lookup(tf.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = tf.Variable(tf.zeros([8, 4]), name="table")
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+    def lookup(self, ids):
+        return tf.nn.embedding_lookup(self.table, ids)
+
+
+@case("saved_model_function_reads_a_sharded_load",
+      keras_ps.errors.LoadedFunctionError, "'lookup'", "'table'",
+      "outside strategy.scope()", "without variable_partitioner")
+def saved_model_function_reads_a_sharded_load(env):
+    path = env.tmp()
+    tf.saved_model.save(_Lookup(), path)
+    partitioner = keras_ps.partitioners.FixedShardsPartitioner(2)
+    with env.strategy_with(partitioner).scope():
+        loaded = tf.saved_model.load(path)
+    loaded.lookup(tf.constant([0, 7], tf.int64))
+
+
 # Row-wise updates of large tables -----------------------------------------------------
 @case("lazy_adam_amsgrad", ValueError,
       "Received: amsgrad=True", "keras.optimizers.Adam(amsgrad=True)")
