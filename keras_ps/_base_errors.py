@@ -47,11 +47,11 @@ class CheckpointMismatchError(KerasPSError, ValueError):
 
 
 class LoadedFunctionError(KerasPSError, ValueError):
-    """A function loaded from a SavedModel reads a variable that
+    """A function loaded from a SavedModel writes a variable that
     `tf.saved_model.load` made sharded (under a `variable_partitioner`):
-    traced with one variable, it cannot read shards. TF raises a
-    `ValueError` for the same call; this is one, naming the variable and
-    how to load to serve."""
+    traced with one variable, it cannot update shards (a function that only
+    reads one runs). TF raises a `ValueError` for the same call; this is
+    one, naming the variable and how to load to call it."""
 
 
 class BackupWriteError(KerasPSError, OSError):

@@ -1,24 +1,39 @@
-"""What a ShardedVariable is in a SavedModel's graph, and what its loaded
-functions do once it loads sharded.
+"""What a ShardedVariable is in a SavedModel's graph, and how functions
+loaded from a SavedModel read one.
 
 `tf.saved_model.save` writes a `tf.Variable` made under a partitioner as one
 variable of the full shape (as TF's strategy does), and a Keras weight's
 shards as the variables they are. `tf.saved_model.load` under a strategy
 with a `variable_partitioner` makes each saved variable the partitioner
-splits a ShardedVariable on the ps, restored from the SavedModel. A loaded
-function was traced reading each captured variable through one resource
-handle, which shards cannot give: such a function raises
-`LoadedFunctionError`, naming the variable and what to do, when called.
-TF's strategy loads the same way and its functions raise too ("a loaded
-non-Keras model ... not currently supported"), without saying which
-variable or how to serve.
+splits a ShardedVariable on the ps, restored from the SavedModel (TF's
+strategy does the same, and its loaded functions then raise).
+
+A loaded function was traced reading each variable it captured through one
+resource handle, which shards cannot give. So a function that only reads
+the variable (Keras' serving functions read each weight whole) gets, at
+each call, a copy of the variable's value made from its shards, on the
+coordinator (or on the ps a keras_ps SavedModel pins the read to): it runs
+and gives the values it gave before saving, and a gradient through it
+reaches the shards. A function that writes it (or uses its handle
+otherwise) raises `LoadedFunctionError` when called, naming the variable
+and what to do.
 """
 
 import re
+import weakref
 
 import tensorflow as tf
 
+from keras_ps import _tf_adapter
 from keras_ps.errors import LoadedFunctionError
+
+# Ops that only read the resource they are given; and ops that call a
+# function with it (followed into that function).
+_READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
+                    "VariableShape"})
+_CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# {loaded concrete function: (its GraphDef, {name: FunctionDef})}
+_graphs = weakref.WeakKeyDictionary()
 
 
 class NoValues(tf.__internal__.tracking.Trackable):
@@ -32,10 +47,91 @@ class NoValues(tf.__internal__.tracking.Trackable):
         return tf.no_op()
 
 
-class UnreadableCapture:
-    """What a loaded function captures in place of a variable that loaded
-    sharded: TF calls it on each call of the function for the variable's
-    handle, and it raises `LoadedFunctionError` instead."""
+def restored_capture(sharded, concrete_function, internal_capture):
+    """What `concrete_function` captures for `sharded` (TF's
+    `__tf_experimental_restore_capture__` protocol): a `StagedRead` if the
+    function only reads it, else a `RefusedCapture`."""
+    name = getattr(concrete_function, "name", None) or "<loaded function>"
+    if isinstance(name, bytes):
+        name = name.decode()
+    # `__inference_serve_123` -> `serve`: the name it was saved under.
+    name = re.sub(r"_\d+$", "", name.removeprefix("__inference_"))
+    if concrete_function not in _graphs:  # one per function, not per capture
+        graph_def = concrete_function.graph.as_graph_def()
+        _graphs[concrete_function] = (graph_def, {
+            f.signature.name: f for f in graph_def.library.function})
+    graph_def, library = _graphs[concrete_function]
+    devices = _read_devices(graph_def.node, internal_capture.op.name, library)
+    if devices is None:
+        return RefusedCapture(sharded, name)
+    # A SavedModel of a keras_ps model pins a read of each shard to its ps:
+    # the copy goes there (else where the calling process makes variables).
+    return StagedRead(sharded, devices[0] if len(devices) == 1 else None)
+
+
+def _read_devices(nodes, source, library):
+    """The devices asked for by the reads of the resource `source` (a node
+    or argument name) among `nodes` and inside the functions they call with
+    it (sorted, "" left out), or None if some use of it is not a read."""
+    devices = set()
+    for node in nodes:
+        inputs = [i for i in node.input if not i.startswith("^")]
+        for position, name in enumerate(inputs):
+            if name not in (source, source + ":0"):
+                continue
+            if node.op in _READS:
+                devices.add(node.device)
+                continue
+            callee = library.get(node.attr["f"].func.name) \
+                if node.op in _CALLS else None
+            if callee is None or position >= len(callee.signature.input_arg):
+                return None
+            argument = callee.signature.input_arg[position].name
+            inner = _read_devices(callee.node_def, argument, library)
+            if inner is None:
+                return None
+            devices.update(inner or [node.device])
+    return sorted(devices - {""})
+
+
+class StagedRead:
+    """Called by TF at each call of a loaded function for the handle of a
+    variable it reads: copies the ShardedVariable's value from its shards
+    into one variable on `device` (None: where this process makes
+    variables, the coordinator) and gives its handle. The handle's gradient
+    is the value's, so a gradient of the function's outputs flows back to
+    the shards."""
+
+    def __init__(self, sharded, device):
+        self._sharded = sharded
+        self._device = device
+        self._copy = None
+
+    def __call__(self):
+        if self._copy is None:
+            with tf.init_scope(), tf.device(self._device):
+                self._copy = _tf_adapter.uninitialized_variable(
+                    shape=self._sharded.shape, dtype=self._sharded.dtype,
+                    name=f"{self._sharded.name}/loaded_copy")
+        copy = self._copy
+
+        @tf.custom_gradient
+        def staged(value):
+            with tf.control_dependencies([copy.assign(value)]):
+                handle = tf.identity(copy.handle)
+
+            def grad(gradient, variables=()):
+                return gradient, [None] * len(variables)
+
+            return handle, grad
+
+        return staged(self._sharded.read_value())
+
+
+class RefusedCapture:
+    """What a loaded function that writes a ShardedVariable (or passes its
+    handle on) captures in its place: raises `LoadedFunctionError` when TF
+    asks it for the handle, at each call of the function."""
 
     def __init__(self, sharded, function_name):
         self._name = sharded.name
@@ -46,26 +142,15 @@ class UnreadableCapture:
     def __call__(self):
         raise LoadedFunctionError(
             f"The function {self._function_name!r} loaded from a SavedModel "
-            f"reads the variable {self._name!r} (shape {self._shape}), which "
+            f"writes the variable {self._name!r} (shape {self._shape}), which "
             f"loaded as a keras_ps ShardedVariable of {self._num_shards} "
             "shards because tf.saved_model.load ran under a strategy with a "
             "variable_partitioner. A loaded function was traced with one "
-            "variable and cannot read shards (nor can TF's "
+            "variable and cannot update shards (nor can TF's "
             "ParameterServerStrategy's). The values are loaded (read them "
-            "from the loaded object's variables). To call its functions, "
-            "load the SavedModel outside strategy.scope(), or under a "
+            "from the loaded object's variables). To call it, load the "
+            "SavedModel outside strategy.scope(), or under a "
             "keras_ps.ParameterServerStrategy without variable_partitioner "
             "(its variables then live on the ps); to train a Keras model "
             "sharded, build it under the scope and load its weights "
             "(model.load_weights).")
-
-
-def unreadable_capture(sharded, concrete_function):
-    """The capture to give `concrete_function` for `sharded` (TF's
-    `__tf_experimental_restore_capture__` protocol)."""
-    name = getattr(concrete_function, "name", None) or "<loaded function>"
-    if isinstance(name, bytes):
-        name = name.decode()
-    # `__inference_serve_123` -> `serve`: the name it was saved under.
-    name = re.sub(r"_\d+$", "", name.removeprefix("__inference_"))
-    return UnreadableCapture(sharded, name)

@@ -414,10 +414,11 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def __tf_experimental_restore_capture__(self, concrete_function,
                                             internal_capture):
         # A loaded function traced with one full variable cannot read
-        # shards: calling it raises LoadedFunctionError, naming this
-        # variable and the fix (TF gives None, and its own ValueError).
-        del internal_capture
-        return _saved_model.unreadable_capture(self, concrete_function)
+        # shards: one that only reads gets a copy of the value at each call;
+        # one that writes raises LoadedFunctionError (TF gives None, and
+        # its own ValueError, to either).
+        return _saved_model.restored_capture(self, concrete_function,
+                                             internal_capture)
 
     def __repr__(self):
         return (f"<ShardedVariable {self._name!r} shape={tuple(self.shape)} "

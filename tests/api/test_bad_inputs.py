@@ -1133,26 +1133,27 @@ def fixed_shards_zero(env):
     keras_ps.partitioners.FixedShardsPartitioner(0)
 
 
-class _Lookup(tf.Module):
+class _Counts(tf.Module):
     def __init__(self):
         super().__init__()
         self.table = tf.Variable(tf.zeros([8, 4]), name="table")
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
-    def lookup(self, ids):
-        return tf.nn.embedding_lookup(self.table, ids)
+    def count(self, ids):
+        self.table.scatter_add(tf.IndexedSlices(tf.ones([2, 4]), ids))
+        return tf.constant(0)
 
 
-@case("saved_model_function_reads_a_sharded_load",
-      keras_ps.errors.LoadedFunctionError, "'lookup'", "'table'",
+@case("saved_model_function_writes_a_sharded_load",
+      keras_ps.errors.LoadedFunctionError, "'count'", "writes the variable 'table'",
       "outside strategy.scope()", "without variable_partitioner")
-def saved_model_function_reads_a_sharded_load(env):
+def saved_model_function_writes_a_sharded_load(env):
     path = env.tmp()
-    tf.saved_model.save(_Lookup(), path)
+    tf.saved_model.save(_Counts(), path)
     partitioner = keras_ps.partitioners.FixedShardsPartitioner(2)
     with env.strategy_with(partitioner).scope():
         loaded = tf.saved_model.load(path)
-    loaded.lookup(tf.constant([0, 7], tf.int64))
+    loaded.count(tf.constant([0, 7], tf.int64))
 
 
 # Row-wise updates of large tables -----------------------------------------------------
