@@ -336,7 +336,7 @@ class ShardedVariable(tf.__internal__.CompositeTensor,
     def _serialize_to_tensors(self):
         # A Keras weight while tf.saved_model.save traces its save and
         # restore functions: its shards are the SavedModel's variables, so
-        # none. Functions reading the shards would fail inside
+        # none. A restore function writing the shards would fail inside
         # tf.saved_model.load under a partitioner, which loads them sharded.
         if (not self._saved_as_one_variable
                 and _tf_adapter.in_save_context()):
