@@ -19,6 +19,7 @@ otherwise) raises `LoadedFunctionError` when called, naming the variable
 and what to do.
 """
 
+import logging
 import re
 import weakref
 
@@ -27,11 +28,15 @@ import tensorflow as tf
 from keras_ps import _tf_adapter
 from keras_ps.errors import LoadedFunctionError
 
+logger = logging.getLogger(__name__)
+
 # Ops that only read the resource they are given; and ops that call a
 # function with it (followed into that function).
 _READS = frozenset({"ReadVariableOp", "ResourceGather", "ResourceGatherNd",
                     "VariableShape"})
 _CALLS = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+# A copy at least this large is worth a warning: it is read whole per call.
+_LARGE_COPY_BYTES = 64 << 20
 # {loaded concrete function: (its GraphDef, {name: FunctionDef})}
 _graphs = weakref.WeakKeyDictionary()
 
@@ -65,8 +70,33 @@ def restored_capture(sharded, concrete_function, internal_capture):
     if devices is None:
         return RefusedCapture(sharded, name)
     # A SavedModel of a keras_ps model pins a read of each shard to its ps:
-    # the copy goes there (else where the calling process makes variables).
-    return StagedRead(sharded, devices[0] if len(devices) == 1 else None)
+    # the copy goes there (else where the calling process makes variables),
+    # if this cluster has that task (a SavedModel of a larger one may not).
+    device = devices[0] if len(devices) == 1 else None
+    if device is not None and not _task_exists(device):
+        device = None
+    nbytes = sharded.shape.num_elements() * sharded.dtype.size
+    if nbytes >= _LARGE_COPY_BYTES:
+        logger.warning(
+            "The function %r loaded from a SavedModel reads %r (shape %s, "
+            "%.0f MiB), loaded as %d shards under a variable_partitioner: "
+            "each call copies its whole value from the shards%s. To serve, "
+            "load the SavedModel outside strategy.scope() or without a "
+            "variable_partitioner.", name, sharded.name,
+            tuple(sharded.shape), nbytes / (1 << 20), len(sharded.variables),
+            f" to {device}" if device else " to this process")
+    return StagedRead(sharded, device)
+
+
+def _task_exists(device):
+    """Whether this process' cluster has the job and task of `device`."""
+    wanted = tf.DeviceSpec.from_string(device)
+    for logical in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(logical.name)
+        if spec.job == wanted.job and (wanted.task is None
+                                       or spec.task == wanted.task):
+            return True
+    return False
 
 
 def _read_devices(nodes, source, library):

@@ -351,3 +351,35 @@ def test_keras_ps_model_with_sharded_weights_loads_under_a_partitioner(
         loaded = tf.saved_model.load(str(tmp_path / "model"))
     np.testing.assert_allclose(_serve(loaded, kind, X), expected,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_large_loaded_copy_is_named_in_a_warning(two_shards, tmp_path,
+                                                   monkeypatch, caplog):
+    """Each call copies a variable loaded sharded whole: from a size on, the
+    load says so, naming the function, the variable and the fix."""
+    from keras_ps.tables import _saved_model
+    module = _Scorer()
+    tf.saved_model.save(module, str(tmp_path))
+    # The table is 120 bytes and the kernel 24: only the table is "large".
+    monkeypatch.setattr(_saved_model, "_LARGE_COPY_BYTES", 100)
+    with caplog.at_level("WARNING", logger=_saved_model.logger.name):
+        with two_shards.scope():
+            loaded = tf.saved_model.load(str(tmp_path))
+    np.testing.assert_allclose(loaded.score(IDS).numpy(),
+                               module.score(IDS).numpy(), rtol=1e-6)
+    warned = [r.getMessage() for r in caplog.records
+              if "copies its whole value" in r.getMessage()]
+    assert warned and all("'table'" in m for m in warned), warned
+    assert any("'score'" in m for m in warned), warned
+    assert "without a variable_partitioner" in warned[0]
+    assert not any("'kernel'" in m for m in warned), warned
+
+
+def test_a_pinned_ps_this_cluster_lacks_is_not_used(two_shards):
+    """A keras_ps SavedModel pins each shard's read to its ps; loaded on a
+    cluster without that task, the copy goes to this process instead."""
+    from keras_ps.tables import _saved_model
+    assert _saved_model._task_exists("/job:ps/task:0")
+    assert _saved_model._task_exists("/job:ps/replica:0/task:2/device:CPU:0")
+    assert not _saved_model._task_exists("/job:ps/task:7")
+    assert not _saved_model._task_exists("/job:evaluator/task:0")
