@@ -10,6 +10,7 @@ import sys
 import tensorflow as tf
 
 from keras_ps.callbacks import _backup_modes
+from keras_ps.callbacks import _job_lock
 from keras_ps.callbacks import _state_file
 from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
@@ -48,8 +49,9 @@ class BackupAndRestore(ResumableCallback):
     file, so a crash while writing leaves the previous backup intact.
 
     Args:
-        backup_dir: where backups live (created if missing). Use one
-            directory per training job.
+        backup_dir: where backups live (created if missing). One directory
+            per training job: `fit` locks it while it runs (see
+            `keras_ps.errors.BackupDirInUseError`).
         save_freq: `"epoch"` (at each epoch end), an integer `N` (every `N`
             steps, and at each epoch end), or False (only before a
             preemption: needs `save_before_preemption=True`).
@@ -194,6 +196,7 @@ class BackupAndRestore(ResumableCallback):
         self._incremental_path = os.path.join(self.backup_dir,
                                               _INCREMENTAL_FOLDER)
         self._incremental = None
+        self._lock = _job_lock.JobLock(self.backup_dir)
 
     # -- what fit asks ------------------------------------------------------------
     def resume_position(self):
@@ -208,12 +211,22 @@ class BackupAndRestore(ResumableCallback):
             ValueError: the backup was written by a different model, an
                 environment variable a backup reads has a bad value, or
                 a file is where `backup_dir` should be.
+            BackupDirInUseError: another job (or another callback of this
+                process whose fit has not ended) holds `backup_dir`.
         """
         _checks.check_environment()  # not at the first backup, after steps
+        _checks.make_directory(self.backup_dir, "backup_dir")
+        self._lock.acquire()  # held until fit ends (on_train_end, on_fit_exit)
+        try:
+            self._begin()
+        except BaseException:
+            self._lock.release()
+            raise
+
+    def _begin(self):
         if self.save_before_preemption:
             _backup_modes.check_preemption_mode(self.model)
             self._notice.install()
-        _checks.make_directory(self.backup_dir, "backup_dir")
         self._resume = None
         self.restored_state = None
         self._incremental = _backup_modes.incremental_writer(
@@ -368,8 +381,10 @@ class BackupAndRestore(ResumableCallback):
                            "kept", self.backup_dir)
         elif self.delete_checkpoint and os.path.isdir(self.backup_dir):
             shutil.rmtree(self.backup_dir, ignore_errors=True)
+        self._lock.release()
 
     def on_fit_exit(self):
+        self._lock.release()  # fit raised: on_train_end was not called
         if not self._notice.received:
             return self._notice.uninstall()
         error = sys.exc_info()[1]  # fit's, when it raised after the signal

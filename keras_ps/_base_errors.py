@@ -63,10 +63,20 @@ class BackupWriteError(KerasPSError, OSError):
     """
 
 
+class BackupDirInUseError(KerasPSError, RuntimeError):
+    """Another training job holds the backup directory's lock.
+
+    `keras_ps.callbacks.BackupAndRestore` locks its `backup_dir` while `fit`
+    runs, so that two jobs never write backups into one directory and
+    restore each other's. The message names the directory, the job holding
+    it (its pid and host) and the fix.
+    """
+
+
 # Shown (and pickled) under the public module that re-exports them.
 for _error in (KerasPSError, ClusterConfigError, PartitionerError,
                ScheduleUsageError, RepeatedFailureError, SidecarTimeoutError,
                CheckpointMismatchError, BackupWriteError,
-               LoadedFunctionError):
+               LoadedFunctionError, BackupDirInUseError):
     _error.__module__ = "keras_ps.errors"
 del _error

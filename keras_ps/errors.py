@@ -15,6 +15,7 @@ received and what is expected.
 
 import tensorflow as tf
 
+from keras_ps._base_errors import BackupDirInUseError  # noqa: F401
 from keras_ps._base_errors import BackupWriteError  # noqa: F401
 from keras_ps._base_errors import CheckpointMismatchError  # noqa: F401
 from keras_ps._base_errors import ClusterConfigError  # noqa: F401

@@ -1,8 +1,16 @@
 """For the backup tests: reading keras_ps.callbacks.BackupAndRestore's
-state file, and a small model with a table trained row-wise."""
+state file, a small model with a table trained row-wise, and a real job in
+another process holding a backup directory's lock."""
 
+import contextlib
 import json
 import os
+import subprocess
+import sys
+import threading
+
+from _paths import TESTS
+from _polling import wait_until
 
 
 def read_backup_state(backup_dir):
@@ -33,3 +41,37 @@ def table_model(resolver, rows, dim, ids):
         model.compile(keras_ps.optimizers.LazyAdam(0.01), "mse")
         model.optimizer.build(model.trainable_variables)
     return model
+
+
+@contextlib.contextmanager
+def holding_job(spec, backup_dir, timeout=180):
+    """A real training job in its own process (tests/_fit_job.py hold) on
+    the cluster `spec` (a dict), inside `fit` with
+    `BackupAndRestore(backup_dir)` and waiting at the end of its first
+    batch. Yields its Popen once it said so, with `.output()` (its lines so
+    far); SIGKILLed on the way out unless the test ended it."""
+    job = subprocess.Popen(
+        [sys.executable, os.path.join(TESTS, "_fit_job.py"), "hold",
+         json.dumps({k: list(v) for k, v in spec.items()}), backup_dir],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1"))
+    lines = []
+
+    def read():
+        for line in job.stdout:
+            lines.append(line)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    job.output = lambda: "".join(lines)
+    try:
+        wait_until(lambda: "HOLDING\n" in lines or job.poll() is not None,
+                   timeout, "the holding job's first batch")
+        assert "HOLDING\n" in lines and job.poll() is None, job.output()[-6000:]
+        yield job
+    finally:
+        if job.poll() is None:
+            job.kill()
+        job.wait(30)
+        reader.join(30)

@@ -4,6 +4,11 @@ Usage:
   python tests/_fit_job.py backup CLUSTER_SPEC_JSON BACKUP_DIR
       fit with BackupAndRestore(save_freq=4) on an existing cluster; the test
       SIGKILLs this process mid-epoch and starts it again.
+  python tests/_fit_job.py hold CLUSTER_SPEC_JSON BACKUP_DIR
+      fit with BackupAndRestore on an existing cluster (so it holds
+      BACKUP_DIR's lock); at the end of its first batch it prints HOLDING and
+      reads a line from stdin (the test kills it meanwhile, or writes one),
+      then trains on to the end and reports.
   python tests/_fit_job.py preempt CLUSTER_SPEC_JSON BACKUP_DIR mid|at_end|-
       fit(epochs=2, steps_per_epoch=100) with BackupAndRestore(
       save_freq=False, save_before_preemption=True) on an existing cluster.
@@ -114,6 +119,28 @@ def backup(spec_json, backup_dir):
     say(iterations=int(model.optimizer.iterations.numpy()),
         planned=EPOCHS * STEPS, epochs=history.epoch,
         resumed=backup_cb.resume_position())
+
+
+class _HoldAtFirstBatch(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.held = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not self.held:
+            self.held = True
+            print("HOLDING", flush=True)
+            sys.stdin.readline()  # a line, or the end of stdin
+
+
+def hold(spec_json, backup_dir):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    model = build(keras_ps.ParameterServerStrategy(resolver))
+    backup_cb = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=4)
+    model.fit(dataset_creator(), epochs=1, steps_per_epoch=8, verbose=0,
+              callbacks=[backup_cb, _HoldAtFirstBatch()])
+    say(iterations=int(model.optimizer.iterations.numpy()))
 
 
 PREEMPT_EPOCHS, PREEMPT_STEPS = 2, 100
@@ -559,6 +586,8 @@ if __name__ == "__main__":
                         format="%(asctime)s %(name)s %(message)s")
     if sys.argv[1] == "backup":
         backup(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "hold":
+        hold(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "preempt":
         preempt(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "ps_restart":

@@ -32,6 +32,7 @@ from keras_ps.errors import ClusterConfigError  # noqa: E402
 from keras_ps.errors import PartitionerError  # noqa: E402
 from keras_ps.sidecar.evaluator import CheckpointMismatchError  # noqa: E402
 
+from _backups import holding_job  # noqa: E402
 from _paths import REPO  # noqa: E402
 TOKEN = "bad-inputs-s3cret"
 
@@ -61,6 +62,11 @@ class _Env:
             # the other tests' strategies share it.
             self._resolver = self._cluster.resolver
         return self._resolver
+
+    @property
+    def spec(self):
+        """The session cluster's spec, for a job of another process."""
+        return self._cluster.spec
 
     @property
     def strategy(self):
@@ -1237,6 +1243,24 @@ def _a_file(env):
     with open(path, "w") as f:
         f.write("x")
     return path
+
+
+@case("backup_dir_used_by_another_job", keras_ps.errors.BackupDirInUseError,
+      "is in use by another training job", "backup.lock",
+      f"on host {socket.gethostname()}", "Fix: give this job a different "
+      "backup_dir, or stop the other job first", timeout=240)
+def backup_dir_used_by_another_job(env):
+    # Another process' fit holds the directory; this fit is refused when it
+    # starts, before any step (_NoTrainingStep), naming that process.
+    directory = env.tmp()
+    with holding_job(env.spec, directory) as holder:
+        backup = keras_ps.callbacks.BackupAndRestore(directory)
+        try:
+            _fit_refused_before_a_step(_model(env.strategy), backup)
+        except keras_ps.errors.BackupDirInUseError as error:
+            assert f"pid {holder.pid} on host" in str(error), str(error)
+            assert holder.poll() is None, holder.output()[-3000:]
+            raise
 
 
 @case("backup_dir_is_a_file", ValueError,
