@@ -12,13 +12,17 @@ import weakref
 
 import keras
 import tensorflow as tf
+from keras.src.optimizers import base_optimizer
 from keras.src.trainers import trainer as trainer_lib
 
 from keras_ps.tables import partitioners
 from keras_ps import _keras as hooks
 
 # (owner, attribute) of every Keras internal this module wraps.
-COMPAT_TARGETS = ((trainer_lib.Trainer, "compile"),)
+COMPAT_TARGETS = (
+    (trainer_lib.Trainer, "compile"),
+    (base_optimizer.BaseOptimizer, "apply_gradients"),
+)
 
 
 def _never(strategy):
@@ -176,6 +180,60 @@ def place_model_state(model, strategy):
                 _relocate(variable, strategy)
 
 
+# -- Section: an optimizer made outside the scope, in a custom loop ------------
+# Missing public API: a Keras 3 optimizer keeps the strategy current when it
+# was made (`_distribution_strategy`) and makes its slots and applies its
+# updates through it; made outside `strategy.scope()` that is TF's default
+# strategy. Its slots made under the scope then fail with TF's "Mixing
+# different tf.distribute.Strategy objects" (TF's own coordinator, which
+# traces under the scope, fails so at the first step), its updates inside
+# `strategy.run` with "Must not nest tf.distribute.Strategy scopes", and in
+# a step traced outside the scope it trains with its state on the
+# coordinator. `compile()` moves such an optimizer to the ps (see
+# place_model_state); in a custom loop it is refused where it first makes a
+# slot, or applies gradients, for a weight on a ps, or under the scope: when
+# the step is traced, before it runs.
+def refuse_optimizer_made_outside(optimizer, variables):
+    """Raises ValueError when `optimizer` was made outside a keras_ps
+    strategy's scope and is used for a weight in `variables` on a ps, or
+    under such a scope (keras_ps._keras.sharding calls it where a slot is
+    made: the hook there is the one on that Keras function)."""
+    made_under = getattr(optimizer, "_distribution_strategy", None)
+    if made_under is None or _is_keras_ps_strategy(made_under):
+        return
+    on_ps = [v for v in variables if _on_ps(_tf_variable(v))]
+    if not on_ps and not _is_keras_ps_strategy(tf.distribute.get_strategy()):
+        return  # a model of its own, outside keras_ps
+    where = " under the scope of a keras_ps strategy"
+    if on_ps:
+        name = getattr(on_ps[0], "path", None) or on_ps[0].name
+        where = f" for {name!r}, a weight on {_tf_variable(on_ps[0]).device}"
+    raise ValueError(
+        f"Optimizer {optimizer.name!r} was created outside "
+        "`strategy.scope()`: it updates through the strategy current when it "
+        f"was made ({type(made_under).__name__}), not the keras_ps strategy, "
+        "so its state (`iterations`, its slots) would not live on the "
+        "parameter servers, and TF fails with 'Mixing different "
+        "tf.distribute.Strategy objects'. Received: optimizer="
+        f"{optimizer.name!r} ({type(optimizer).__name__}) used{where}. Fix: "
+        "create the optimizer inside `with strategy.scope():` (a model's "
+        "compile() does it for the optimizer it is given).")
+
+
+def _tf_variable(variable):
+    return variable._value if isinstance(variable, keras.Variable) else variable
+
+
+def _checked_apply_gradients(keras_apply_gradients):
+    @functools.wraps(keras_apply_gradients)
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        refuse_optimizer_made_outside(self, [v for _, v in grads_and_vars])
+        return keras_apply_gradients(self, grads_and_vars)
+
+    return apply_gradients
+
+
 def install(is_keras_ps_strategy):
     """Installs the compat hooks, once.
 
@@ -184,7 +242,8 @@ def install(is_keras_ps_strategy):
     """
     global _is_keras_ps_strategy
     _is_keras_ps_strategy = is_keras_ps_strategy
-    for (owner, name), wrap in zip(COMPAT_TARGETS, (_scoped_compile,)):
+    for (owner, name), wrap in zip(COMPAT_TARGETS, (
+            _scoped_compile, _checked_apply_gradients)):
         hooks.wrap(owner, name, wrap)
 
 

@@ -24,6 +24,7 @@ from keras_ps.tables import _slot_restore
 from keras_ps.tables import partitioners
 from keras_ps.tables import sharded_variable
 from keras_ps import _keras as hooks
+from keras_ps._keras import compat
 from keras_ps._keras import saving
 
 LAYER_CLASS = layer_lib.Layer
@@ -150,11 +151,14 @@ def _collapsed_state(keras_walk):
 # which variable. We wrap the TF optimizer's `add_variable_from_reference`
 # (every built-in optimizer makes its slots there) to group a shard's slots,
 # so saving writes one full slot per sharded weight, and a checkpoint restored
-# before the optimizer was built fills them (`add_grouped_slot`).
+# before the optimizer was built fills them (`add_grouped_slot`). An
+# optimizer made outside the strategy's scope is refused here, before its
+# slot (see keras_ps._keras.compat).
 def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
+        compat.refuse_optimizer_made_outside(self, [reference_variable])
         return _slot_restore.add_grouped_slot(
             self._variables, reference_variable, name or "var",
             lambda: keras_add_slot(self, reference_variable, name=name,

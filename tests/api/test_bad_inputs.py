@@ -470,6 +470,57 @@ def for_loop_over_per_worker_values(env):
         pass
 
 
+def _optimizer_made_outside(env):
+    with env.strategy.scope():
+        model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    return model, keras.optimizers.SGD(0.01, momentum=0.9,
+                                       name="made_outside")
+
+
+_MADE_OUTSIDE = ("Optimizer 'made_outside' was created outside "
+                 "`strategy.scope()`", "(_DefaultDistributionStrategy)",
+                 "Received: optimizer='made_outside' (SGD) used for",
+                 "a weight on /job:ps/",
+                 "Fix: create the optimizer inside `with strategy.scope():`")
+
+
+@case("custom_loop_optimizer_made_outside_scope", ValueError, *_MADE_OUTSIDE)
+def custom_loop_optimizer_made_outside_scope(env):
+    # TF's coordinator failed with "Mixing different tf.distribute.Strategy
+    # objects"; keras_ps' trained with the optimizer's state on the
+    # coordinator. Refused when the step is traced, before it runs: the
+    # error comes at the next call (here join).
+    model, optimizer = _optimizer_made_outside(env)
+    before = model.get_weights()
+
+    @tf.function
+    def train_step():
+        x, y = tf.constant([[1.0, 2.0]]), tf.constant([[1.0]])
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    env.coordinator.schedule(train_step)
+    try:
+        env.coordinator.join()
+    finally:
+        assert int(optimizer.iterations.numpy()) == 0
+        for kept, now in zip(before, model.get_weights()):
+            np.testing.assert_array_equal(kept, now)
+
+
+@case("optimizer_made_outside_scope_built_for_ps_weights", ValueError,
+      *_MADE_OUTSIDE)
+def optimizer_made_outside_scope_built_for_ps_weights(env):
+    # Under the scope TF failed with "Mixing different tf.distribute.Strategy
+    # objects"; outside it the slots were made on the coordinator.
+    model, optimizer = _optimizer_made_outside(env)
+    with env.strategy.scope():
+        optimizer.build(model.trainable_variables)
+
+
 class DataFileMissing(Exception):
     pass
 
