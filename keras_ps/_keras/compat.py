@@ -190,19 +190,23 @@ def place_model_state(model, strategy):
 # `strategy.run` with "Must not nest tf.distribute.Strategy scopes", and in
 # a step traced outside the scope it trains with its state on the
 # coordinator. `compile()` moves such an optimizer to the ps (see
-# place_model_state); in a custom loop it is refused where it first makes a
-# slot, or applies gradients, for a weight on a ps, or under the scope: when
-# the step is traced, before it runs.
-def refuse_optimizer_made_outside(optimizer, variables):
+# place_model_state); in a custom loop it is refused where it applies
+# gradients to a weight on a ps (when the step is traced, before it runs),
+# or makes a slot under the scope. A slot made outside the scope is let be:
+# Keras builds a throwaway optimizer so when it clones a model
+# (`clone_model`, keras_ps.layers.export_plain_model).
+def refuse_optimizer_made_outside(optimizer, variables, scope_only=False):
     """Raises ValueError when `optimizer` was made outside a keras_ps
-    strategy's scope and is used for a weight in `variables` on a ps, or
-    under such a scope (keras_ps._keras.sharding calls it where a slot is
-    made: the hook there is the one on that Keras function)."""
+    strategy's scope and is used under such a scope, or (unless
+    `scope_only`) for a weight in `variables` on a ps.
+    keras_ps._keras.sharding calls it (`scope_only`) where a slot is made:
+    the hook on that Keras function is there."""
     made_under = getattr(optimizer, "_distribution_strategy", None)
     if made_under is None or _is_keras_ps_strategy(made_under):
         return
     on_ps = [v for v in variables if _on_ps(_tf_variable(v))]
-    if not on_ps and not _is_keras_ps_strategy(tf.distribute.get_strategy()):
+    if not _is_keras_ps_strategy(tf.distribute.get_strategy()) and (
+            scope_only or not on_ps):
         return  # a model of its own, outside keras_ps
     where = " under the scope of a keras_ps strategy"
     if on_ps:
