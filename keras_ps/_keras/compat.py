@@ -12,17 +12,13 @@ import weakref
 
 import keras
 import tensorflow as tf
-from keras.src.optimizers import base_optimizer
 from keras.src.trainers import trainer as trainer_lib
 
 from keras_ps.tables import partitioners
 from keras_ps import _keras as hooks
 
 # (owner, attribute) of every Keras internal this module wraps.
-COMPAT_TARGETS = (
-    (trainer_lib.Trainer, "compile"),
-    (base_optimizer.BaseOptimizer, "apply_gradients"),
-)
+COMPAT_TARGETS = ((trainer_lib.Trainer, "compile"),)
 
 
 def _never(strategy):
@@ -191,16 +187,17 @@ def place_model_state(model, strategy):
 # a step traced outside the scope it trains with its state on the
 # coordinator. `compile()` moves such an optimizer to the ps (see
 # place_model_state); in a custom loop it is refused where it applies
-# gradients to a weight on a ps (when the step is traced, before it runs),
-# or makes a slot under the scope. A slot made outside the scope is let be:
+# gradients to a weight on a ps (`apply`, which `apply_gradients` calls:
+# when the step is traced, before it runs), or makes a slot under the scope. A slot made outside the scope is let be:
 # Keras builds a throwaway optimizer so when it clones a model
 # (`clone_model`, keras_ps.layers.export_plain_model).
 def refuse_optimizer_made_outside(optimizer, variables, scope_only=False):
     """Raises ValueError when `optimizer` was made outside a keras_ps
     strategy's scope and is used under such a scope, or (unless
-    `scope_only`) for a weight in `variables` on a ps.
-    keras_ps._keras.sharding calls it (`scope_only`) where a slot is made:
-    the hook on that Keras function is there."""
+    `scope_only`) for a weight in `variables` on a ps. The hooks on the
+    Keras functions call it: keras_ps._keras.grouped_reads' on
+    `Optimizer.apply`, keras_ps._keras.sharding's (`scope_only`) where a
+    slot is made."""
     made_under = getattr(optimizer, "_distribution_strategy", None)
     if made_under is None or _is_keras_ps_strategy(made_under):
         return
@@ -228,16 +225,6 @@ def _tf_variable(variable):
     return variable._value if isinstance(variable, keras.Variable) else variable
 
 
-def _checked_apply_gradients(keras_apply_gradients):
-    @functools.wraps(keras_apply_gradients)
-    def apply_gradients(self, grads_and_vars):
-        grads_and_vars = list(grads_and_vars)
-        refuse_optimizer_made_outside(self, [v for _, v in grads_and_vars])
-        return keras_apply_gradients(self, grads_and_vars)
-
-    return apply_gradients
-
-
 def install(is_keras_ps_strategy):
     """Installs the compat hooks, once.
 
@@ -246,8 +233,7 @@ def install(is_keras_ps_strategy):
     """
     global _is_keras_ps_strategy
     _is_keras_ps_strategy = is_keras_ps_strategy
-    for (owner, name), wrap in zip(COMPAT_TARGETS, (
-            _scoped_compile, _checked_apply_gradients)):
+    for (owner, name), wrap in zip(COMPAT_TARGETS, (_scoped_compile,)):
         hooks.wrap(owner, name, wrap)
 
 

@@ -36,6 +36,7 @@ from keras_ps.tables import _grouped_transfers
 from keras_ps.tables import _held_adds
 from keras_ps.tables import _sharded_weights
 from keras_ps import _keras as hooks
+from keras_ps._keras import compat
 
 VARIABLE_CLASS = tf_core.Variable
 OPTIMIZER_CLASS = base_optimizer.BaseOptimizer
@@ -63,6 +64,11 @@ def _grouped_tensor(keras_tf_tensor):
 def _closing_reads(keras_apply):
     @functools.wraps(keras_apply)
     def apply(self, grads, trainable_variables=None):
+        # The one hook on `apply` also refuses an optimizer made outside
+        # the strategy's scope (keras_ps._keras.compat).
+        compat.refuse_optimizer_made_outside(
+            self, getattr(self, "_trainable_variables", [])
+            if trainable_variables is None else trainable_variables)
         _grouped_transfers.close_reads()
         return keras_apply(self, grads, trainable_variables)
 

@@ -406,13 +406,15 @@ def test_compat_keras_internals():
     compile_fn = hooks.original(trainer_lib.Trainer, "compile")
     assert list(inspect.signature(compile_fn).parameters)[:4] == [
         "self", "optimizer", "loss", "loss_weights"]
-    # An optimizer made outside the scope is refused in apply_gradients and
-    # in add_variable_from_reference (sharding's hook calls the check).
+    # An optimizer made outside the scope is refused in `apply` (which
+    # `apply_gradients` calls) and in `add_variable_from_reference`: the
+    # hooks of grouped_reads and sharding call the check.
     from keras.src.optimizers import base_optimizer
-    apply_gradients = hooks.original(base_optimizer.BaseOptimizer,
-                                     "apply_gradients")
-    assert list(inspect.signature(apply_gradients).parameters) == [
-        "self", "grads_and_vars"]
+    assert "self.apply(" in inspect.getsource(hooks.original(
+        base_optimizer.BaseOptimizer, "apply_gradients"))
+    apply = hooks.original(base_optimizer.BaseOptimizer, "apply")
+    assert list(inspect.signature(apply).parameters) == [
+        "self", "grads", "trainable_variables"]
     # What place_model_state reads and moves.
     optimizer = keras.optimizers.SGD(0.1)
     assert optimizer._iterations is optimizer.iterations
