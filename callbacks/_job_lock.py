@@ -19,7 +19,9 @@ import json
 import logging
 import os
 import socket
+import time
 
+from keras_ps import _constants
 from keras_ps.errors import BackupDirInUseError
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,11 @@ class JobLock:
         """
         if self._file is not None:
             return
+        wait = _constants.env_float(_constants.BACKUP_LOCK_WAIT_ENV_VAR,
+                                    _constants.DEFAULT_BACKUP_LOCK_WAIT,
+                                    minimum=0)
+        started = time.monotonic()
+        warned = False
         while True:
             file = open(self.path, "a+")  # descriptors are not inherited
             try:
@@ -63,8 +70,21 @@ class JobLock:
                 file.seek(0)
                 holder = file.read()
                 file.close()
-                raise BackupDirInUseError(_message(self.directory, self.path,
-                                                   holder)) from None
+                waited = time.monotonic() - started
+                if _other_host(holder) and waited < wait:
+                    if not warned:
+                        logger.warning(
+                            "[chief] %s is locked by %s; waiting up to %.0f s "
+                            "(%s) in case that machine was lost and its "
+                            "network file system still holds its lock",
+                            self.directory, _describe(holder), wait,
+                            _constants.BACKUP_LOCK_WAIT_ENV_VAR)
+                        warned = True
+                    time.sleep(min(1.0, wait - waited))
+                    continue
+                raise BackupDirInUseError(_message(
+                    self.directory, self.path, holder,
+                    waited if _other_host(holder) else None)) from None
             except OSError as error:
                 file.close()
                 if error.errno not in _NO_LOCKS:
@@ -107,6 +127,14 @@ def _same_file(file, path):
         return False
 
 
+def _other_host(holder):
+    """Whether the lock file's text names a host other than this one."""
+    try:
+        return str(json.loads(holder)["host"]) != socket.gethostname()
+    except (ValueError, TypeError, KeyError):
+        return False
+
+
 def _describe(holder):
     """Who holds the lock, from the lock file's text."""
     try:
@@ -131,14 +159,19 @@ def _describe(holder):
     return f"pid {pid} on host {host}{since}"
 
 
-def _message(directory, path, holder):
+def _message(directory, path, holder, waited=None):
+    waited = (f" (waited {waited:.0f} s for it, "
+              f"{_constants.BACKUP_LOCK_WAIT_ENV_VAR})"
+              if waited is not None else "")
     return (
         f"backup_dir {directory!r} is in use by another training job, "
-        f"which holds its lock file {path!r}: {_describe(holder)}. Two jobs "
+        f"which holds its lock file {path!r}: {_describe(holder)}{waited}. "
+        "Two jobs "
         "writing backups into one directory would each restore the other's. "
         f"Received: backup_dir={directory!r}. Fix: give this job a different "
         "backup_dir, or stop the other job first (a job that ends, or is "
         "killed, lets go of the lock at once). A network file system may "
         "keep the lock of a machine that was lost for a while (about 90 s "
-        "on NFSv4); once sure no job uses the directory, delete "
-        f"{FILE_NAME!r} in it.")
+        "on NFSv4; a holder on another host is waited for, up to "
+        f"{_constants.BACKUP_LOCK_WAIT_ENV_VAR} seconds); once sure no job "
+        f"uses the directory, delete {FILE_NAME!r} in it.")

@@ -6,9 +6,13 @@ shared real cluster; the holder killed is a real job in its own process
 (the refusal of a second job is a case of tests/api/test_bad_inputs.py)."""
 
 import json
+import logging
 import os
 import signal
 import socket
+import subprocess
+import sys
+import threading
 
 import keras
 import numpy as np
@@ -145,3 +149,86 @@ def test_two_callbacks_of_one_fit_on_one_dir_are_refused(strategy, tmp_path):
     assert "(this process: another BackupAndRestore" in message
     # Both gave the directory back when fit raised.
     assert _is_free(directory)
+
+
+# A process of another machine's job, as a network file system shows it: it
+# holds the lock, and the lock file names a host that is not this one.
+_FOREIGN_HOLDER = r"""
+import fcntl, json, os, signal, sys
+f = open(sys.argv[1], "a+")
+fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+f.seek(0); f.truncate()
+json.dump({"pid": os.getpid(), "host": "a-lost-machine"}, f); f.flush()
+print("held", flush=True)
+signal.pause()
+"""
+
+
+def _foreign_holder(directory):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _FOREIGN_HOLDER,
+         os.path.join(directory, _job_lock.FILE_NAME)],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages, self.changed = [], threading.Condition()
+
+    def emit(self, record):
+        with self.changed:
+            self.messages.append(record.getMessage())
+            self.changed.notify_all()
+
+
+@pytest.mark.timeout(120)
+def test_a_holder_on_another_host_is_waited_for(tmp_path, monkeypatch):
+    """The chief started again on another machine after its own was lost
+    meets the lost machine's lock (a network file system keeps it for a
+    while): it waits, says so, and takes the lock once it is let go."""
+    monkeypatch.setenv("KERAS_PS_BACKUP_LOCK_WAIT", "90")
+    holder = _foreign_holder(str(tmp_path))
+    records = _Records()
+    _job_lock.logger.addHandler(records)
+    lock, outcome = _job_lock.JobLock(str(tmp_path)), []
+    taker = threading.Thread(
+        target=lambda: outcome.append(lock.acquire() or "taken"), daemon=True)
+    try:
+        taker.start()
+        with records.changed:
+            assert records.changed.wait_for(lambda: any(
+                "waiting up to 90 s" in m for m in records.messages), 60)
+        warning = next(m for m in records.messages if "waiting up to" in m)
+        assert f"pid {holder.pid} on host a-lost-machine" in warning
+        assert not outcome  # still waiting
+        holder.kill()
+        holder.wait()
+        taker.join(60)
+        assert outcome == ["taken"] and lock.held
+        with open(lock.path) as f:
+            assert json.load(f)["pid"] == os.getpid()
+    finally:
+        _job_lock.logger.removeHandler(records)
+        holder.kill()
+        holder.wait()
+        lock.release()
+
+
+@pytest.mark.timeout(120)
+def test_a_holder_on_another_host_past_the_wait_is_named(tmp_path,
+                                                        monkeypatch):
+    monkeypatch.setenv("KERAS_PS_BACKUP_LOCK_WAIT", "1")
+    holder = _foreign_holder(str(tmp_path))
+    try:
+        with pytest.raises(BackupDirInUseError) as refused:
+            _job_lock.JobLock(str(tmp_path)).acquire()
+        message = str(refused.value)
+        assert f"pid {holder.pid} on host a-lost-machine" in message
+        assert "(waited 1 s for it, KERAS_PS_BACKUP_LOCK_WAIT)" in message
+        assert holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
