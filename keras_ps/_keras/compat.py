@@ -188,9 +188,10 @@ def place_model_state(model, strategy):
 # coordinator. `compile()` moves such an optimizer to the ps (see
 # place_model_state); in a custom loop it is refused where it applies
 # gradients to a weight on a ps (`apply`, which `apply_gradients` calls:
-# when the step is traced, before it runs), or makes a slot under the scope. A slot made outside the scope is let be:
-# Keras builds a throwaway optimizer so when it clones a model
-# (`clone_model`, keras_ps.layers.export_plain_model).
+# when the step is traced, before it runs), or makes a slot under the
+# scope. A slot made outside the scope is let be: Keras builds a throwaway
+# optimizer so when it clones a model (`clone_model`,
+# keras_ps.layers.export_plain_model).
 def refuse_optimizer_made_outside(optimizer, variables, scope_only=False):
     """Raises ValueError when `optimizer` was made outside a keras_ps
     strategy's scope and is used under such a scope, or (unless
