@@ -222,6 +222,32 @@ def refuse_optimizer_made_outside(optimizer, variables, scope_only=False):
         "compile() does it for the optimizer it is given).")
 
 
+def refuse_slot_outside_scope(optimizer, reference):
+    """Raises RuntimeError when `optimizer`, made under a keras_ps strategy,
+    is about to make a slot for `reference` outside that strategy's scope:
+    TF refuses it there ("Need to be inside strategy.scope()"), naming
+    neither the optimizer nor the fix. `coordinator.schedule` traces outside
+    the scope (one coordinator may run functions of models made under
+    several strategies of its cluster, whose optimizers would refuse to
+    update under another's scope), so a step whose first apply_gradients
+    builds the optimizer meets this."""
+    made_under = getattr(optimizer, "_distribution_strategy", None)
+    if not _is_keras_ps_strategy(made_under) or (
+            tf.distribute.get_strategy().extended is made_under.extended):
+        return
+    name = getattr(reference, "path", None) or reference.name
+    raise RuntimeError(
+        f"Optimizer {optimizer.name!r} makes its slot for {name!r} outside "
+        "the scope of the keras_ps strategy it was created under, which TF "
+        "refuses ('Need to be inside \"with strategy.scope()\"'). A step "
+        "given to coordinator.schedule is traced outside the scope (TF's "
+        "coordinator traces inside it), so an optimizer built by the first "
+        "apply_gradients of a scheduled step cannot make its slots there. "
+        "Fix: build the optimizer before the first schedule, "
+        "`with strategy.scope(): optimizer.build(model.trainable_variables)`"
+        ", or run the step's body with strategy.run(...).")
+
+
 def _tf_variable(variable):
     return variable._value if isinstance(variable, keras.Variable) else variable
 

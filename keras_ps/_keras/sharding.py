@@ -152,14 +152,16 @@ def _collapsed_state(keras_walk):
 # (every built-in optimizer makes its slots there) to group a shard's slots,
 # so saving writes one full slot per sharded weight, and a checkpoint restored
 # before the optimizer was built fills them (`add_grouped_slot`). An
-# optimizer made outside the strategy's scope and built under it is refused
-# here, before its slot (see keras_ps._keras.compat).
+# optimizer made outside the strategy's scope and built under it, or made
+# under it and built outside it, is refused here, before its slot (see
+# keras_ps._keras.compat).
 def _grouping_add_slot(keras_add_slot):
     @functools.wraps(keras_add_slot)
     def add_variable_from_reference(self, reference_variable, name=None,
                                     initializer="zeros"):
         compat.refuse_optimizer_made_outside(self, [reference_variable],
                                              scope_only=True)
+        compat.refuse_slot_outside_scope(self, reference_variable)
         return _slot_restore.add_grouped_slot(
             self._variables, reference_variable, name or "var",
             lambda: keras_add_slot(self, reference_variable, name=name,

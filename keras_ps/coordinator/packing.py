@@ -68,27 +68,6 @@ class Pack:
         self.function, self.args, self.split = function, args, split
 
 
-@contextlib.contextmanager
-def _scope_hint(fn):
-    """Adds the fix to the error of a trace that needed the strategy's scope.
-    keras_ps traces outside it: one coordinator may run functions of models
-    made under several strategies of its cluster, and entering its own
-    strategy's scope would make their optimizers refuse to update."""
-    try:
-        yield
-    except RuntimeError as e:
-        if 'Need to be inside "with strategy.scope()"' in str(e):
-            e.add_note(
-                f"keras_ps: {_name(fn)!r} was traced outside "
-                "`strategy.scope()` (TF's coordinator traces inside it), and "
-                "it made a variable that needs the scope: most often an "
-                "optimizer's slots, made by its first apply_gradients. Fix: "
-                "build the optimizer before the first schedule "
-                "(optimizer.build(model.trainable_variables)), or run the "
-                "step with strategy.run(...).")
-        raise
-
-
 def _same_call(calls):
     first = [id(x) for x in tf.nest.flatten(calls[0])]
     return all([id(x) for x in tf.nest.flatten(c)] == first for c in calls[1:])
@@ -146,7 +125,7 @@ class PackedFunctions:
         key = _LOOP if looped else len(calls)
         # Not cut short by the process' exit: see keras_ps._exit_guard.
         with _exit_guard.tf_section(), _native.tracing_for(self._strategy), \
-                self._tracing(fn, key), _scope_hint(fn):
+                self._tracing(fn, key):
             if looped:
                 count = tf.constant(len(calls))
                 function = self._get(fn, _LOOP).get_concrete_function(
