@@ -53,6 +53,18 @@ def probe(address, timeout):
         return False
 
 
+def _get_status(address, timeout, deserializer):
+    """TF's WorkerService/GetStatus call (an empty request) to `address`:
+    its response through `deserializer`. Raises grpc.RpcError."""
+    import grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return channel.unary_unary(
+            "/tensorflow.WorkerService/GetStatus",
+            request_serializer=lambda _: b"",  # an empty GetStatusRequest
+            response_deserializer=deserializer)(None, timeout=timeout)
+
+
 def incarnation(address, timeout):
     """The incarnation of the TF server at `address` (its first device's: a
     random number drawn when the process started, so a task restarted on
@@ -61,12 +73,7 @@ def incarnation(address, timeout):
     import grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
-            get_status = channel.unary_unary(
-                "/tensorflow.WorkerService/GetStatus",
-                request_serializer=lambda _: b"",  # an empty GetStatusRequest
-                response_deserializer=_device_incarnations)
-            incarnations = get_status(None, timeout=timeout)
+        incarnations = _get_status(address, timeout, _device_incarnations)
     except (grpc.RpcError, ValueError, IndexError):
         return None
     return incarnations[0] if incarnations else None
@@ -84,11 +91,7 @@ def foreign_service(address, timeout):
     import grpc
 
     try:
-        with grpc.insecure_channel(address) as channel:
-            channel.unary_unary(
-                "/tensorflow.WorkerService/GetStatus",
-                request_serializer=lambda _: b"",
-                response_deserializer=bytes)(None, timeout=timeout)
+        _get_status(address, timeout, bytes)
     except grpc.RpcError as error:
         if error.code().name in _FOREIGN_CODES:
             return f"{error.code().name}: {error.details() or ''}"
