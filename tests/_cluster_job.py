@@ -2,7 +2,7 @@
 around workers that are down; prints RESULT lines the test reads.
 
 Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster|
-    release_after_restart
+    made_before|release_after_restart
 """
 
 import logging
@@ -177,6 +177,30 @@ def second_cluster():
     say(runs=runs, refused=refused)
 
 
+def made_before():
+    """A scheduled step reading a variable, or a Keras model, made before
+    the strategy connected to the cluster; then a step that may run."""
+    early = tf.Variable(1.0, name="early")
+    early_model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    strategy = keras_ps.ParameterServerStrategy(
+        keras_ps.create_in_process_cluster(num_workers=1, num_ps=1))
+    coordinator = keras_ps.ClusterCoordinator(strategy)
+    refused = {}
+    for name, read in (("variable", lambda: early + 1.0),
+                       ("model", lambda: early_model(tf.ones((1, 2))))):
+        try:
+            coordinator.schedule(tf.function(read))
+            coordinator.join()
+            refused[name] = None
+        except ValueError as error:
+            refused[name] = str(error)
+    with strategy.scope():
+        late = tf.Variable(1.0)
+    result = coordinator.schedule(tf.function(lambda: late.assign_add(1.0)))
+    coordinator.join()
+    say(refused=refused, late=float(result.fetch()))
+
+
 def release_after_restart():
     """Iterators released (ClusterCoordinator.release_iterators) before and
     after a worker is killed, restarted and re-admitted."""
@@ -221,5 +245,5 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     {"connect": connect, "dataset_while_down": dataset_while_down,
      "dataset_no_worker": dataset_no_worker,
-     "second_cluster": second_cluster,
+     "second_cluster": second_cluster, "made_before": made_before,
      "release_after_restart": release_after_restart}[sys.argv[1]]()

@@ -40,6 +40,9 @@ _LOOP = "loop"  # the key of a looped pack among a function's pack sizes
 # its place while tracing it would wait for a hung worker.
 _STAND_INS = weakref.WeakKeyDictionary()
 _STOOD_IN = weakref.WeakSet()  # functions whose stand-in has run (logged)
+# The job of TF's eager context before it connects to a cluster: a variable
+# made then stays on it, a device no task of the cluster can reach.
+_UNCONNECTED_JOB = "localhost"
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +107,7 @@ class PackedFunctions:
         self._traced = weakref.WeakKeyDictionary()
         self._under_way = weakref.WeakKeyDictionary()  # fn -> {key: threads}
         self._claims = {}  # thread id -> (fn, key) it was let through to trace
+        self._checked = weakref.WeakSet()  # traced functions whose captures passed
         self._lock = threading.Lock()
         self._strategy = strategy
 
@@ -130,10 +134,33 @@ class PackedFunctions:
                 count = tf.constant(len(calls))
                 function = self._get(fn, _LOOP).get_concrete_function(
                     calls[0], count)
+                self._check_captures(fn, function)
                 return Pack(function, (calls[0], count),
                             lambda stacked: _unstack(stacked, len(calls)))
             function = self._get(fn, len(calls)).get_concrete_function(calls)
+            self._check_captures(fn, function)
             return Pack(function, (calls,), list)
+
+    def _check_captures(self, fn, function):
+        """Refuses a traced function that reads a variable made before the
+        strategy connected to the cluster (TF's workers fail it with
+        "/job:localhost/... unknown device"). Once per traced function."""
+        if function in self._checked:
+            return
+        for variable in function.variables:
+            if tf.DeviceSpec.from_string(variable.device).job == _UNCONNECTED_JOB:
+                name = getattr(fn, "__name__", None) or repr(fn)
+                raise ValueError(
+                    f"The scheduled function '{name}' reads variable "
+                    f"'{variable.name}' (shape {variable.shape}), which was "
+                    f"created before the keras_ps strategy connected to the "
+                    f"cluster: it lives on {variable.device}, a device no "
+                    f"worker can reach. Create it after `ParameterServerStrategy("
+                    f"...)`: inside `with strategy.scope():` to place it on a "
+                    f"ps, or outside the scope to keep it on the coordinator. "
+                    f"A Keras model or optimizer made before the strategy is "
+                    f"the same case: create it after.")
+        self._checked.add(function)
 
     @contextlib.contextmanager
     def _tracing(self, fn, key):

@@ -70,3 +70,17 @@ def test_clusters_one_after_another_in_one_process():
     assert result["runs"] == [40.0] * 4
     for use in ("coordinator", "predict"):
         assert "connection was replaced" in result["refused"][use], result
+
+
+@pytest.mark.timeout(200)
+def test_a_variable_made_before_the_strategy_is_named_and_the_next_step_runs():
+    # TF's workers fail such a step with "/job:localhost/... unknown device".
+    result = run_job("made_before", timeout=180)
+    for name, needle in (("variable", "reads variable 'early:0'"),
+                         ("model", "reads variable 'sequential/dense/")):
+        message = result["refused"][name]
+        assert message is not None, f"the {name} made before was not refused"
+        for text in (needle, "created before the keras_ps strategy connected",
+                     "/job:localhost/", "Create it after"):
+            assert text in message, (text, message)
+    assert result["late"] == 2.0
