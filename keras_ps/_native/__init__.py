@@ -20,9 +20,11 @@ that ship in the tensorflow wheel, into a cache directory
 needs it: about 15 s of one core, once per machine and TF install. Later
 processes load the cached file in milliseconds.
 
-Where it cannot be built (no compiler; no TF headers, as in keras_ps' Docker
-image, which leaves them out), or with `KERAS_PS_NATIVE=0`, keras_ps runs the
-same updates made of TF's ops: the results agree to float rounding.
+keras_ps' Docker image builds it in its build stage and ships the library
+in the cache directory it names. Where it cannot be built (no compiler; no
+TF headers, as in an image that leaves them out), or with
+`KERAS_PS_NATIVE=0`, keras_ps runs the same updates made of TF's ops: the
+results agree to float rounding.
 
 A graph holding one of these ops runs only where every process that handles
 it has loaded the library: the coordinator, which traces it; each worker,

@@ -119,8 +119,12 @@ def test_dockerfile_is_pinned_multi_stage_and_non_root():
     assert check and check.group(1) != "cd /src", build
     # CPU-only TensorFlow in place of setup.cfg's tensorflow requirement.
     assert "'tensorflow-cpu'" in build and "pip install --no-deps ." in build
-    # The final stage takes only the virtualenv and the tutorials.
+    # The final stage takes only the virtualenv, keras_ps' C++ kernels built
+    # in the build stage (named by KERAS_PS_CACHE_DIR) and the tutorials.
     assert "COPY --from=build /opt/venv /opt/venv" in runtime
+    assert ("COPY --from=build /opt/keras_ps/kernels /opt/keras_ps/kernels"
+            in runtime and "KERAS_PS_CACHE_DIR=/opt/keras_ps/kernels" in runtime)
+    assert "KERAS_PS_CACHE_DIR=/opt/keras_ps/kernels python -c" in build
     assert "pip install" not in runtime and "apt-get" not in runtime
     assert re.search(r"^USER keras$", runtime, re.M)
     assert "tutorials/ /app/tutorials/" in runtime  # the chief's script path
@@ -531,6 +535,11 @@ def test_compose_up_trains_and_returns_the_chiefs_exit_code(make_cluster):
     accuracy = number(r"Evaluation accuracy: ([\d.]+) on 200 examples", output)
     assert accuracy >= 0.95
     assert board, "TensorBoard never listed the training run"
+    # keras_ps' C++ kernels were built into the image: each task loaded them
+    # at start-up (its one line says which), none built or went without.
+    for service in ("ps0", "ps1", "worker0", "worker1"):
+        log = cluster.logs(service)
+        assert "; native kernels loaded" in log, log[-2000:]
     # The rest of the cluster still serves (Compose 1.29 and v2 alike stop
     # only the attached chief): `down -v` removes all of it.
     running = docker("ps", "--format", "{{.Names}}", *cluster._label()).split()
