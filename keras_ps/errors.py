@@ -49,6 +49,15 @@ class ParameterServerUnavailableError(_TFErrorMixin, tf.errors.UnavailableError)
         super().__init__(None, None, message)
 
 
+class ParameterServerRecoveryError(ParameterServerUnavailableError):
+    """A lost parameter server could not be given its variables back: it
+    did not answer again within `KERAS_PS_PS_RECOVERY_TIMEOUT` seconds, or
+    the calls in flight at its loss did not end. Final: `Model.fit` stops
+    recovering and raises it; restart the job (the message says what else
+    to check) and resume from the last backup.
+    """
+
+
 class ClusterUnreachableError(_TFErrorMixin, tf.errors.UnavailableError):
     """Some task did not answer when the strategy connected to the cluster."""
 

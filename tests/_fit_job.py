@@ -37,6 +37,16 @@ Usage:
       restarts them on a thread of their own); [] runs undisturbed. With IN_RESTORE (a ps
       index), that ps is killed and restarted while the first recovery
       reads the backup. Reports iterations, accuracy and the recovery logs.
+  python tests/_fit_job.py ps_pause BACKUP_DIR SECONDS|given_up|forever|kill
+      fit with BackupAndRestore(save_freq=4) on its own LocalCluster; at
+      batch 21 of epoch 1, ps 0 is SIGSTOPped and continued SECONDS later
+      (given_up: once fit logs that it recovers it; forever: never), or
+      SIGKILLed and never started again (kill).
+      Reports what fit returned or raised, the seconds from the fault, and
+      the watchdog's warnings.
+  python tests/_fit_job.py ps_pause_loop
+      a custom loop (no backup) on its own LocalCluster; ps 0 is SIGSTOPped
+      for good with steps in flight. Reports what join raised and when.
   python tests/_fit_job.py worker_stop_unroll
       fit on its own 2-worker LocalCluster; worker 1 is SIGSTOPped after
       the first execution of epoch 1, before the step function is due to
@@ -508,6 +518,128 @@ def ps_recover(backup_dir, kills, in_restore=None, recover_ps=True):
             rolled_back=history.history.get("steps_rolled_back"))
 
 
+class _Warnings(logging.Handler):
+    """Keeps the messages of WARNING records (the watchdog's); `seen` is set
+    once one holds `text`."""
+
+    def __init__(self, name, text=None):
+        super().__init__(logging.WARNING)
+        self.messages, self.text, self.seen = [], text, threading.Event()
+        logging.getLogger(name).addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+        if self.text is not None and self.text in record.getMessage():
+            self.seen.set()
+
+
+class _PausePs(keras.callbacks.Callback):
+    """SIGSTOPs ps 0 at batch 21 of epoch 1 and continues it `seconds` later
+    (None: never), or once `after` is set; with `kill`, SIGKILLs it
+    instead, never restarted."""
+
+    def __init__(self, cluster, seconds, kill=False, after=None):
+        super().__init__()
+        self.cluster, self.seconds, self.kill = cluster, seconds, kill
+        self.after = after
+        self.at = self.resumed_at = None
+        self._timer = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch != 1 or batch < 21 or self.at is not None:
+            return
+        if self.kill:
+            self.cluster.kill("ps", 0)
+        else:
+            self.cluster.pause("ps", 0)
+        self.at = time.monotonic()
+        if self.seconds is not None:
+            self._timer = threading.Timer(self.seconds, self._resume)
+            self._timer.start()
+        elif self.after is not None:
+            threading.Thread(target=lambda: self.after.wait(120)
+                             and self._resume(), daemon=True).start()
+
+    def _resume(self):
+        self.cluster.resume("ps", 0)
+        self.resumed_at = time.monotonic()
+
+    def cancel(self):
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def ps_pause(backup_dir, pause):
+    warnings = _Warnings("keras_ps.coordinator.watchdog")
+    recovering = _Warnings("keras_ps.training._fit_epochs", "recovering from")
+    seconds = (None if pause in ("forever", "kill", "given_up")
+               else float(pause))
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        pauser = _PausePs(cluster, seconds, kill=pause == "kill",
+                          after=recovering.seen if pause == "given_up"
+                          else None)
+        backup = keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=4)
+        try:
+            history = model.fit(dataset_creator(), epochs=EPOCHS,
+                                steps_per_epoch=STEPS,
+                                callbacks=[pauser, backup], verbose=0)
+        except Exception as error:  # what the user sees, reported to the test
+            say(error=type(error).__name__, message=str(error),
+                seconds=time.monotonic() - pauser.at,
+                unavailable=isinstance(
+                    error, keras_ps.errors.ParameterServerUnavailableError),
+                warnings=warnings.messages)
+            sys.exit(1)
+        finally:
+            pauser.cancel()
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch,
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"),
+            paused=pauser.at is not None,
+            resumed_before_end=pauser.resumed_at is not None,
+            warnings=warnings.messages)
+
+
+def ps_pause_loop():
+    warnings = _Warnings("keras_ps.coordinator.watchdog")
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            a, b = tf.Variable(0.0), tf.Variable(0.0)  # one on each ps
+
+        @tf.function
+        def step():
+            a.assign_add(1.0)
+            b.assign_add(1.0)
+            return a + b
+
+        for _ in range(20):
+            coordinator.schedule(step)
+        coordinator.join()
+        cluster.pause("ps", 0)
+        paused_at = time.monotonic()
+        for _ in range(20):
+            coordinator.schedule(step)
+        try:
+            coordinator.join()
+            error = None
+        except Exception as e:  # what the user sees, reported to the test
+            error = e
+        seconds = time.monotonic() - paused_at
+        cluster.kill("ps", 0)  # the steps still waiting on it fail
+        say(error=type(error).__name__, message=str(error), seconds=seconds,
+            unavailable=isinstance(
+                error, keras_ps.errors.ParameterServerUnavailableError),
+            warnings=warnings.messages)
+
+
 def lost_shards_restore(backup_dir, incremental):
     """A backup, then every float variable changed, then ps 0 killed and
     restarted: `restore_lost_shards([0])` gives ps 0 the backup's values and
@@ -594,6 +726,10 @@ if __name__ == "__main__":
         ps_restart(sys.argv[2], sys.argv[3] == "1")
     elif sys.argv[1] == "keras_backup":
         keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
+    elif sys.argv[1] == "ps_pause":
+        ps_pause(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "ps_pause_loop":
+        ps_pause_loop()
     elif sys.argv[1] == "ps_recover":
         ps_recover(sys.argv[2], json.loads(sys.argv[3]),
                    int(sys.argv[4]) if sys.argv[4:5] not in ([], ["-"])

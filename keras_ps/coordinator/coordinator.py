@@ -136,7 +136,7 @@ class ClusterCoordinator:
         if config.hang_timeout > 0:
             self._watchdog = watchdog.HangWatchdog(
                 self._workers.all, config, self._dead_ps,
-                self._queue, self._packing)
+                self._queue, self._packing, self._silent_ps)
             self._watchdog.start()
 
     # -- public API ------------------------------------------------------------
@@ -254,8 +254,9 @@ class ClusterCoordinator:
             A `PsRecovery` (`lost` empty when no ps was lost).
 
         Raises:
-            ParameterServerUnavailableError: a lost ps did not answer within
-                `timeout`, or calls in flight did not end.
+            ParameterServerRecoveryError: (a ParameterServerUnavailableError)
+                a lost ps did not answer within `timeout`, or calls in
+                flight did not end.
         """
         if timeout is None:
             timeout = self.config.ps_recovery_timeout
@@ -269,13 +270,14 @@ class ClusterCoordinator:
         for index, address in sorted(lost.items()):
             remaining = max(0.0, deadline - time.monotonic())
             if not _network.wait_until_answers(address, remaining):
-                raise errors.ParameterServerUnavailableError(
-                    f"Parameter server {index} at {address} lost its "
-                    f"variables and did not answer again within {timeout:g}s. "
-                    "Bring it back on the same address (a restart policy "
-                    "does), or restart the job and resume from the last "
-                    "checkpoint; raise KERAS_PS_PS_RECOVERY_TIMEOUT to wait "
-                    "longer.")
+                raise errors.ParameterServerRecoveryError(
+                    f"Parameter server {index} at {address} was lost (it "
+                    "did not answer, or answered without this job's "
+                    "variables) and has not answered again within "
+                    f"{timeout:g}s. Bring it back on the same address (a "
+                    "restart policy does; kill a process that is hung), or "
+                    "restart the job and resume from the last checkpoint; "
+                    "raise KERAS_PS_PS_RECOVERY_TIMEOUT to wait longer.")
         self._drain_after_loss(deadline)
         answered = time.monotonic()
         with self._gate.exclusive():
@@ -304,13 +306,13 @@ class ClusterCoordinator:
         then clears the queue's errors.
 
         Raises:
-            ParameterServerUnavailableError: calls in flight at `deadline`.
+            ParameterServerRecoveryError: calls in flight at `deadline`.
         """
         if not (self._queue.drain(_PS_LOSS_GRACE,
                                   max(0.0, deadline - time.monotonic()),
                                   "since a ps loss")
                 and self._queue.clear_after_fatal(0)):
-            raise errors.ParameterServerUnavailableError(
+            raise errors.ParameterServerRecoveryError(
                 "Calls in flight did not end after a parameter server's "
                 "loss, even cancelled, so its variables cannot be made again "
                 "safely. Restart the job and resume from the last checkpoint.")
@@ -365,6 +367,11 @@ class ClusterCoordinator:
         return {i: address for i, address in enumerate(self._ps_addresses)
                 if not _network.probe(address, self.config.probe_timeout)
                 or not self._ps_holds_state(i)}
+
+    def _silent_ps(self):
+        """{index: address} of the ps that do not answer a probe."""
+        return {i: address for i, address in enumerate(self._ps_addresses)
+                if not _network.probe(address, self.config.probe_timeout)}
 
     def _ps_holds_state(self, index):
         with self._gate.shared():

@@ -1,4 +1,5 @@
-"""The hang watchdog: gives up a worker's call that will not return.
+"""The hang watchdog: gives up a worker's call that will not return, and
+names a parameter server that does not answer.
 
 A call on a worker that does not answer probes (a stopped or hung process) is
 given up after the hang timeout, and so is an idle worker that does not answer
@@ -9,6 +10,14 @@ calls of its function (`stuck_after`). The worker thread then requeues the
 call's closures (`Worker.abandon_in_flight`). A closure stuck on two workers,
 or a stuck call on every worker, fails the job with `StuckCallError` naming the
 calls and the fix.
+
+A ps that does not answer (stopped, a frozen machine, a network partition)
+holds every worker's calls: none is given up then, and the ps is named
+instead, once and at each doubling of its silence. Once it answers again
+with its variables training goes on where it was; once it has not answered
+for `ps_recovery_timeout` seconds, it is given up as lost
+(`ParameterServerUnavailableError`): `Model.fit` with `BackupAndRestore`
+then recovers it like a ps that died, anything else raises.
 """
 
 import logging
@@ -17,6 +26,7 @@ import time
 
 from keras_ps import _constants
 from keras_ps.cluster._network import probe
+from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import StuckCallError
 from keras_ps.coordinator.worker_states import GONE
 from keras_ps.coordinator.worker_states import RUNNABLE
@@ -89,6 +99,20 @@ def stuck_failure(closure, workers, reason):
         + _stuck_fix(cause))
 
 
+def silent_ps_lost(index, address, seconds):
+    """The error of ps `index`, silent for `seconds` while calls waited."""
+    return ParameterServerUnavailableError(
+        f"Parameter server {index} at {address} has not answered for "
+        f"{seconds:.0f}s (a stopped or hung process, a frozen machine, a "
+        "network partition) while every step waited for it, so keras_ps gives "
+        "it up as lost. Kill its process: a restart policy brings it back, "
+        "and Model.fit with keras_ps' BackupAndRestore gives it its variables "
+        "back from the backup in the same call (a custom loop calls "
+        "coordinator.recover_parameter_servers() and restores its "
+        "checkpoint); else restart the job. Raise "
+        f"{_constants.PS_RECOVERY_TIMEOUT_ENV_VAR} to wait longer.")
+
+
 def every_worker_stuck(stuck_calls):
     """The error when every worker has a call given up as stuck: none is
     left to train. `stuck_calls`: {worker index: what it is stuck on}."""
@@ -116,10 +140,16 @@ class HangWatchdog:
     """
 
     def __init__(self, workers, config, dead_ps=dict, queue=None,
-                 packing=None):
+                 packing=None, silent_ps=dict):
         self._workers = workers  # () -> the current Worker objects
         self._config = config
-        self._dead_ps = dead_ps  # () -> {index: address} of silent ps
+        # () -> {index: address} of ps that lost their variables (silent, or
+        # answering after a restart), and of those that do not answer.
+        self._dead_ps = dead_ps
+        self._silent_ps = silent_ps
+        # ps index -> (when it was first seen silent, its silence when last
+        # logged).
+        self._silent_since = {}
         # Failed (mark_fatal) when every worker is stuck; None: never.
         self._queue = queue
         # The PackedFunctions: whether a call waiting in its trace can run
@@ -151,6 +181,8 @@ class HangWatchdog:
     def check(self):
         """One look at every worker's call in flight."""
         workers = self._workers()
+        silent = None  # the ps that do not answer, asked once a look
+        waited = 0.0  # the longest call that waits for them
         for w in workers:
             call = w.in_flight_call()
             if call is None:
@@ -162,6 +194,11 @@ class HangWatchdog:
                 w.abandon_in_flight(
                     f"call running {age:.0f}s and the worker does not answer",
                     WorkerState.HUNG, call)
+                continue
+            if silent is None:
+                silent = self._silent_ps()
+            if silent:  # every call waits for it: named below, not the worker
+                waited = max(waited, age)
                 continue
             if call.tracing:  # it waits on every worker, not on this one
                 if not self._set_aside_for_trace(w, call, age, workers):
@@ -180,7 +217,34 @@ class HangWatchdog:
             else:
                 self._warn_if_long(w, age, _STUCK_WARNING, w.index, age,
                                    w.address, self._then(limit))
+        if silent is None and self._silent_since:  # still silent?
+            silent = self._silent_ps()
+        self._watch_silent_ps(silent or {}, waited)
         self._fail_if_every_worker_is_stuck(workers)
+
+    def _watch_silent_ps(self, silent, waited):
+        """Names each ps in `silent` ({index: address}), for which calls
+        have waited `waited` s when first seen, and gives one up as lost
+        past `ps_recovery_timeout` seconds of silence."""
+        now = time.monotonic()
+        for index in list(self._silent_since):
+            if index not in silent:
+                since, _ = self._silent_since.pop(index)
+                logger.warning("[chief] ps %d answers again after %.0fs; "
+                               "training goes on", index, now - since)
+        limit = self._config.ps_recovery_timeout
+        for index, address in sorted(silent.items()):
+            since, logged = self._silent_since.get(index, (now - waited, None))
+            seconds = now - since
+            if logged is None or seconds >= 2 * logged:
+                logged = max(seconds, self._config.hang_timeout)
+                logger.warning(_PS_SILENT, index, address, seconds,
+                               _constants.PS_RECOVERY_TIMEOUT_ENV_VAR, limit)
+            self._silent_since[index] = (since, logged)
+            if (seconds >= limit and self._queue is not None
+                    and not probe(address, self._config.probe_timeout)):
+                self._queue.mark_fatal(0, silent_ps_lost(index, address,
+                                                         seconds))
 
     def _set_aside_for_trace(self, tracing, call, age, workers):
         """`tracing`'s call has waited `age` s in its trace, which TF makes
@@ -259,6 +323,14 @@ _STUCK_WARNING = (
     "dump of its threads, e.g. py-spy dump or gdb, shows where); restarting "
     "its process lets training go on: its closures run on the other "
     "workers, and it is re-admitted.")
+_PS_SILENT = (
+    "[chief] ps %d at %s does not answer, and steps have waited %.0fs for "
+    "it: every step that uses it waits (a stopped or hung process, a frozen machine, a network "
+    "partition). Training goes on where it was once it answers with its "
+    "variables. After %s=%gs it is given up as lost: Model.fit with "
+    "keras_ps' BackupAndRestore then restores it from the backup once it "
+    "answers, anything else raises. Kill a ps that stays hung: a restart "
+    "policy brings it back.")
 _TRACE_WAITS = (
     "[worker:%d] a new function has waited %.0fs to be registered: TF "
     "registers it on every worker and waits for each, and one does not "

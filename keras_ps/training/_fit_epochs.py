@@ -12,6 +12,7 @@ import keras
 import tensorflow as tf
 
 from keras_ps.coordinator.values import RemoteValueStatus
+from keras_ps.errors import ParameterServerRecoveryError
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.training.inputs import should_validate
 
@@ -166,8 +167,10 @@ def train_with_ps_recovery(coordinator, backup, train_from, position,
 
     Raises:
         ParameterServerUnavailableError: a ps was lost and there is no
-            backup to restore it from, it did not come back in time, or it
-            was lost again and again with no step trained in between.
+            backup to restore it from, or it was lost again and again with
+            no step trained in between.
+        ParameterServerRecoveryError: (a ParameterServerUnavailableError)
+            it did not come back in time.
     """
     lost_in_a_row = 0
     recover = False
@@ -178,6 +181,8 @@ def train_with_ps_recovery(coordinator, backup, train_from, position,
                 recover = False
             finished = _closures_run(coordinator)
             return train_from(position)
+        except ParameterServerRecoveryError:
+            raise  # the lost ps did not come back: final
         except tf.errors.OpError as error:
             if backup is None:
                 raise
@@ -201,7 +206,7 @@ def train_with_ps_recovery(coordinator, backup, train_from, position,
                     "stops recovering. Check why the ps keeps failing (its "
                     "log, its memory limit), then restart the job; it "
                     f"resumes from {backup.describe()}.") from error
-            logger.warning("[chief] %s lost its variables (%s); recovering "
+            logger.warning("[chief] %s lost (%s); recovering "
                            "from %s", names, type(error).__name__,
                            backup.describe())
             recover = True

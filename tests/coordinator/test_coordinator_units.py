@@ -8,6 +8,7 @@ import types
 import pytest
 import tensorflow as tf
 
+from keras_ps import errors
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator.closures import Closure, ClosureQueue
@@ -575,6 +576,73 @@ def test_hang_watchdog_gives_up_a_stuck_call_on_a_worker_that_answers(caplog):
         watcher.check()
         assert [state for _, state in stuck.abandoned][-1] is WorkerState.STUCK
         assert len(stuck.abandoned) == 2
+    finally:
+        server.stop(0)
+
+
+class _Queue:
+    """Records what the watchdog fails the job with."""
+
+    def __init__(self):
+        self.fatal = []
+
+    def mark_fatal(self, count, error):
+        self.fatal.append(error)
+
+
+def test_hang_watchdog_names_a_silent_ps_and_gives_it_up_past_the_timeout(
+        caplog):
+    # Real probes: the worker answers at a real gRPC server; nothing listens
+    # at the ps' address. The calls that wait for the ps are not the
+    # worker's fault: the ps is named instead (at first, then at each
+    # doubling of its silence), and given up as lost past
+    # ps_recovery_timeout, failing the job with an error naming it.
+    import grpc
+    import portpicker
+
+    from keras_ps.coordinator.config import CoordinatorConfig
+
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    port = server.add_insecure_port("localhost:0")
+    server.start()
+    ps_address = f"localhost:{portpicker.pick_unused_port()}"
+    silent = {0: ps_address}
+    try:
+        step = object()
+        worker = _CallingWorker(0, f"localhost:{port}", 5.0, fn=step,
+                                per_closure=0.01)
+        queue = _Queue()
+        config = CoordinatorConfig(hang_timeout=2.0, ps_recovery_timeout=30.0)
+        watcher = watchdog.HangWatchdog(lambda: [worker], config,
+                                        lambda: dict(silent), queue,
+                                        silent_ps=lambda: dict(silent))
+        with caplog.at_level("WARNING", logger=watchdog.__name__):
+            watcher.check()
+            named = [m for m in caplog.messages if m.startswith("[chief] ps 0")]
+            assert len(named) == 1 and f"ps 0 at {ps_address} does not answer" \
+                in named[0] and "waited 5s" in named[0], caplog.messages
+            assert "KERAS_PS_PS_RECOVERY_TIMEOUT=30s" in named[0]
+            # Past its stuck limit, the worker's call is still not given up
+            # or blamed while the ps is silent.
+            assert worker.abandoned == [] and queue.fatal == []
+            assert not any(m.startswith("[worker:") for m in caplog.messages)
+            caplog.clear()
+            watcher.check()  # not logged again until its silence doubles
+            assert caplog.messages == []
+            # It answers again: logged, and forgotten.
+            silent.clear()
+            watcher.check()
+            assert any("ps 0 answers again" in m for m in caplog.messages)
+            # Silent again, with calls that waited past the timeout: given up.
+            silent[0] = ps_address
+            worker.age = 31.0
+            watcher.check()
+        [error] = queue.fatal
+        assert isinstance(error, errors.ParameterServerUnavailableError)
+        assert f"Parameter server 0 at {ps_address} has not answered for 31s" \
+            in str(error)
+        assert "KERAS_PS_PS_RECOVERY_TIMEOUT" in str(error)
+        assert worker.abandoned == []
     finally:
         server.stop(0)
 

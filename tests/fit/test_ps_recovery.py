@@ -196,3 +196,95 @@ with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
     except ValueError as error:
         say(message=str(error))
 """
+
+
+# -- a ps that does not answer (SIGSTOP: a hung process, a frozen machine,
+# a network partition) --------------------------------------------------------
+# Short timeouts, so that giving it up comes within seconds.
+SILENT_ENV = {"KERAS_PS_HANG_TIMEOUT": "2", "KERAS_PS_PS_RECOVERY_TIMEOUT": "8"}
+
+
+def run_silent(*args, **env):
+    code, output = run_child([sys.executable, JOB, *args], 200, env=dict(
+        os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1",
+        **dict(SILENT_ENV, **env)))
+    return code, output, last_report(output, code)
+
+
+def _names_the_silent_ps(warnings, timeout=8):
+    """The watchdog named ps 0 as what the steps wait for, and blamed no
+    worker for calls that only waited for it."""
+    assert any("ps 0 at localhost:" in m and "does not answer" in m
+               and f"KERAS_PS_PS_RECOVERY_TIMEOUT={timeout}s" in m
+               for m in warnings), warnings
+    assert not any(m.startswith("[worker:") for m in warnings), warnings
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_silent_for_less_than_the_timeout_costs_no_rollback(tmp_path):
+    # Named once a probe of it has waited its probe timeout (3 s): SIGSTOPped
+    # for 10 s, well under the 60 s after which it is given up.
+    code, output, result = run_silent("ps_pause", str(tmp_path / "b"), "10",
+                                      KERAS_PS_PS_RECOVERY_TIMEOUT="60")
+    assert code == 0, output[-4000:]
+    assert result["paused"] and result["resumed_before_end"]
+    # The steps waited and went on: none failed, none ran twice, nothing
+    # was restored.
+    assert result["iterations"] == result["planned"]
+    assert result["recoveries"] == [0, 0, 0]
+    assert result["rolled_back"] == [0, 0, 0]
+    _names_the_silent_ps(result["warnings"], timeout=60)
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_silent_past_the_timeout_is_recovered_once_it_answers(tmp_path):
+    # Given up as lost after 8 s of silence; continued once fit begins its
+    # recovery, it answers and is restored from the backup in the same fit
+    # call, like a ps that died.
+    code, output, result = run_silent("ps_pause", str(tmp_path / "b"),
+                                      "given_up")
+    assert code == 0, output[-4000:]
+    assert sum(result["recoveries"]) == 1 == result["recoveries"][1]
+    assert result["rolled_back"][1] > 0
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + 2 * PER_EXECUTION
+    _names_the_silent_ps(result["warnings"])
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_that_stays_silent_ends_fit_with_an_error_naming_it(tmp_path):
+    # Given up after 8 s of silence, then waited for 8 s more by the
+    # recovery: fit raises, never waits for good.
+    code, output, result = run_silent("ps_pause", str(tmp_path / "b"),
+                                      "forever")
+    assert code == 1, output[-4000:]
+    assert result["error"] == "ParameterServerRecoveryError"
+    assert result["unavailable"]  # a ParameterServerUnavailableError too
+    for text in ("Parameter server 0 at localhost:", "within 8s",
+                 "kill a process that is hung", "KERAS_PS_PS_RECOVERY_TIMEOUT"):
+        assert text in result["message"], result["message"]
+    assert 16 <= result["seconds"] < 120, result["seconds"]
+    _names_the_silent_ps(result["warnings"])
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_killed_and_never_restarted_ends_fit_after_the_timeout(tmp_path):
+    # fit's recovery waited 8 s for it, then tried again, and again: it
+    # looped for good. It now raises once the wait is over.
+    code, output, result = run_silent("ps_pause", str(tmp_path / "b"), "kill")
+    assert code == 1, output[-4000:]
+    assert result["error"] == "ParameterServerRecoveryError"
+    assert "Parameter server 0 at localhost:" in result["message"]
+    assert 8 <= result["seconds"] < 120, result["seconds"]
+
+
+@pytest.mark.timeout(240)
+def test_a_custom_loop_waiting_on_a_silent_ps_gets_an_error_naming_it():
+    code, output, result = run_silent("ps_pause_loop")
+    assert code == 0, output[-4000:]
+    assert result["error"] == "ParameterServerUnavailableError"
+    for text in ("Parameter server 0 at localhost:", "has not answered for",
+                 "recover_parameter_servers()", "KERAS_PS_PS_RECOVERY_TIMEOUT"):
+        assert text in result["message"], result["message"]
+    assert 8 <= result["seconds"] < 120, result["seconds"]
+    _names_the_silent_ps(result["warnings"])
