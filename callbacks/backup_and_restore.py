@@ -10,12 +10,12 @@ import sys
 import tensorflow as tf
 
 from keras_ps.callbacks import _backup_modes
-from keras_ps.callbacks import _job_lock
 from keras_ps.callbacks import _state_file
 from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
 from keras_ps.backups import _chain
 from keras_ps.backups import _checks
+from keras_ps.backups import _job_lock
 from keras_ps.coordinator import ClusterCoordinator
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups import incremental_backup

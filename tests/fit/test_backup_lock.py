@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import keras_ps
-from keras_ps.callbacks import _job_lock
+from keras_ps.backups import _job_lock
 from keras_ps.errors import BackupDirInUseError
 
 from _backups import holding_job
