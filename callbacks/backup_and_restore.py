@@ -190,13 +190,15 @@ class BackupAndRestore(ResumableCallback):
         self._serial = 0
         self.incremental = incremental
         incremental_backup.check_options(max_deltas, max_delta_bytes)
+        self._lock = _job_lock.JobLock(self.backup_dir, "BackupAndRestore")
+        # The incremental backups, in a folder of backup_dir, are written
+        # under this callback's lock: they take none of their own.
         self._incremental_options = dict(
             max_deltas=max_deltas, max_delta_bytes=max_delta_bytes,
-            background_deltas=bool(background_deltas))
+            background_deltas=bool(background_deltas), lock=self._lock)
         self._incremental_path = os.path.join(self.backup_dir,
                                               _INCREMENTAL_FOLDER)
         self._incremental = None
-        self._lock = _job_lock.JobLock(self.backup_dir)
 
     # -- what fit asks ------------------------------------------------------------
     def resume_position(self):

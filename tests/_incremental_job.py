@@ -59,6 +59,7 @@ from keras_ps.tables import _blockwise_init
 from keras_ps.tables import _dirty_rows
 from keras_ps.tables import _sharded_weights
 from keras_ps.backups import _io as _backup_io
+from keras_ps.backups import _job_lock
 from keras_ps.backups import incremental_backup
 from keras_ps.strategy import _ps_state
 from keras_ps.errors import BackupCorruptError
@@ -120,9 +121,20 @@ def strategies(cluster):
         for shards in (1, 2, 3)}
 
 
+# The lock this job holds on each of its backup directories. Its backup
+# objects share it (given as `lock`, as BackupAndRestore gives its own), so
+# that a model restores from a directory while the object that wrote it is
+# still open.
+_LOCKS = {}
+
+
 def backup(model, directory, **kwargs):
+    if directory not in _LOCKS:
+        os.makedirs(directory, exist_ok=True)
+        _LOCKS[directory] = _job_lock.JobLock(directory, "IncrementalBackup")
+        _LOCKS[directory].acquire()
     return keras_ps.IncrementalBackup(model, directory, min_table_bytes=0,
-                                      **kwargs)
+                                      lock=_LOCKS[directory], **kwargs)
 
 
 # -- equivalence ---------------------------------------------------------------------

@@ -6,6 +6,7 @@ assigned whole; a variable written whole by a later entry is read from that
 entry only.
 """
 
+import logging
 import os
 import threading
 
@@ -16,7 +17,10 @@ from keras_ps import _tf_adapter
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _row_files
 from keras_ps.backups._per_device import per_device
+from keras_ps.errors import BackupCorruptError
 from keras_ps.tables import _row_chunks
+
+logger = logging.getLogger(__name__)
 
 
 def _saved_ranges(record):
@@ -55,6 +59,36 @@ class Applier:
 
     def __init__(self, catalog):
         self._catalog = catalog
+
+    def apply_newest(self, directory, manifest, devices, fallback):
+        """Applies the newest state of `manifest` (of `directory`) that
+        matches the catalog and whose files are intact, states newest first
+        (each chain's, newest chain first); with `fallback` False, the
+        newest only.
+
+        Returns:
+            (the entries applied, the problems of the newer ones skipped).
+
+        Raises:
+            BackupCorruptError: a file of the newest state is missing or
+                damaged and `fallback` is False, or no state is complete.
+            ValueError: the backup was written by another model.
+        """
+        problems = []
+        for c, length in _backup_chain.states_newest_first(manifest):
+            entries = manifest["chains"][c][:length]
+            self._catalog.check_matches(entries[0], directory)
+            try:
+                self.apply(directory, entries, devices)
+            except BackupCorruptError as error:
+                if not fallback:
+                    raise
+                problems.append(str(error))
+                logger.warning("[chief] %s", error)
+                continue
+            return entries, problems
+        raise BackupCorruptError(f"No backup in {directory!r} is complete: "
+                                 f"{' | '.join(problems)}")
 
     def apply(self, directory, entries, devices=None):
         """Writes `entries` (a full backup then deltas, as the manifest of

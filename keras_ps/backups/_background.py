@@ -190,8 +190,8 @@ class BackgroundWrites:
     being written (`_pending`, a PendingDelta) and the compaction
     (`_compaction`, a Compaction). Uses the backup's `_lock`,
     `_publish_lock`, `_next_id`, `_writer`, `_root`, `merge_below`,
-    `max_deltas`, `max_delta_bytes`, `_ready()`, `_new_folder()` and
-    `_publish()`."""
+    `max_deltas`, `max_delta_bytes`, `background_compaction`, `_ready()`,
+    `_new_folder()`, `_save()` and `_publish()`."""
 
     # -- compaction while training goes on ----------------------------------------
     @property
@@ -201,6 +201,33 @@ class BackgroundWrites:
         after its write ends)."""
         compaction = self._compaction
         return compaction is not None and compaction.running
+
+    def _save_compacting(self, metadata, manifest, base):
+        """`save()` once there is a backup to build on, `base` (chain index,
+        length): the delta that seals a compaction whose write ended, or
+        the full backup or the delta that starts one when it is due, or a
+        delta. Returns its BackupEntry."""
+        compaction = self._compaction
+        if compaction is not None and not compaction.running:
+            self._compaction = None
+            if compaction.error is None:
+                # The delta that makes it a state; both as a new chain.
+                return self._save("delta", metadata, manifest, None,
+                                  seal=compaction)
+            logger.warning(
+                "[chief] the full backup written in the background was "
+                "dropped (%s: %s)", type(compaction.error).__name__,
+                compaction.error)
+        if self._compaction is None and self._compaction_due(
+                manifest, base, 1):
+            if (not self.background_compaction
+                    or not self._ready().tables  # a delta is whole
+                    or self._compaction_due(manifest, base, 2)):
+                return self._save("full", metadata, manifest, None)
+            entry = self._save("delta", metadata, manifest, base)
+            self._start_compaction(entry.id, manifest, base)
+            return entry
+        return self._save("delta", metadata, manifest, base)
 
     def _start_compaction(self, last_id, manifest, base):
         """Starts writing a full backup, or a merged delta

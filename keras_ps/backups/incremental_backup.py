@@ -26,12 +26,12 @@ from keras_ps.backups import _catalog as _backup_catalog
 from keras_ps.backups import _chain as _backup_chain
 from keras_ps.backups import _checks as _backup_checks
 from keras_ps.backups import _io as _backup_io
+from keras_ps.backups import _job_lock
 from keras_ps.backups import _tracking
 from keras_ps.backups._chain import BackupEntry  # noqa: F401 (returned, documented)
 from keras_ps.backups._chain import check_options  # noqa: F401 (public helper)
 from keras_ps.backups._chain import has_backup  # noqa: F401 (public helper)
 from keras_ps.tables import _dirty_rows
-from keras_ps.errors import BackupCorruptError
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,12 @@ class IncrementalBackup(_background.BackgroundWrites):
     previous backups restorable. Use one directory per model. The
     environment variables a backup reads (`KERAS_PS_SAVE_CHUNK_BYTES`,
     `KERAS_PS_NATIVE`) are checked when this object is made.
+
+    One job per directory: the first `save*()`, `restore()` or `check()`
+    locks `directory` (`backup.lock` in it, as `BackupAndRestore` locks
+    its `backup_dir`) until `close()` or the end of a `with` block, or
+    until the process ends, however it ends. Another IncrementalBackup on
+    it, of another process or this one, is refused before it writes.
 
     Row tracking starts at the first `save*()`, `restore()` or `check()`
     (functions traced before are traced again); it marks what the optimizer
@@ -120,28 +126,37 @@ class IncrementalBackup(_background.BackgroundWrites):
             brings the next compaction twice as soon and saves nothing; one
             of a quarter (the default) writes a third of what full backups
             would. (Zipf ids, 10M rows: 20 deltas merge into 15% of one.)
+        lock: None (default): this object locks `directory` itself.
+            `keras_ps.callbacks.BackupAndRestore` passes the lock it holds
+            on its `backup_dir`, a folder above, while `fit` runs: the
+            object then takes none, and `close()` leaves it to its holder.
+
+    Raises:
+        BackupDirInUseError: at the first `save*()`, `restore()` or
+            `check()` (after `close()` too): another job holds `directory`.
 
     Example:
     ```python
-    backup = keras_ps.IncrementalBackup(model, "/shared/backup")
-    for step in range(steps):
-        coordinator.schedule(train_step, args=(iterator,))
-        if step % 100 == 99:
-            coordinator.join()
-            backup.save(metadata={"step": step + 1})
-    ...
-    entry = backup.restore()   # after a restart: entry.metadata["step"]
+    with keras_ps.IncrementalBackup(model, "/shared/backup") as backup:
+        entry = backup.restore()  # None at the first start
+        for step in range(entry.metadata["step"] if entry else 0, steps):
+            coordinator.schedule(train_step, args=(iterator,))
+            if step % 100 == 99:
+                coordinator.join()
+                backup.save(metadata={"step": step + 1})
     ```
     """
 
     def __init__(self, objects, directory, max_deltas=20,
                  max_delta_bytes=None, keep_chains=2,
                  min_table_bytes=None, background_deltas=False,
-                 background_compaction=True, merge_below=0.25):
+                 background_compaction=True, merge_below=0.25, lock=None):
         self._objects = _backup_catalog.normalize(objects)
         if not directory:
             raise ValueError("IncrementalBackup needs a directory. Received: "
                              f"directory={directory!r}.")
+        # Taken in _ready(), given back by close(); None: `lock` is used.
+        self._own_lock = _job_lock.own_lock(os.fspath(directory), lock)
         if min_table_bytes is None:
             min_table_bytes = DEFAULT_MIN_TABLE_BYTES
         check_options(max_deltas, max_delta_bytes, keep_chains,
@@ -177,7 +192,11 @@ class IncrementalBackup(_background.BackgroundWrites):
 
     # -- what is backed up ----------------------------------------------------------
     def _ready(self):
-        """The catalog, with row tracking on for its tables."""
+        """The catalog, with row tracking on for its tables; `directory`
+        locked first (again after `close()`)."""
+        if self._own_lock is not None and not self._own_lock.held:
+            os.makedirs(self.directory, exist_ok=True)
+            self._own_lock.acquire()
         if self._catalog is None:
             catalog = _backup_catalog.Catalog(self._objects,
                                               self.min_table_bytes)
@@ -199,6 +218,31 @@ class IncrementalBackup(_background.BackgroundWrites):
         """
         with self._lock:
             self._ready()
+
+    def close(self):
+        """Gives `directory`'s lock back, once the delta being written in
+        the background is published (as `wait()`) and the compaction being
+        written is dropped (its thread stopped). Another job can then take
+        the directory; a later `save*()`, `restore()` or `check()` takes it
+        again. A `lock` passed in stays with its holder.
+
+        Raises:
+            The error that stopped the delta written in the background;
+            the lock is given back all the same.
+        """
+        with self._lock:
+            try:
+                self.stop_compaction()
+                self.wait()
+            finally:
+                if self._own_lock is not None:
+                    self._own_lock.release()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
     def table_bytes(self):
         """Bytes of the tables (with their slots) whose changed rows a delta
@@ -228,38 +272,20 @@ class IncrementalBackup(_background.BackgroundWrites):
         its BackupEntry."""
         with self._lock:
             self._finish_pending(saving=True)
+            self._ready()  # the directory locked before it is read
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None:
                 self._stop_compaction("there is no backup to build on")
                 return self._save("full", metadata, manifest, None)
-            compaction = self._compaction
-            if compaction is not None and not compaction.running:
-                self._compaction = None
-                if compaction.error is None:
-                    # The delta that makes it a state; both as a new chain.
-                    return self._save("delta", metadata, manifest, None,
-                                      seal=compaction)
-                logger.warning(
-                    "[chief] the full backup written in the background was "
-                    "dropped (%s: %s)", type(compaction.error).__name__,
-                    compaction.error)
-            if self._compaction is None and self._compaction_due(
-                    manifest, base, 1):
-                if (not self.background_compaction
-                        or not self._ready().tables  # a delta is whole
-                        or self._compaction_due(manifest, base, 2)):
-                    return self._save("full", metadata, manifest, None)
-                entry = self._save("delta", metadata, manifest, base)
-                self._start_compaction(entry.id, manifest, base)
-                return entry
-            return self._save("delta", metadata, manifest, base)
+            return self._save_compacting(metadata, manifest, base)
 
     def save_full(self, metadata=None):
         """Writes every variable whole; starts a new chain."""
         with self._lock:
             self._finish_pending(saving=True)
             self._stop_compaction("save_full() was called")
+            self._ready()
             manifest = _backup_chain.read(self.directory)
             return self._save("full", metadata, manifest, None)
 
@@ -273,6 +299,7 @@ class IncrementalBackup(_background.BackgroundWrites):
         """
         with self._lock:
             self._finish_pending(saving=True)
+            self._ready()  # the directory locked before it is read
             manifest = _backup_chain.read(self.directory)
             base = self._base_location(manifest)
             if base is None:
@@ -407,30 +434,17 @@ class IncrementalBackup(_background.BackgroundWrites):
             manifest = _backup_chain.read(self.directory)
             if not manifest or not manifest["chains"]:
                 return None
-            problems = []
-            for c, length in _backup_chain.states_newest_first(manifest):
-                entries = manifest["chains"][c][:length]
-                catalog.check_matches(entries[0], self.directory)
-                try:
-                    self._applier.apply(self.directory, entries, devices)
-                except BackupCorruptError as error:
-                    if not fallback:
-                        raise
-                    problems.append(str(error))
-                    logger.warning("[chief] %s", error)
-                    continue
-                catalog.restore_key_maps(devices)
-                generation = _dirty_rows.GENERATIONS.advance()
-                self._base = ((entries[-1]["id"], generation)
-                              if devices is None else None)
-                self._root = None
-                info = _backup_chain.entry_info(entries[-1], length - 1,
-                                   time.monotonic() - started, problems)
-                logger.info("[chief] restored %s backup %d (%d deltas) in "
-                            "%.2fs", info.kind, info.id, info.deltas,
-                            info.seconds)
-                return info
-            raise BackupCorruptError(
-                f"No backup in {self.directory!r} is complete: "
-                f"{' | '.join(problems)}")
+            entries, problems = self._applier.apply_newest(
+                self.directory, manifest, devices, fallback)
+            catalog.restore_key_maps(devices)
+            generation = _dirty_rows.GENERATIONS.advance()
+            self._base = ((entries[-1]["id"], generation)
+                          if devices is None else None)
+            self._root = None
+            info = _backup_chain.entry_info(entries[-1], len(entries) - 1,
+                                            time.monotonic() - started,
+                                            problems)
+            logger.info("[chief] restored %s backup %d (%d deltas) in %.2fs",
+                        info.kind, info.id, info.deltas, info.seconds)
+            return info
 

@@ -1449,8 +1449,11 @@ def incremental_delta_without_full(env):
       "give a changed model its own backup directory")
 def incremental_restore_other_model(env):
     directory = env.tmp()
-    keras_ps.IncrementalBackup(_built(_model()), directory).save_full()
-    keras_ps.IncrementalBackup(_built(_other_model()), directory).restore()
+    with keras_ps.IncrementalBackup(_built(_model()), directory) as backup:
+        backup.save_full()
+    with keras_ps.IncrementalBackup(_built(_other_model()),
+                                    directory) as backup:
+        backup.restore()
 
 
 @case("sidecar_max_to_keep_a_bool", ValueError,

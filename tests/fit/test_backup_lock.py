@@ -58,12 +58,12 @@ class _SeesItsLock(keras.callbacks.Callback):
         self.batches += 1
         assert _holder(self.directory)["pid"] == os.getpid()
         with pytest.raises(BackupDirInUseError) as refused:
-            _job_lock.JobLock(self.directory).acquire()
-        assert "(this process: another BackupAndRestore" in str(refused.value)
+            _job_lock.JobLock(self.directory, "BackupAndRestore").acquire()
+        assert "(this process: a BackupAndRestore" in str(refused.value)
 
 
 def _is_free(directory):
-    lock = _job_lock.JobLock(directory)
+    lock = _job_lock.JobLock(directory, "BackupAndRestore")
     lock.acquire()
     lock.release()
     return True
@@ -146,7 +146,7 @@ def test_two_callbacks_of_one_fit_on_one_dir_are_refused(strategy, tmp_path):
                              verbose=0, callbacks=[_NoStep(), first, second])
     message = str(refused.value)
     assert f"pid {os.getpid()} on host {socket.gethostname()}" in message
-    assert "(this process: another BackupAndRestore" in message
+    assert "(this process: a BackupAndRestore" in message
     # Both gave the directory back when fit raised.
     assert _is_free(directory)
 
@@ -193,7 +193,7 @@ def test_a_holder_on_another_host_is_waited_for(tmp_path, monkeypatch):
     holder = _foreign_holder(str(tmp_path))
     records = _Records()
     _job_lock.logger.addHandler(records)
-    lock, outcome = _job_lock.JobLock(str(tmp_path)), []
+    lock, outcome = _job_lock.JobLock(str(tmp_path), "BackupAndRestore"), []
     taker = threading.Thread(
         target=lambda: outcome.append(lock.acquire() or "taken"), daemon=True)
     try:
@@ -224,7 +224,7 @@ def test_a_holder_on_another_host_past_the_wait_is_named(tmp_path,
     holder = _foreign_holder(str(tmp_path))
     try:
         with pytest.raises(BackupDirInUseError) as refused:
-            _job_lock.JobLock(str(tmp_path)).acquire()
+            _job_lock.JobLock(str(tmp_path), "BackupAndRestore").acquire()
         message = str(refused.value)
         assert f"pid {holder.pid} on host a-lost-machine" in message
         assert "(waited 1 s for it, KERAS_PS_BACKUP_LOCK_WAIT)" in message

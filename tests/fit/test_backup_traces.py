@@ -36,14 +36,16 @@ def _backed_up_and_restored(cluster, directory, seed):
     """A model trained, saved (full, then a delta), and restored into a new
     model by a new backup object: (saved values, restored values)."""
     model = _model(cluster)
-    backup = keras_ps.IncrementalBackup(model, directory, min_table_bytes=0)
-    _train(model, seed)
-    assert backup.save().kind == "full"
-    _train(model, seed + 1)
-    assert backup.save().kind == "delta"
+    with keras_ps.IncrementalBackup(model, directory,
+                                    min_table_bytes=0) as backup:
+        _train(model, seed)
+        assert backup.save().kind == "full"
+        _train(model, seed + 1)
+        assert backup.save().kind == "delta"
     restored = _model(cluster)
-    keras_ps.IncrementalBackup(restored, directory,
-                               min_table_bytes=0).restore()
+    with keras_ps.IncrementalBackup(restored, directory,
+                                    min_table_bytes=0) as backup:
+        backup.restore()
     return _values(model), _values(restored)
 
 

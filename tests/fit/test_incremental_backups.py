@@ -327,10 +327,11 @@ def test_a_process_crash_between_files_and_manifest(crashed, shared):
     published = last_report(output)["published"]
     # Restored by the shared job's crash_restore part, another process.
     result = shared["crash_restore"][-1]
-    # Full, delta and the crashed delta's folder; the crashed one is not
-    # restored; the next delta takes its number (its folder written anew).
+    # Full, delta and the crashed delta's folder (and the lock file the
+    # crashed job held); the crashed one is not restored; the next delta
+    # takes its number (its folder written anew).
     assert result["folders_before"] == [
-        f"delta-{published:06d}", f"delta-{published + 1:06d}",
+        "backup.lock", f"delta-{published:06d}", f"delta-{published + 1:06d}",
         "full-000001", "manifest.json"]
     assert result["restored"] == published and result["equal"]
     assert result["folders_after"] == result["folders_before"]

@@ -142,8 +142,9 @@ def test_full_plus_deltas_restore_a_dynamic_table_bit_for_bit(
         entries.append(chain.save())
         evicted.append(_stats(table)[slots_lib.EVICTED_BY_CAPACITY])
     expected = _state(model, table)
-    full = _backup(model, tmp_path / "full").save_full()
-    chain.wait()
+    with _backup(model, tmp_path / "full") as writer:
+        full = writer.save_full()
+    chain.close()  # the delta written in the background published
 
     assert [e.kind for e in entries] == ["full", "delta", "delta"]
     # A background delta's entry has no size until it is written.
@@ -167,7 +168,8 @@ def test_full_plus_deltas_restore_a_dynamic_table_bit_for_bit(
     restored = {}
     for label, directory in (("chain", "chain"), ("full", "full")):
         again, again_table = _model(strategy, optimizer)
-        entry = _backup(again, tmp_path / directory).restore()
+        with _backup(again, tmp_path / directory) as backup:
+            entry = backup.restore()
         assert entry.id == (entries[-1] if label == "chain" else full).id
         restored[label] = (again, again_table)
         assert _differences(_state(again, again_table), expected) == [], label
