@@ -1,6 +1,7 @@
 """For the backup tests: reading keras_ps.callbacks.BackupAndRestore's
 state file, a small model with a table trained row-wise, and a real job in
-another process holding a backup directory's lock."""
+another process holding a backup directory's lock (in fit, or with a custom
+loop's IncrementalBackup)."""
 
 import contextlib
 import json
@@ -44,14 +45,17 @@ def table_model(resolver, rows, dim, ids):
 
 
 @contextlib.contextmanager
-def holding_job(spec, backup_dir, timeout=180):
-    """A real training job in its own process (tests/_fit_job.py hold) on
-    the cluster `spec` (a dict), inside `fit` with
-    `BackupAndRestore(backup_dir)` and waiting at the end of its first
-    batch. Yields its Popen once it said so, with `.output()` (its lines so
-    far); SIGKILLed on the way out unless the test ended it."""
+def holding_job(spec, backup_dir, mode="hold", timeout=180):
+    """A real training job in its own process (tests/_fit_job.py `mode`) on
+    the cluster `spec` (a dict), holding `backup_dir`'s lock and waiting
+    for a line on its stdin: "hold", inside `fit` with
+    `BackupAndRestore(backup_dir)` at the end of its first batch;
+    "hold_incremental", with `IncrementalBackup(model, backup_dir)` after
+    its first backup. Yields its Popen once it said so, with `.output()`
+    (its lines so far); SIGKILLed on the way out unless the test ended
+    it."""
     job = subprocess.Popen(
-        [sys.executable, os.path.join(TESTS, "_fit_job.py"), "hold",
+        [sys.executable, os.path.join(TESTS, "_fit_job.py"), mode,
          json.dumps({k: list(v) for k, v in spec.items()}), backup_dir],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
@@ -67,7 +71,7 @@ def holding_job(spec, backup_dir, timeout=180):
     job.output = lambda: "".join(lines)
     try:
         wait_until(lambda: "HOLDING\n" in lines or job.poll() is not None,
-                   timeout, "the holding job's first batch")
+                   timeout, f"the holding job ({mode}) to hold {backup_dir}")
         assert "HOLDING\n" in lines and job.poll() is None, job.output()[-6000:]
         yield job
     finally:

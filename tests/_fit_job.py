@@ -9,6 +9,12 @@ Usage:
       BACKUP_DIR's lock); at the end of its first batch it prints HOLDING and
       reads a line from stdin (the test kills it meanwhile, or writes one),
       then trains on to the end and reports.
+  python tests/_fit_job.py hold_incremental CLUSTER_SPEC_JSON BACKUP_DIR
+      a custom loop's keras_ps.IncrementalBackup(BACKUP_DIR) on an existing
+      cluster: a full backup (metadata step 0), then it prints HOLDING and
+      reads a line from stdin (the test kills it meanwhile, or writes one);
+      then a delta (step 1) and close(), prints CLOSED, reads another line
+      and reports.
   python tests/_fit_job.py preempt CLUSTER_SPEC_JSON BACKUP_DIR mid|at_end|-
       fit(epochs=2, steps_per_epoch=100) with BackupAndRestore(
       save_freq=False, save_before_preemption=True) on an existing cluster.
@@ -151,6 +157,23 @@ def hold(spec_json, backup_dir):
     model.fit(dataset_creator(), epochs=1, steps_per_epoch=8, verbose=0,
               callbacks=[backup_cb, _HoldAtFirstBatch()])
     say(iterations=int(model.optimizer.iterations.numpy()))
+
+
+def hold_incremental(spec_json, backup_dir):
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), rpc_layer="grpc")
+    strategy = keras_ps.ParameterServerStrategy(resolver)
+    model = build(strategy)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
+    with keras_ps.IncrementalBackup(model, backup_dir) as backup:
+        backup.save_full(metadata={"step": 0})
+        print("HOLDING", flush=True)
+        sys.stdin.readline()
+        entry = backup.save(metadata={"step": 1})
+    print("CLOSED", flush=True)
+    sys.stdin.readline()
+    say(kind=entry.kind, id=entry.id)
 
 
 PREEMPT_EPOCHS, PREEMPT_STEPS = 2, 100
@@ -720,6 +743,8 @@ if __name__ == "__main__":
         backup(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "hold":
         hold(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "hold_incremental":
+        hold_incremental(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "preempt":
         preempt(sys.argv[2], sys.argv[3], sys.argv[4])
     elif sys.argv[1] == "ps_restart":

@@ -1456,6 +1456,31 @@ def incremental_restore_other_model(env):
         backup.restore()
 
 
+@case("incremental_backup_dir_locked_by_another_job",
+      keras_ps.errors.BackupDirInUseError,
+      "directory '", "is in use by another training job", "backup.lock",
+      f"on host {socket.gethostname()} (IncrementalBackup)",
+      "Fix: give this job a different directory, or stop the other job "
+      "first", timeout=240)
+def incremental_backup_dir_locked_by_another_job(env):
+    # Another process' custom loop holds the directory with its own
+    # IncrementalBackup; this one is refused at its first save, naming it.
+    directory = env.tmp()
+    with holding_job(env.spec, directory, "hold_incremental") as holder:
+        try:
+            keras_ps.IncrementalBackup(_built(_model()), directory).save()
+        except keras_ps.errors.BackupDirInUseError as error:
+            assert f"pid {holder.pid} on host" in str(error), str(error)
+            assert holder.poll() is None, holder.output()[-3000:]
+            raise
+
+
+@case("incremental_backup_lock_not_a_held_lock", ValueError,
+      "lock=True", "Fix: leave lock out")
+def incremental_backup_lock_not_a_held_lock(env):
+    keras_ps.IncrementalBackup(_model(), env.tmp(), lock=True)
+
+
 @case("sidecar_max_to_keep_a_bool", ValueError,
       "max_to_keep=True", "a positive integer or None")
 def sidecar_max_to_keep_a_bool(env):
