@@ -67,9 +67,10 @@ class BackupDirInUseError(KerasPSError, RuntimeError):
     """Another training job holds the backup directory's lock.
 
     `keras_ps.callbacks.BackupAndRestore` locks its `backup_dir` while `fit`
-    runs, so that two jobs never write backups into one directory and
-    restore each other's. The message names the directory, the job holding
-    it (its pid and host) and the fix.
+    runs, and `keras_ps.IncrementalBackup` its directory from its first
+    operation until `close()`, so that two jobs never write backups into
+    one directory and restore each other's. The message names the
+    directory, the job holding it (its pid and host) and the fix.
     """
 
 

@@ -59,11 +59,12 @@ COUNT_TIMEOUT_ENV_VAR = "KERAS_PS_COUNT_TIMEOUT"
 DEFAULT_COUNT_TIMEOUT = 600.0
 COUNT_LOG_INTERVAL = 10.0
 
-# Seconds `BackupAndRestore` waits for its backup_dir's lock when the job
-# holding it names another host: a network file system keeps a lost
-# machine's lock for a while (about 90 s on NFSv4), and the chief started
-# again elsewhere after a preemption meets it. A holder on this host is
-# alive (the kernel drops a dead process' lock): no wait. 0: never wait.
+# Seconds `BackupAndRestore` (or `IncrementalBackup`) waits for its
+# directory's lock when the job holding it names another host: a network
+# file system keeps a lost machine's lock for a while (about 90 s on
+# NFSv4), and the chief started again elsewhere after a preemption meets
+# it. A holder on this host is alive (the kernel drops a dead process'
+# lock): no wait. 0: never wait.
 BACKUP_LOCK_WAIT_ENV_VAR = "KERAS_PS_BACKUP_LOCK_WAIT"
 DEFAULT_BACKUP_LOCK_WAIT = 120.0
 

@@ -33,7 +33,7 @@ BLOCKS = {
         ["ShardedInput", "read_fn", "TFRecordDataset", "BackupAndRestore"]),
     ("docs/incremental_backups.md", "model.fit(..., callbacks=[keras_ps.callbacks.BackupAndRestore("): (
         "tests/_incremental_job.py", ["BackupAndRestore", "save_freq"]),
-    ("docs/incremental_backups.md", 'backup = keras_ps.IncrementalBackup(model, "/shared/backup")  # model.optimizer built'): (
+    ("docs/incremental_backups.md", 'with keras_ps.IncrementalBackup(model, "/shared/backup") as backup:  # model.optimizer built'): (
         "tests/_incremental_job.py",
         ["IncrementalBackup", ".restore(", ".save("]),
     ("docs/dynamic_embedding.md", "import keras"): (
