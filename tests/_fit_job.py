@@ -50,6 +50,10 @@ Usage:
       SIGKILLed and never started again (kill).
       Reports what fit returned or raised, the seconds from the fault, and
       the watchdog's warnings.
+  python tests/_fit_job.py ps_pause_in_backup BACKUP_DIR
+      as ps_pause, but ps 0 is SIGSTOPped as the first backup of epoch 1
+      starts (the chief's own reads wait for it, no worker call does), and
+      SIGKILLed and started again once the watchdog names it.
   python tests/_fit_job.py ps_pause_loop
       a custom loop (no backup) on its own LocalCluster; ps 0 is SIGSTOPped
       for good with steps in flight. Reports what join raised and when.
@@ -629,6 +633,43 @@ def ps_pause(backup_dir, pause):
             warnings=warnings.messages)
 
 
+class _PauseInBackup(keras_ps.callbacks.BackupAndRestore):
+    """Stops ps 0 as its first backup of epoch 1 starts; kills it and starts
+    it again once `named` is set (the watchdog named it)."""
+
+    def __init__(self, cluster, named, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster, self.named, self.at = cluster, named, None
+
+    def _backup(self, epoch, step):
+        if epoch == 1 and self.at is None:
+            self.cluster.pause("ps", 0)
+            self.at = time.monotonic()
+            threading.Thread(target=self._restart, daemon=True).start()
+        return super()._backup(epoch, step)
+
+    def _restart(self):
+        if self.named.wait(120):
+            self.cluster.kill("ps", 0)
+            self.cluster.restart("ps", 0)
+
+
+def ps_pause_in_backup(backup_dir):
+    warnings = _Warnings("keras_ps.coordinator.watchdog", "ps 0 at localhost")
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        backup = _PauseInBackup(cluster, warnings.seen, backup_dir,
+                                save_freq=4)
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, callbacks=[backup],
+                            verbose=0)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, paused=backup.at is not None,
+            recoveries=history.history.get("ps_recoveries"),
+            warnings=warnings.messages)
+
+
 def ps_pause_loop():
     warnings = _Warnings("keras_ps.coordinator.watchdog")
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
@@ -753,6 +794,8 @@ if __name__ == "__main__":
         keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
     elif sys.argv[1] == "ps_pause":
         ps_pause(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "ps_pause_in_backup":
+        ps_pause_in_backup(sys.argv[2])
     elif sys.argv[1] == "ps_pause_loop":
         ps_pause_loop()
     elif sys.argv[1] == "ps_recover":

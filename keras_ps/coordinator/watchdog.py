@@ -20,6 +20,7 @@ for `ps_recovery_timeout` seconds, it is given up as lost
 then recovers it like a ps that died, anything else raises.
 """
 
+import contextlib
 import logging
 import threading
 import time
@@ -40,6 +41,31 @@ STUCK_WARNING_S = 60.0
 # Workers a closure may be given up as stuck on before the job fails: stuck
 # on two, the closure itself most likely blocks, wherever it runs.
 STUCK_GIVE_UPS = 2
+
+
+# Model.fit and evaluate calls under way in this process (`ps_watched`).
+_calls_under_way = 0
+_calls_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def ps_watched():
+    """Marks a `Model.fit` or `evaluate` call under way: throughout it the
+    watchdog asks whether every ps answers, also while no worker call waits
+    (a backup the chief writes, a restore: its reads wait for a silent ps
+    with no call in flight)."""
+    global _calls_under_way
+    with _calls_lock:
+        _calls_under_way += 1
+    try:
+        yield
+    finally:
+        with _calls_lock:
+            _calls_under_way -= 1
+
+
+def _call_under_way():
+    return _calls_under_way > 0
 
 
 def stuck_after(stuck_timeout, longest_per_closure, closures):
@@ -217,7 +243,7 @@ class HangWatchdog:
             else:
                 self._warn_if_long(w, age, _STUCK_WARNING, w.index, age,
                                    w.address, self._then(limit))
-        if silent is None and self._silent_since:  # still silent?
+        if silent is None and (self._silent_since or _call_under_way()):
             silent = self._silent_ps()
         self._watch_silent_ps(silent or {}, waited)
         self._fail_if_every_worker_is_stuck(workers)
@@ -236,7 +262,8 @@ class HangWatchdog:
         for index, address in sorted(silent.items()):
             since, logged = self._silent_since.get(index, (now - waited, None))
             seconds = now - since
-            if logged is None or seconds >= 2 * logged:
+            if seconds >= self._config.hang_timeout and (
+                    logged is None or seconds >= 2 * logged):
                 logged = max(seconds, self._config.hang_timeout)
                 logger.warning(_PS_SILENT, index, address, seconds,
                                _constants.PS_RECOVERY_TIMEOUT_ENV_VAR, limit)
@@ -324,13 +351,14 @@ _STUCK_WARNING = (
     "its process lets training go on: its closures run on the other "
     "workers, and it is re-admitted.")
 _PS_SILENT = (
-    "[chief] ps %d at %s does not answer, and steps have waited %.0fs for "
-    "it: every step that uses it waits (a stopped or hung process, a frozen machine, a network "
-    "partition). Training goes on where it was once it answers with its "
+    "[chief] ps %d at %s has not answered for %.0fs: every step that uses "
+    "it waits, and so does any read of the chief's (a backup being "
+    "written). A stopped or hung process, a frozen machine, a network "
+    "partition? Training goes on where it was once it answers with its "
     "variables. After %s=%gs it is given up as lost: Model.fit with "
     "keras_ps' BackupAndRestore then restores it from the backup once it "
-    "answers, anything else raises. Kill a ps that stays hung: a restart "
-    "policy brings it back.")
+    "answers, a custom loop's join raises. Kill a ps that stays hung: a "
+    "restart policy brings it back.")
 _TRACE_WAITS = (
     "[worker:%d] a new function has waited %.0fs to be registered: TF "
     "registers it on every worker and waits for each, and one does not "

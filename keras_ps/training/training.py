@@ -9,6 +9,7 @@ flight; metrics live on the parameter servers and are read from there at the
 end of each epoch.
 """
 
+import functools
 import inspect
 import logging
 
@@ -22,6 +23,7 @@ from keras_ps.training import inputs
 from keras_ps import shards
 from keras_ps._keras import fit_routing
 from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.coordinator import watchdog
 from keras_ps.training.inputs import DatasetCreator
 from keras_ps.training._fit_epochs import ResumableCallback
 from keras_ps.training import sharded_fit
@@ -322,5 +324,15 @@ def _fit_telling_callbacks(model, *args, **kwargs):
         _fit_epochs.fit_exited(callbacks)
 
 
+def _ps_watched(method):
+    """`method` with the ps watched while it runs (`watchdog.ps_watched`)."""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        with watchdog.ps_watched():
+            return method(*args, **kwargs)
+    return run
+
+
 fit_routing.install(_is_keras_ps_model, {
-    "fit": _fit_telling_callbacks, "evaluate": evaluate, "predict": predict})
+    "fit": _ps_watched(_fit_telling_callbacks),
+    "evaluate": _ps_watched(evaluate), "predict": predict})
