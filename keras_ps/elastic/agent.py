@@ -24,6 +24,7 @@ from typing import Optional, Tuple
 
 from keras_ps.cluster import _network
 from keras_ps.elastic import api
+from keras_ps.elastic.client import RendezvousClient
 
 logger = logging.getLogger(__name__)
 
@@ -115,15 +116,16 @@ class ElasticAgent:
 
     Args:
         config: The `AgentConfig`.
-        client: A `RendezvousClient`; one is made from the config if None.
+        client: A `RendezvousClient` the caller owns (and closes). None:
+            each `run()` makes one from the config and closes it on its way
+            out, whichever way that is, so a caller that catches a failed
+            join and runs again leaves no channel open.
     """
 
     def __init__(self, config: AgentConfig, client=None):
-        from keras_ps.elastic.client import RendezvousClient
-
         self.config = config
-        self._client = client or RendezvousClient(config.rdzv_endpoint,
-                                                  token=config.token)
+        self._given_client = client
+        self._client = client
         self._stop = threading.Event()
         self._process: Optional[subprocess.Popen] = None
         self._spec: Optional[api.MembershipView] = None
@@ -138,17 +140,38 @@ class ElasticAgent:
     def run(self) -> int:
         """Joins, runs and monitors the task.
 
+        Whichever way it ends, the rendezvous client it made is closed; a
+        node not admitted within `join_timeout` leaves the rendezvous first.
+
         Returns:
             0 when the task succeeded or the agent was asked to stop, 1 when
             the task failed more than `max_restarts` times.
 
         Raises:
-            RendezvousError: The rendezvous could not be joined.
+            RendezvousTimeoutError: Not admitted within `join_timeout`.
+            RendezvousError: The rendezvous could not be joined otherwise
+                (refused, unreachable, or no rendezvous server there).
         """
+        if self._given_client is not None:
+            return self._join_and_monitor()
+        self._client = RendezvousClient(self.config.rdzv_endpoint,
+                                        token=self.config.token)
+        try:
+            return self._join_and_monitor()
+        finally:
+            self._client.close()
+
+    def _join_and_monitor(self) -> int:
         config = self.config
-        self._spec = self._client.get_cluster_spec(
-            config.address, config.min_nodes, config.max_nodes,
-            timeout=config.join_timeout)
+        try:
+            self._spec = self._client.get_cluster_spec(
+                config.address, config.min_nodes, config.max_nodes,
+                timeout=config.join_timeout)
+        except api.RendezvousTimeoutError:
+            # Registered, not admitted: left registered, it would count
+            # toward the next node's min_nodes until its lease lapsed.
+            self._leave()
+            raise
         logger.info("%s admitted as worker %s of %s (version %s)",
                     self._prefix, self._spec.index, self._spec.size,
                     self._spec.version)
@@ -290,5 +313,3 @@ class ElasticAgent:
         except api.RendezvousError as error:
             logger.warning("%s leaving the rendezvous failed: %s",
                            self._prefix, error)
-        finally:
-            self._client.close()

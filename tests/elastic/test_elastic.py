@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 
 import portpicker
 import psutil
@@ -20,6 +21,8 @@ from _results import last_report
 from keras_ps import cluster as cluster_lib
 from keras_ps.elastic import api
 from keras_ps.elastic import launch
+from keras_ps.elastic.agent import AgentConfig
+from keras_ps.elastic.agent import ElasticAgent
 from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.rendezvous_server import RendezvousServer
 
@@ -145,6 +148,77 @@ def test_agent_given_a_worker_as_rendezvous_names_it(agents, tmp_path):
     assert f"{worker} is not a keras_ps rendezvous server" in errors[0], text
     assert "UNIMPLEMENTED" in errors[0] and "a TF ps or worker task" \
         in errors[0] and "--rdzv_endpoint of the agent" in errors[0], text
+
+
+def _connections_to(port):
+    """This process' open TCP connections to `port`: a gRPC channel that
+    reached the server holds one until it is closed."""
+    return [c for c in psutil.Process().net_connections("tcp")
+            if c.raddr and c.raddr.port == port
+            and c.status == psutil.CONN_ESTABLISHED]
+
+
+@pytest.fixture
+def refusing_server():
+    """Starts a real server in a subprocess (so this process' threads are
+    the agent's alone); returns its endpoint once it answers."""
+    started = []
+
+    def start(*command):
+        address = f"127.0.0.1:{portpicker.pick_unused_port()}"
+        process = subprocess.Popen(
+            [sys.executable, "-m", *(arg.replace("{address}", address)
+                                     for arg in command)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        started.append(process)
+        assert cluster_lib.wait_for_port(address, 120, process)
+        return address
+
+    yield start
+    for process in started:
+        process.kill()
+        process.wait()
+
+
+_RDZV_WITH_TOKEN = ("keras_ps.elastic.launch", "--standalone",
+                    "--rdzv_endpoint={address}", "--token=secret",
+                    "--log_level=WARNING")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("server, token, min_nodes, error", [
+    # The rendezvous refuses the token.
+    (_RDZV_WITH_TOKEN, "not-the-token", 1, api.RendezvousAuthError),
+    # Admission never comes: min_nodes=2, one node.
+    (_RDZV_WITH_TOKEN, "secret", 2, api.RendezvousTimeoutError),
+    # A TF worker task answers the rendezvous calls with UNIMPLEMENTED.
+    (("keras_ps.server", "--job_name", "worker", "--cluster_spec",
+      '{"worker": ["{address}"]}'), None, 1, api.RendezvousError),
+], ids=["wrong_token", "join_timeout", "tf_worker"])
+def test_an_agent_that_cannot_join_closes_its_channel(
+        refusing_server, server, token, min_nodes, error):
+    # An in-process caller that catches the failed join and tries again
+    # (with a new agent each time, the old ones still held) leaves no
+    # channel open and no thread behind. A node that timed out left: the
+    # next one is not admitted with it.
+    endpoint = refusing_server(*server)
+    port = int(endpoint.rpartition(":")[2])
+    threads = set(threading.enumerate())
+    attempts = []
+    for attempt in range(3):
+        agent = ElasticAgent(AgentConfig(
+            rdzv_endpoint=endpoint, address=f"127.0.0.1:{21020 + attempt}",
+            min_nodes=min_nodes, max_nodes=2, task=("true",), token=token,
+            join_timeout=1.0))
+        attempts.append(agent)
+        with pytest.raises(error) as info:
+            agent.run()
+        assert info.type is error, info.value
+    wait_until(lambda: not _connections_to(port), 30,
+               f"this process' connections to {endpoint} to close")
+    wait_until(lambda: set(threading.enumerate()) <= threads, 30,
+               "the failed agents' threads to end")
 
 
 @pytest.mark.timeout(60)
