@@ -16,6 +16,7 @@ from keras_ps.coordinator import iterator_release
 from keras_ps.coordinator import membership
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator import worker as worker_lib
+from keras_ps.coordinator import worker_services
 from keras_ps.coordinator.closures import Closure
 from keras_ps.coordinator.closures import ClosureQueue
 from keras_ps.coordinator.config import CoordinatorConfig
@@ -115,7 +116,7 @@ class ClusterCoordinator:
             lambda: self._readmission.generation)
         self._dropped = iterator_release.DroppedIterators(
             lambda values: self.release_iterators(PerWorkerValues(values)))
-        self._services = worker_lib.WorkerServices(
+        self._services = worker_services.WorkerServices(
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
             num_workers=self._workers.count,

@@ -3,15 +3,13 @@
 A worker's lifecycle is the `WorkerState` enum (worker_states.py);
 `Worker.transition` is the only place it changes, checks the move against
 `ALLOWED_TRANSITIONS` and logs it. A worker sees the rest of the
-coordinator only through `WorkerServices`.
+coordinator only through `WorkerServices` (worker_services.py).
 """
 
-import dataclasses
 import logging
 import threading
 import time
 import weakref
-from typing import Callable
 
 import tensorflow as tf
 
@@ -23,12 +21,7 @@ from keras_ps.strategy._per_worker import worker_device
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import values
 from keras_ps.coordinator import watchdog
-from keras_ps.coordinator.closures import ClosureQueue
-from keras_ps.coordinator.config import CoordinatorConfig
 from keras_ps.coordinator.failure_handling import Decision
-from keras_ps.coordinator.failure_handling import Readmission
-from keras_ps.coordinator.gate import SharedExclusiveLock
-from keras_ps.coordinator.packing import PackedFunctions
 from keras_ps.coordinator.worker_states import ALLOWED_TRANSITIONS
 from keras_ps.coordinator.worker_states import GONE as _GONE
 from keras_ps.coordinator.worker_states import IN_CLUSTER  # noqa: F401 (re-exported)
@@ -37,37 +30,6 @@ from keras_ps.coordinator.worker_states import RUNNABLE
 from keras_ps.coordinator.worker_states import WorkerState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkerServices:
-    """All a worker thread uses of its coordinator.
-
-    Attributes:
-        queue: the closures to run.
-        packing: the packed functions.
-        gate: held shared during every remote call.
-        readmission: re-admits this worker when it answers again.
-        config: the coordinator's settings.
-        num_workers: () -> the number of worker places.
-        num_healthy: () -> how many workers take closures now.
-        dead_ps: () -> {index: address} of ps tasks that do not answer a probe.
-        trace_is_safe: () -> False while some worker may be hung.
-        on_admitted: called when this worker is (re)admitted.
-        local_device: the coordinator's device, where results are copied.
-    """
-
-    queue: ClosureQueue
-    packing: PackedFunctions
-    gate: SharedExclusiveLock
-    readmission: Readmission
-    config: CoordinatorConfig
-    num_workers: Callable[[], int]
-    num_healthy: Callable[[], int]
-    dead_ps: Callable[[], dict]
-    trace_is_safe: Callable[[], bool]
-    on_admitted: Callable[[], None]
-    local_device: str
 
 
 class _Call:
