@@ -93,13 +93,13 @@ def server_modules():
     return server_lib, config_pb2
 
 
-def device_incarnation(device_attributes):
-    """The incarnation in the bytes of a DeviceAttributes proto (a device of
-    a task's GetStatus answer), drawn anew each time the task's process
-    starts. No public API reads a remote task's incarnation."""
+def device_attributes(serialized):
+    """The DeviceAttributes proto (a device of a task's GetStatus answer) in
+    `serialized`: its `name` (the task's job, as the task was started) and
+    `incarnation` (drawn anew each time the task's process starts). No
+    public API describes a remote task's devices."""
     from tensorflow.core.framework import device_attributes_pb2
-    return device_attributes_pb2.DeviceAttributes.FromString(
-        device_attributes).incarnation
+    return device_attributes_pb2.DeviceAttributes.FromString(serialized)
 
 
 def update_server_def(server_def):

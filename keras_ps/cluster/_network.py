@@ -33,6 +33,14 @@ def probe(address, timeout):
     stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
     (gRPC's own channel-ready check polls, about 0.2 s per call.)
     """
+    header = _first_frame_header(address, timeout)
+    return header is not None and header[3] == _SETTINGS_FRAME
+
+
+def _first_frame_header(address, timeout):
+    """The first 9 bytes the server at `address` sends to an HTTP/2 client
+    (a frame header, from an HTTP/2 server), or None when it sends fewer
+    within `timeout` seconds (nothing listens, a stopped process)."""
     deadline = time.monotonic() + timeout
     try:
         host, port = split_address(address)
@@ -42,15 +50,29 @@ def probe(address, timeout):
             while len(header) < 9:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return False
+                    return None
                 sock.settimeout(remaining)
                 chunk = sock.recv(9 - len(header))
                 if not chunk:
-                    return False
+                    return None
                 header += chunk
-            return header[3] == _SETTINGS_FRAME
+            return header
     except (OSError, ValueError):
-        return False
+        return None
+
+
+def look_at_new_worker(address, timeout):
+    """A new member's address, looked at while it waits to be admitted:
+    (whether a gRPC server answers there, why what answers cannot serve as
+    a worker task or None). Refused: a server of another protocol (an HTTP
+    or SSH port), or of another gRPC service, or a TF ps or chief task."""
+    header = _first_frame_header(address, timeout)
+    if header is None:
+        return False, None  # not yet: a task still starting
+    if header[3] != _SETTINGS_FRAME:
+        return True, ("it is not a gRPC server: it answered an HTTP/2 client "
+                      f"with {header!r}, the bytes of another protocol")
+    return True, worker_refusal(address, timeout)
 
 
 def _get_status(address, timeout, deserializer):
@@ -73,15 +95,27 @@ def incarnation(address, timeout):
     import grpc
 
     try:
-        incarnations = _get_status(address, timeout, _device_incarnations)
+        devices = _get_status(address, timeout, _device_attributes)
     except (grpc.RpcError, ValueError, IndexError):
         return None
-    return incarnations[0] if incarnations else None
+    return devices[0].incarnation if devices else None
 
 
 # The status codes with which a gRPC server that is no TF server (another
 # service, such as keras_ps' rendezvous) answers TF's WorkerService.
 _FOREIGN_CODES = ("UNIMPLEMENTED", "UNAUTHENTICATED", "PERMISSION_DENIED")
+# The jobs whose tasks have their own place in the training cluster: a ps
+# listed again as a worker hung TF's cluster update; the chief is the
+# coordinator itself.
+_NOT_WORKER_JOBS = ("ps", "chief")
+
+
+def _refusal(error):
+    """"CODE: details" of a grpc.RpcError from a server of another service;
+    None for any other failure (unreachable, deadline, TF's own errors)."""
+    if error.code().name in _FOREIGN_CODES:
+        return f"{error.code().name}: {error.details() or ''}"
+    return None
 
 
 def foreign_service(address, timeout):
@@ -93,15 +127,37 @@ def foreign_service(address, timeout):
     try:
         _get_status(address, timeout, bytes)
     except grpc.RpcError as error:
-        if error.code().name in _FOREIGN_CODES:
-            return f"{error.code().name}: {error.details() or ''}"
+        return _refusal(error)
     return None
 
 
-def _device_incarnations(get_status_response):
-    """The incarnation of each device in a GetStatusResponse's bytes
+def worker_refusal(address, timeout):
+    """Why the gRPC server at `address` cannot serve as a worker task, said
+    as "it is ...": it serves another service (its refusal of TF's
+    WorkerService), or it is a TF task started as a ps or the chief (its
+    device names the job). None when it can, or when it does not answer
+    TF's GetStatus call within `timeout` seconds."""
+    import grpc
+
+    try:
+        devices = _get_status(address, timeout, _device_attributes)
+    except grpc.RpcError as error:
+        refusal = _refusal(error)
+        return refusal and ("it is not a TensorFlow server: it answered TF's "
+                            f"WorkerService with {refusal!r}")
+    # A device name: /job:ps/replica:0/task:0/device:CPU:0.
+    parts = devices[0].name.split("/") if devices else []
+    job = parts[1][len("job:"):] if len(parts) > 4 else None
+    if job in _NOT_WORKER_JOBS:
+        return (f"it is the TensorFlow task {'/'.join(parts[:4])}, started "
+                f"as a {job} task, not a worker")
+    return None
+
+
+def _device_attributes(get_status_response):
+    """The DeviceAttributes of each device in a GetStatusResponse's bytes
     (repeated DeviceAttributes, field 1)."""
-    incarnations, i, data = [], 0, get_status_response
+    devices, i, data = [], 0, get_status_response
     while i < len(data):
         if data[i] != 0x0A:  # field 1, length-delimited
             raise ValueError(f"unexpected GetStatus field tag {data[i]}")
@@ -111,9 +167,9 @@ def _device_incarnations(get_status_response):
             i, size, shift = i + 1, size | (byte & 0x7F) << shift, shift + 7
             if not byte & 0x80:
                 break
-        incarnations.append(_tf_adapter.device_incarnation(data[i:i + size]))
+        devices.append(_tf_adapter.device_attributes(data[i:i + size]))
         i += size
-    return incarnations
+    return devices
 
 
 def wait_until_answers(address, timeout, process=None):

@@ -155,6 +155,19 @@ def note_lost_outputs(error, outputs_lost):
         "scheduled function, not datasets, iterators or resource handles.")
 
 
+def refused_member(index, address, why):
+    """The warning for a new member whose address is no worker task's
+    (`why`: keras_ps.cluster._network.worker_refusal)."""
+    return (
+        f"[worker:{index}] {address} joined the membership but is refused as "
+        f"worker {index}: {why}. Expected the HOST:PORT a worker task serves "
+        "on (`python -m keras_ps.server --job_name worker`), given as its "
+        "agent's --address; the rendezvous server's address is the agent's "
+        "--rdzv_endpoint, and a ps is no worker. It stays out of training "
+        f"until the membership gives place {index} another address; the "
+        "other workers go on.")
+
+
 # -- re-admission -------------------------------------------------------------------
 class Readmission:
     """Makes a restarted (or new) worker usable: pushes the cluster definition

@@ -70,7 +70,8 @@ class Workers:
 
     def update(self, addresses):
         """Follows a new membership: `addresses` by task index (`None` for a
-        free place). A new address joins, a missing one leaves."""
+        free place). A new address joins, a missing one leaves; an address
+        refused as no worker task's is not asked again while it stays."""
         with self._lock:
             addresses = list(addresses)
             for index, address in enumerate(addresses):

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import probe
+from keras_ps.cluster._network import look_at_new_worker
 from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
@@ -380,6 +381,20 @@ class Worker:
             closure.remote_value._set_error(fatal)
         self._services.queue.mark_fatal(len(batch), fatal)
 
+    def _answers(self, timeout):
+        """Whether the worker answers a probe. A new member's address is
+        looked at closer, once something answers there: one that is no
+        worker task's (TF's cluster update fails on it at every
+        re-admission, or hangs on a ps) is refused, and does not answer."""
+        if self.state is not WorkerState.JOINING:
+            return probe(self.address, timeout)
+        answers, why = look_at_new_worker(self.address, timeout)
+        if why is not None and self.transition(WorkerState.REFUSED,
+                                               "not a worker task"):
+            logger.warning("%s", failure_handling.refused_member(
+                self.index, self.address, why))
+        return answers and why is None
+
     def _recover(self):
         """Waits until the worker answers, then has it re-admitted."""
         config = self._services.config
@@ -389,7 +404,7 @@ class Worker:
             self.wait_for_state(_GONE, timeout=float("inf"))
             return
         while self.state in (*OUT, WorkerState.JOINING):
-            if probe(self.address, config.probe_timeout):
+            if self._answers(config.probe_timeout):
                 self.transition(WorkerState.RECOVERING, "answers")
                 break
             with self._state_lock:

@@ -20,24 +20,31 @@ class WorkerState(enum.Enum):
     # workers; re-admitted once the call returns (or its process restarts).
     STUCK = "stuck"
     RECOVERING = "recovering"  # answers again; context and datasets being rebuilt
+    # A new member whose address is no worker task's (another service, or a
+    # ps): never admitted, asked once; out until its place gets another.
+    REFUSED = "refused"
     LEFT = "left"  # no longer a member; its closures go to other workers
     STOPPED = "stopped"  # the coordinator shut down
 
 
 _S = WorkerState
-GONE = (_S.LEFT, _S.STOPPED)
+# States a worker's thread ends in: it takes no closures and is not probed.
+GONE = (_S.REFUSED, _S.LEFT, _S.STOPPED)
 # States a worker leaves by being re-admitted once it answers.
 OUT = (_S.FAILED, _S.HUNG, _S.STUCK)
-# Every move a worker may make. LEFT and STOPPED are final (LEFT may still
-# be stopped); a move not listed is ignored with a warning.
+_ENDS = (_S.LEFT, _S.STOPPED)  # reachable from any state
+# Every move a worker may make. REFUSED, LEFT and STOPPED are final (REFUSED
+# may still leave, either may be stopped); only a joining worker is
+# refused; a move not listed is ignored with a warning.
 ALLOWED_TRANSITIONS = {
-    _S.JOINING: {_S.RECOVERING, *GONE},
-    _S.HEALTHY: {*OUT, *GONE},
-    _S.READMITTED: {_S.HEALTHY, *OUT, *GONE},
-    _S.FAILED: {_S.RECOVERING, *GONE},
-    _S.HUNG: {_S.RECOVERING, *GONE},
-    _S.STUCK: {_S.RECOVERING, *GONE},
-    _S.RECOVERING: {_S.READMITTED, _S.FAILED, *GONE},
+    _S.JOINING: {_S.RECOVERING, _S.REFUSED, *_ENDS},
+    _S.HEALTHY: {*OUT, *_ENDS},
+    _S.READMITTED: {_S.HEALTHY, *OUT, *_ENDS},
+    _S.FAILED: {_S.RECOVERING, *_ENDS},
+    _S.HUNG: {_S.RECOVERING, *_ENDS},
+    _S.STUCK: {_S.RECOVERING, *_ENDS},
+    _S.RECOVERING: {_S.READMITTED, _S.FAILED, *_ENDS},
+    _S.REFUSED: {*_ENDS},
     _S.LEFT: {_S.STOPPED},
     _S.STOPPED: set(),
 }

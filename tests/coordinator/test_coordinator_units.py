@@ -195,6 +195,15 @@ def test_worker_state_transitions_are_checked_and_final_states_stay():
     assert not worker.transition(S.RECOVERING, "test")  # LEFT is final
     assert worker.transition(S.STOPPED, "test")
     assert worker.state is S.STOPPED
+    # A joining member that is no worker task is refused: final, but its
+    # place may be given to another address (it leaves) or stopped.
+    joining = worker_lib.Worker(services=None, index=1, address="localhost:2",
+                                state=S.JOINING)
+    assert joining.transition(S.REFUSED, "test")
+    assert not joining.transition(S.RECOVERING, "test")  # REFUSED is final
+    assert joining.transition(S.LEFT, "test")
+    assert not worker_lib.Worker(None, 2, "localhost:3").transition(
+        S.REFUSED, "test")  # only a joining member is refused
 
 
 # -- packing --------------------------------------------------------------------------

@@ -1,11 +1,14 @@
 """Which process a task runs, and whether it runs: the incarnation a
 restarted worker is told apart by (keras_ps.cluster._network.incarnation),
-and a paused task's stop, on real servers."""
+a paused task's stop, and what answers at a new member's address, on real
+servers."""
 
 import contextlib
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -42,6 +45,57 @@ def test_a_task_restarted_on_its_address_has_another_incarnation():
         # Nothing listens there any more.
         cluster.kill("worker", 0)
         assert _network.incarnation(address, 1) is None
+
+
+@contextlib.contextmanager
+def _listener(banner=None):
+    """A TCP server on a free port: it says `banner` to each connection
+    (a server of another protocol; sshd speaks first), or nothing at all
+    (its kernel accepts connections; nobody reads them)."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+
+        def serve():
+            while True:
+                try:
+                    connection, _ = server.accept()
+                except OSError:  # shut down at the end
+                    return
+                with connection:
+                    connection.sendall(banner)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        if banner is not None:
+            thread.start()
+        try:
+            yield f"127.0.0.1:{server.getsockname()[1]}"
+        finally:
+            server.shutdown(socket.SHUT_RDWR)  # wakes the accept()
+    if banner is not None:
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def test_a_new_members_address_is_looked_at_before_it_is_admitted():
+    # (answers, why it is no worker task): a worker task is admitted, a ps
+    # and a server of another protocol are refused; a port where nothing
+    # answers (yet) is waited for, as a worker still starting.
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        assert _network.look_at_new_worker(
+            cluster.spec["worker"][0], 10) == (True, None)
+        answers, why = _network.look_at_new_worker(cluster.spec["ps"][0], 10)
+        assert answers and why == ("it is the TensorFlow task /job:ps/"
+                                   "replica:0/task:0, started as a ps task, "
+                                   "not a worker")
+    with _listener(b"SSH-2.0-OpenSSH_9.6\r\n") as sshd:
+        assert _network.look_at_new_worker(sshd, 10) == (
+            True, "it is not a gRPC server: it answered an HTTP/2 client "
+                  "with b'SSH-2.0-O', the bytes of another protocol")
+        assert not _network.probe(sshd, 10)
+    with _listener() as silent:
+        assert _network.look_at_new_worker(silent, 0.5) == (False, None)
+    assert _network.look_at_new_worker(silent, 0.5) == (False, None)
 
 
 @contextlib.contextmanager

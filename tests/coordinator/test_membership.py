@@ -100,6 +100,23 @@ def test_a_shorter_membership_lets_the_places_past_it_leave(workers):
     assert workers[1].state is WorkerState.JOINING and workers[1].started
 
 
+def test_a_refused_place_is_not_asked_again_until_its_address_changes(
+        workers):
+    # A member whose address is no worker task's is refused once, when it
+    # first answers; the same membership again leaves it refused (no new
+    # thread asks it), another address in its place joins anew.
+    workers.update(["a:1", "b:1", "rdzv:1"])
+    refused = workers[2]
+    refused.state = WorkerState.REFUSED
+    workers.update(["a:1", "b:1", "rdzv:1"])
+    assert workers[2] is refused and refused.left is None
+    assert workers.members() == [True, True, False]
+    workers.update(["a:1", "b:1", "c:1"])
+    assert refused.left == "replaced by c:1"
+    assert (workers[2].address, workers[2].state) == ("c:1",
+                                                      WorkerState.JOINING)
+
+
 def _all_failed(workers, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr(membership.time, "monotonic", lambda: clock[0])

@@ -16,8 +16,10 @@ import psutil
 import pytest
 
 from _paths import REPO
+from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
+from _results import run_child
 from keras_ps import cluster as cluster_lib
 from keras_ps.elastic import api
 from keras_ps.elastic import launch
@@ -219,6 +221,54 @@ def test_an_agent_that_cannot_join_closes_its_channel(
                f"this process' connections to {endpoint} to close")
     wait_until(lambda: set(threading.enumerate()) <= threads, 30,
                "the failed agents' threads to end")
+
+
+@pytest.mark.timeout(300)
+def test_members_at_no_worker_tasks_address_are_refused_and_training_goes_on():
+    # Agents register the rendezvous server's own address, a ps's and an
+    # HTTP server's as their workers' while steps run on one good worker.
+    # Before, the first was re-admitted and failed once a second forever
+    # (each try holding every worker's calls), the second hung the steps
+    # and the third was probed ten times a second forever. Now each is
+    # refused once, with one warning naming the place, the address, what
+    # answers there and what was expected; the steps go on, and a good
+    # worker joining later takes steps.
+    code, output = run_child(
+        [sys.executable, os.path.join(TESTS, "_elastic_job.py"),
+         "wrong_members"], 280, cwd=TESTS,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert code == 0, output[-6000:]
+    result = last_report(output, code)
+    rdzv, ps, web = result["rendezvous"], result["ps"], result["http"]
+    assert sorted(result["states"].values()) == [
+        "healthy", "healthy", "refused", "refused", "refused"], result
+    assert {result["states"][a] for a in (rdzv, ps, web)} == {"refused"}
+    assert result["total"] == result["scheduled"], result
+    assert result["late_ran"] > 0, result
+    warnings = result["warnings"]
+    assert len(warnings) == 3, warnings
+    for address, what in (
+            (rdzv, "it is not a TensorFlow server: it answered TF's "
+                   "WorkerService with 'UNIMPLEMENTED: this is a keras_ps "
+                   "rendezvous server"),
+            (ps, "it is the TensorFlow task /job:ps/replica:0/task:0, "
+                 "started as a ps task, not a worker"),
+            # Its first bytes, whatever they are (Python's server sends
+            # HTML at once to a request of HTTP/2.0).
+            (web, "it is not a gRPC server: it answered an HTTP/2 client "
+                  "with b'")):
+        index = result["indices"][address]
+        [(level, message)] = [w for w in warnings if f" {address} " in w[1]]
+        assert level == "WARNING"
+        assert message.startswith(
+            f"[worker:{index}] {address} joined the membership but is "
+            f"refused as worker {index}: {what}"), message
+        assert "Expected the HOST:PORT a worker task serves on (`python -m " \
+            "keras_ps.server --job_name worker`), given as its agent's " \
+            "--address" in message, message
+        assert "the other workers go on" in message, message
+    assert "the bytes of another protocol. Expected" in [
+        m for _, m in warnings if f" {web} " in m][0]
 
 
 @pytest.mark.timeout(60)
