@@ -157,7 +157,7 @@ def note_lost_outputs(error, outputs_lost):
 
 def refused_member(index, address, why):
     """The warning for a new member whose address is no worker task's
-    (`why`: keras_ps.cluster._network.worker_refusal)."""
+    (`why`: keras_ps.cluster._network.look_at_new_worker)."""
     return (
         f"[worker:{index}] {address} joined the membership but is refused as "
         f"worker {index}: {why}. Expected the HOST:PORT a worker task serves "

@@ -14,8 +14,8 @@ import weakref
 import tensorflow as tf
 
 from keras_ps import _tf_adapter
-from keras_ps.cluster._network import probe
 from keras_ps.cluster._network import look_at_new_worker
+from keras_ps.cluster._network import probe
 from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
