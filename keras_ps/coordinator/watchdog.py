@@ -255,9 +255,10 @@ class HangWatchdog:
         now = time.monotonic()
         for index in list(self._silent_since):
             if index not in silent:
-                since, _ = self._silent_since.pop(index)
-                logger.warning("[chief] ps %d answers again after %.0fs; "
-                               "training goes on", index, now - since)
+                since, logged = self._silent_since.pop(index)
+                if logged is not None:  # said once it was silent that long
+                    logger.warning("[chief] ps %d answers again after %.0fs; "
+                                   "training goes on", index, now - since)
         limit = self._config.ps_recovery_timeout
         for index, address in sorted(silent.items()):
             since, logged = self._silent_since.get(index, (now - waited, None))

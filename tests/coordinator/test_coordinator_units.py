@@ -642,6 +642,18 @@ def test_hang_watchdog_names_a_silent_ps_and_gives_it_up_past_the_timeout(
             silent.clear()
             watcher.check()
             assert any("ps 0 answers again" in m for m in caplog.messages)
+            # Within a fit call the ps are watched with no call waiting; one
+            # silent for less than the hang timeout (a ps restarted at once
+            # by its restart policy) and back: nothing said either way.
+            caplog.clear()
+            worker.age = 0.0
+            with watchdog.ps_watched():
+                silent[0] = ps_address
+                watcher.check()
+                assert list(watcher._silent_since) == [0]  # seen, not said
+                silent.clear()
+                watcher.check()
+            assert caplog.messages == [] and watcher._silent_since == {}
             # Silent again, with calls that waited past the timeout: given up.
             silent[0] = ps_address
             worker.age = 31.0
