@@ -66,9 +66,6 @@ Usage:
       the same cluster and model; worker 1 is SIGSTOPped the moment fit
       makes its step function with steps written out (after 24 executions),
       so that form is handed out before the stop and runs after it.
-  python tests/_fit_job.py grow_shrink
-      fit starts on 2 of 3 running workers; the third joins in epoch 0 and
-      leaves in epoch 2 (coordinator.update_workers), nobody restarts.
 """
 
 import json
@@ -380,35 +377,6 @@ def worker_stop_unroll(at_switch):
                                    for t in steps.at],
             stood_in=steps.stood_in,
             states=[w.state.value for w in coordinator.workers])
-
-
-class _Membership(keras.callbacks.Callback):
-    """Grows to 3 workers in epoch 0 and shrinks back to 2 in epoch 2."""
-
-    def __init__(self, coordinator, addresses):
-        super().__init__()
-        self.coordinator, self.addresses = coordinator, addresses
-        self.report = {}
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == (0, 9):
-            start = time.monotonic()
-            self.coordinator.update_workers(self.addresses)
-            worker = self.coordinator.workers[2]
-
-            def first_step():
-                while worker.closures_run == 0 and time.monotonic() - start < 60:
-                    time.sleep(0.01)
-                self.report["first_step_seconds"] = time.monotonic() - start
-            self._watch = threading.Thread(target=first_step, daemon=True)
-            self._watch.start()
-        elif (self._epoch, batch) == (2, 9):
-            self._watch.join()
-            self.report["third_ran"] = self.coordinator.workers[2].closures_run
-            self.coordinator.update_workers(self.addresses[:2] + [None])
 
 
 class _KillPs(keras.callbacks.Callback):
@@ -751,29 +719,6 @@ def lost_shards_restore(backup_dir, incremental):
                 os.path.join(backup_dir, "incremental")))
 
 
-def grow_shrink():
-    with keras_ps.LocalCluster(num_workers=3, num_ps=2) as cluster:
-        spec = {k: list(v) for k, v in cluster.spec.items()}
-        addresses = spec["worker"]
-        pids = [cluster.pid("worker", i) for i in range(3)]
-        spec["worker"] = addresses[:2]
-        resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(spec), rpc_layer="grpc")
-        strategy = keras_ps.ParameterServerStrategy(resolver)
-        model = build(strategy)
-        coordinator = keras_ps.ClusterCoordinator(strategy)
-        membership = _Membership(coordinator, addresses)
-        history = model.fit(dataset_creator(), epochs=EPOCHS,
-                            steps_per_epoch=STEPS, callbacks=[membership],
-                            verbose=0)
-        say(epochs=history.epoch, planned=EPOCHS * STEPS,
-            iterations=int(model.optimizer.iterations.numpy()),
-            per_worker=[w.closures_run for w in coordinator.workers],
-            states=[w.state.value for w in coordinator.workers],
-            pids_unchanged=pids == [cluster.pid("worker", i) for i in range(3)],
-            **membership.report)
-
-
 if __name__ == "__main__":
     # FIT_JOB_LOG=1: keras_ps' INFO log too (worker states, function
     # switches), for a test that shows the output when the job hangs.
@@ -808,7 +753,5 @@ if __name__ == "__main__":
         worker_stop_unroll(at_switch=False)
     elif sys.argv[1] == "worker_stop_after_switch":
         worker_stop_unroll(at_switch=True)
-    elif sys.argv[1] == "grow_shrink":
-        grow_shrink()
     else:
         worker_kill(sys.argv[2] == "1")
