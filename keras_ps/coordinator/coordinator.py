@@ -137,7 +137,8 @@ class ClusterCoordinator:
         if config.hang_timeout > 0:
             self._watchdog = watchdog.HangWatchdog(
                 self._workers.all, config, self._dead_ps,
-                self._queue, self._packing, self._silent_ps)
+                self._queue, self._packing, self._silent_ps,
+                lambda: watchdog.call_under_way(strategy))
             self._watchdog.start()
 
     # -- public API ------------------------------------------------------------

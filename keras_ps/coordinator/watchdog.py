@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+import weakref
 
 from keras_ps import _constants
 from keras_ps.cluster._network import probe
@@ -43,29 +44,29 @@ STUCK_WARNING_S = 60.0
 STUCK_GIVE_UPS = 2
 
 
-# Model.fit and evaluate calls under way in this process (`ps_watched`).
-_calls_under_way = 0
+# Strategy -> its Model.fit and evaluate calls under way (`ps_watched`).
+_calls_under_way = weakref.WeakKeyDictionary()
 _calls_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def ps_watched():
-    """Marks a `Model.fit` or `evaluate` call under way: throughout it the
-    watchdog asks whether every ps answers, also while no worker call waits
-    (a backup the chief writes, a restore: its reads wait for a silent ps
-    with no call in flight)."""
-    global _calls_under_way
+def ps_watched(strategy):
+    """Marks a `Model.fit` or `evaluate` call under way on `strategy`: the
+    watchdog of its coordinator asks throughout whether every ps answers,
+    also while no worker call waits (a backup the chief writes, a restore:
+    its reads wait for a silent ps with no call in flight)."""
     with _calls_lock:
-        _calls_under_way += 1
+        _calls_under_way[strategy] = _calls_under_way.get(strategy, 0) + 1
     try:
         yield
     finally:
         with _calls_lock:
-            _calls_under_way -= 1
+            _calls_under_way[strategy] -= 1
 
 
-def _call_under_way():
-    return _calls_under_way > 0
+def call_under_way(strategy):
+    """Whether a `ps_watched` call on `strategy` is under way."""
+    return _calls_under_way.get(strategy, 0) > 0
 
 
 def stuck_after(stuck_timeout, longest_per_closure, closures):
@@ -166,13 +167,14 @@ class HangWatchdog:
     """
 
     def __init__(self, workers, config, dead_ps=dict, queue=None,
-                 packing=None, silent_ps=dict):
+                 packing=None, silent_ps=dict, watched=lambda: False):
         self._workers = workers  # () -> the current Worker objects
         self._config = config
         # () -> {index: address} of ps that lost their variables (silent, or
         # answering after a restart), and of those that do not answer.
         self._dead_ps = dead_ps
         self._silent_ps = silent_ps
+        self._watched = watched  # () -> whether the ps are watched now
         # ps index -> (when it was first seen silent, its silence when last
         # logged).
         self._silent_since = {}
@@ -243,7 +245,7 @@ class HangWatchdog:
             else:
                 self._warn_if_long(w, age, _STUCK_WARNING, w.index, age,
                                    w.address, self._then(limit))
-        if silent is None and (self._silent_since or _call_under_way()):
+        if silent is None and (self._silent_since or self._watched()):
             silent = self._silent_ps()
         self._watch_silent_ps(silent or {}, waited)
         self._fail_if_every_worker_is_stuck(workers)

@@ -327,9 +327,9 @@ def _fit_telling_callbacks(model, *args, **kwargs):
 def _ps_watched(method):
     """`method` with the ps watched while it runs (`watchdog.ps_watched`)."""
     @functools.wraps(method)
-    def run(*args, **kwargs):
-        with watchdog.ps_watched():
-            return method(*args, **kwargs)
+    def run(model, *args, **kwargs):
+        with watchdog.ps_watched(model.distribute_strategy):
+            return method(model, *args, **kwargs)
     return run
 
 

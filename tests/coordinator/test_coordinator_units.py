@@ -622,9 +622,13 @@ def test_hang_watchdog_names_a_silent_ps_and_gives_it_up_past_the_timeout(
                                 per_closure=0.01)
         queue = _Queue()
         config = CoordinatorConfig(hang_timeout=2.0, ps_recovery_timeout=30.0)
-        watcher = watchdog.HangWatchdog(lambda: [worker], config,
-                                        lambda: dict(silent), queue,
-                                        silent_ps=lambda: dict(silent))
+        class Strategy:  # what fit marks under way
+            pass
+        strategy = Strategy()
+        watcher = watchdog.HangWatchdog(
+            lambda: [worker], config, lambda: dict(silent), queue,
+            silent_ps=lambda: dict(silent),
+            watched=lambda: watchdog.call_under_way(strategy))
         with caplog.at_level("WARNING", logger=watchdog.__name__):
             watcher.check()
             named = [m for m in caplog.messages if m.startswith("[chief] ps 0")]
@@ -647,13 +651,19 @@ def test_hang_watchdog_names_a_silent_ps_and_gives_it_up_past_the_timeout(
             # by its restart policy) and back: nothing said either way.
             caplog.clear()
             worker.age = 0.0
-            with watchdog.ps_watched():
+            with watchdog.ps_watched(strategy):
                 silent[0] = ps_address
                 watcher.check()
                 assert list(watcher._silent_since) == [0]  # seen, not said
                 silent.clear()
                 watcher.check()
             assert caplog.messages == [] and watcher._silent_since == {}
+            # A fit on another strategy (a later cluster of this process)
+            # does not have this coordinator watch its own, gone, ps.
+            with watchdog.ps_watched(Strategy()):
+                silent[0] = ps_address
+                watcher.check()
+                assert watcher._silent_since == {}
             # Silent again, with calls that waited past the timeout: given up.
             silent[0] = ps_address
             worker.age = 31.0

@@ -220,6 +220,10 @@ def _names_the_silent_ps(warnings, timeout=8):
     assert not any(m.startswith("[worker:") for m in warnings), warnings
 
 
+# Run apart (-m slow): a ps back before the timeout, and one recovered
+# after it. The suite keeps a ps silent for good (in fit and in a custom
+# loop) and one silent during a backup, then killed and recovered.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_ps_silent_for_less_than_the_timeout_costs_no_rollback(tmp_path):
     # Named once a probe of it has waited its probe timeout (3 s): SIGSTOPped
@@ -236,6 +240,7 @@ def test_a_ps_silent_for_less_than_the_timeout_costs_no_rollback(tmp_path):
     _names_the_silent_ps(result["warnings"], timeout=60)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_ps_silent_past_the_timeout_is_recovered_once_it_answers(tmp_path):
     # Given up as lost after 8 s of silence; continued once fit begins its
