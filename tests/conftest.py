@@ -18,8 +18,9 @@ import pytest  # noqa: E402
 # alone at the end. The Docker tests come after these, once the image
 # .ci/run builds in the background is likely ready.
 LONGEST_FIRST = [
-    "fit/test_incremental_backups.py", "sharding/test_dynamic_embedding.py",
-    "fit/test_shards.py", "system/test_tutorials.py", "fit/test_ps_recovery.py",
+    "fit/test_incremental_backups.py", "fit/test_ps_recovery.py",
+    "sharding/test_dynamic_embedding.py", "fit/test_shards.py",
+    "system/test_tutorials.py",
     "coordinator/test_worker_faults.py", "fit/test_fit_faults.py",
     "sharding/test_dynamic_incremental.py", "system/test_docker.py",
 ]

@@ -220,9 +220,10 @@ def _names_the_silent_ps(warnings, timeout=8):
     assert not any(m.startswith("[worker:") for m in warnings), warnings
 
 
-# Run apart (-m slow): a ps back before the timeout, and one recovered
-# after it. The suite keeps a ps silent for good (in fit and in a custom
-# loop) and one silent during a backup, then killed and recovered.
+# Run apart (-m slow): a ps back before the timeout, one recovered after
+# it, and one killed and never restarted. The suite keeps a ps silent for
+# good (in fit, which ends with the same error as the killed one, and in a
+# custom loop) and one silent during a backup, then killed and recovered.
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_ps_silent_for_less_than_the_timeout_costs_no_rollback(tmp_path):
@@ -272,6 +273,7 @@ def test_a_ps_that_stays_silent_ends_fit_with_an_error_naming_it(tmp_path):
     _names_the_silent_ps(result["warnings"])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_ps_killed_and_never_restarted_ends_fit_after_the_timeout(tmp_path):
     # fit's recovery waited 8 s for it, then tried again, and again: it
