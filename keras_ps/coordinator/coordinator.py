@@ -366,9 +366,9 @@ class ClusterCoordinator:
         not answer a probe, and those that answer but were restarted (a
         restart policy can bring a ps back before any probe sees it gone):
         the marker variable the strategy keeps on each ps cannot be read."""
+        silent = self._silent_ps()
         return {i: address for i, address in enumerate(self._ps_addresses)
-                if not _network.probe(address, self.config.probe_timeout)
-                or not self._ps_holds_state(i)}
+                if i in silent or not self._ps_holds_state(i)}
 
     def _silent_ps(self):
         """{index: address} of the ps that do not answer a probe."""
