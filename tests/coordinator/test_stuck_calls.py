@@ -30,7 +30,7 @@ def test_a_call_stuck_on_a_worker_that_answers_goes_to_the_others(tmp_path):
     # Worker 1's dataset reads 40 lines, then blocks on the pipe. Its call
     # is given up once it has run the limit: its closures run on worker 0,
     # join returns, and worker 1 is re-admitted once the pipe is written.
-    result = _run("iterator", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="30")
+    result = _run("iterator", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="20")
     steps, ran = result["steps"], result["ran"]
     assert sum(ran) == steps and ran[0] > 0
     assert result["few_at_join"] == LINES_BEFORE_THE_PIPE
@@ -41,7 +41,7 @@ def test_a_call_stuck_on_a_worker_that_answers_goes_to_the_others(tmp_path):
     assert result["state_while_stuck"] == "stuck"
     moves = result["moves"]
     assert moves[0].startswith("[worker:1] healthy -> stuck (ran ")
-    assert "(limit 30s) on a worker that answers" in moves[0]
+    assert "(limit 20s) on a worker that answers" in moves[0]
     assert "[worker:1] stuck -> recovering (answers)" in moves
     assert result["readmitted"] is True and result["ran_after"] > 0
     assert result["total"] == result["total_at_join"] + result["scheduled_after"]
@@ -53,13 +53,13 @@ def test_a_function_stuck_wherever_it_runs_fails_the_job_naming_it(tmp_path):
     # The scheduled function reads the pipe itself: given up on one worker,
     # it gets stuck on the other. The job fails with an error that names the
     # function, the workers and the setting, instead of waiting forever.
-    result = _run("function", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="15")
+    result = _run("function", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="10")
     assert result["error_type"] == "StuckCallError"
     assert result["is_deadline_exceeded"] is True
     message = result["message"]
     assert "A call of read_the_pipe was given up as stuck on workers [0, 1]" \
         in message
-    assert "(limit 15s)" in message and "KERAS_PS_STUCK_TIMEOUT" in message
+    assert "(limit 10s)" in message and "KERAS_PS_STUCK_TIMEOUT" in message
     assert result["fetched"] == "StuckCallError"
     assert sorted(m.split(" ->")[0] for m in result["moves"]) == [
         "[worker:0] healthy", "[worker:1] healthy"]
@@ -71,7 +71,7 @@ def test_a_shard_whose_file_blocks_everywhere_fails_fit_naming_the_file(
     # Model.fit on a ShardedInput whose second file is the pipe: reading it
     # blocks on whichever worker takes it. fit fails with an error that
     # names the shard and its file, the thing the user has to fix.
-    result = _run("shard", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="15")
+    result = _run("shard", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="10")
     assert result["error_type"] == "StuckCallError"
     message = result["message"]
     pipe = str(tmp_path / "pipe")
@@ -87,14 +87,14 @@ def test_calls_stuck_on_every_worker_fail_the_job_naming_them(tmp_path):
     # Every worker's dataset blocks on the pipe after its 40 lines, each in
     # a call of its own: once both are given up no worker is left, and a
     # stuck worker returns only if its call does. join raises, naming both.
-    result = _run("everywhere", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="15")
+    result = _run("everywhere", tmp_path, 240, KERAS_PS_STUCK_TIMEOUT="10")
     assert result["error_type"] == "StuckCallError"
     message = result["message"]
     assert message.startswith(
         "Every worker has a call given up as stuck, so none is left to train "
         "(worker 0: a call of step ran ")
     assert "; worker 1: a call of step ran " in message
-    assert "(limit 15s) on a worker that answers" in message
+    assert "(limit 10s) on a worker that answers" in message
     assert result["trained"] == 2 * LINES_BEFORE_THE_PIPE  # both read theirs
     assert result["states"] == ["stuck", "stuck"]
 
