@@ -7,10 +7,12 @@ Usage: python tests/_elastic_job.py wrong_members
 import http.server
 import logging
 import signal
+import socket
 import subprocess
 import sys
 import threading
 
+import portpicker
 import tensorflow as tf
 
 import keras_ps
@@ -56,8 +58,9 @@ def _thread_alive(name):
 
 def wrong_members():
     """Agents register the rendezvous server's own address, a ps's address
-    and an HTTP server's as their workers' while training runs on one good
-    worker; a good worker joins after them."""
+    and an HTTP server's as their workers', and two where no server answers,
+    while training runs on one good worker; a good worker joins after
+    them."""
     warnings = _Warnings()
     logging.getLogger("keras_ps").addHandler(warnings)
     server = RendezvousServer(RendezvousConfig(gather_timeout=0.1,
@@ -66,6 +69,14 @@ def wrong_members():
     web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _QuietHandler)
     threading.Thread(target=web.serve_forever, daemon=True).start()
     http_address = f"127.0.0.1:{web.server_address[1]}"
+    # Two addresses where no TF server ever answers: a port that accepts
+    # connections and says nothing (a stopped task's), and one where nothing
+    # listens (a wrong port).
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(1024)  # never accepted: each probe stays in its queue
+    silent = (f"127.0.0.1:{mute.getsockname()[1]}",
+              f"127.0.0.1:{portpicker.pick_unused_port()}")
     agents = []
     try:
         with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -99,9 +110,15 @@ def wrong_members():
             run(10)
             wrong = (endpoint, ps, http_address)
             agents += [_agent(endpoint, address) for address in wrong]
+            agents += [_agent(endpoint, address) for address in silent]
             wait_until(lambda: all(
                 place(a) is not None and place(a).state.value == "refused"
                 for a in wrong), 120, "the wrong members to be refused")
+            wait_until(lambda: all(
+                any(f" {a} joined the membership" in m and "no TensorFlow "
+                    "server answers there yet" in m
+                    for _, m in warnings.messages) for a in silent),
+                120, "the silent members to be named")
             # Their threads ended: nothing asks them again.
             wait_until(lambda: not any(
                 _thread_alive(f"keras_ps-worker-{place(a).index}")
@@ -115,8 +132,10 @@ def wrong_members():
 
             wait_until(late_took_steps, 120, "the late worker to take steps")
             say(total=float(total.numpy()), scheduled=sum(scheduled),
-                states={a: place(a).state.value for a in (good, late, *wrong)},
-                indices={a: place(a).index for a in wrong},
+                states={a: place(a).state.value
+                        for a in (good, late, *wrong, *silent)},
+                indices={a: place(a).index for a in (*wrong, *silent)},
+                mute=silent[0], closed=silent[1],
                 late_ran=place(late).closures_run,
                 rendezvous=endpoint, ps=ps, http=http_address,
                 warnings=warnings.messages)
@@ -130,6 +149,7 @@ def wrong_members():
             agent.wait(30)
         server.stop(0)
         web.shutdown()
+        mute.close()
 
 
 if __name__ == "__main__":

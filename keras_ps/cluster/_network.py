@@ -75,6 +75,37 @@ def look_at_new_worker(address, timeout):
     return True, worker_refusal(address, timeout)
 
 
+def why_silent(address, timeout):
+    """Why no gRPC server answers at `address`, said as a clause: nothing
+    listens, the connection is not accepted within `timeout` seconds, or a
+    process accepts it and sends nothing (a stopped or hung process)."""
+    try:
+        host, port = split_address(address)
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return "nothing listens on that port (the connection is refused)"
+    except TimeoutError:
+        return (f"a connection there is not accepted within {timeout:g}s "
+                "(a host that drops packets, the wrong host, or a stopped "
+                "process whose queue of connections is full)")
+    except (OSError, ValueError) as e:
+        return f"it cannot be reached ({e})"
+    with sock:
+        try:
+            sock.sendall(_HTTP2_PREFACE)
+            sock.settimeout(timeout)
+            data = sock.recv(9)
+        except TimeoutError:
+            return (f"a process there accepts connections but sends nothing "
+                    f"within {timeout:g}s (a stopped or hung process, or a "
+                    "server of another kind)")
+        except OSError as e:
+            return f"the connection there fails ({e})"
+    if not data:
+        return "a process there closes each connection without a word"
+    return "it answers now"
+
+
 def _get_status(address, timeout, deserializer):
     """TF's WorkerService/GetStatus call (an empty request) to `address`:
     its response through `deserializer`. Raises grpc.RpcError."""

@@ -168,6 +168,18 @@ def refused_member(index, address, why):
         "other workers go on.")
 
 
+def silent_member(index, address, seconds, why):
+    """The warning for a new member at whose address no TF server answers
+    (`why`: keras_ps.cluster._network.why_silent)."""
+    return (
+        f"[worker:{index}] {address} joined the membership {seconds:.0f}s ago "
+        f"and no TensorFlow server answers there yet: {why}. It takes no "
+        "steps until one does; the other workers go on. Check that its "
+        "agent's --address is the HOST:PORT its task serves on (`python -m "
+        "keras_ps.server --job_name worker`), reachable from this machine, "
+        "and that the task runs.")
+
+
 # -- re-admission -------------------------------------------------------------------
 class Readmission:
     """Makes a restarted (or new) worker usable: pushes the cluster definition

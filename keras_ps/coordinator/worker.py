@@ -16,6 +16,7 @@ import tensorflow as tf
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import look_at_new_worker
 from keras_ps.cluster._network import probe
+from keras_ps.cluster._network import why_silent
 from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
@@ -395,6 +396,19 @@ class Worker:
                 self.index, self.address, why))
         return answers and why is None
 
+    def _warn_if_silent(self, joined, warn_after):
+        """Warns once a new member's address has not answered for the hang
+        timeout since it joined (a wrong --address, a task that does not
+        run), and again each time that doubles; returns when to warn next."""
+        waited = time.monotonic() - joined
+        if (self.state is not WorkerState.JOINING or not warn_after
+                or waited < warn_after):
+            return warn_after
+        logger.warning("%s", failure_handling.silent_member(
+            self.index, self.address, waited, why_silent(
+                self.address, self._services.config.probe_timeout)))
+        return warn_after * 2
+
     def _recover(self):
         """Waits until the worker answers, then has it re-admitted."""
         config = self._services.config
@@ -403,10 +417,16 @@ class Worker:
                         "off: KERAS_PS_READMIT_WORKERS=0)", self.index)
             self.wait_for_state(_GONE, timeout=float("inf"))
             return
+        joined, warn_after = time.monotonic(), config.hang_timeout
         while self.state in (*OUT, WorkerState.JOINING):
             if self._answers(config.probe_timeout):
+                if warn_after != config.hang_timeout:  # it was warned about
+                    logger.warning(
+                        "[worker:%d] %s answers now, %.0fs after it joined",
+                        self.index, self.address, time.monotonic() - joined)
                 self.transition(WorkerState.RECOVERING, "answers")
                 break
+            warn_after = self._warn_if_silent(joined, warn_after)
             with self._state_lock:
                 if self.state not in _GONE:
                     self._state_changed.wait(config.recovery_interval)

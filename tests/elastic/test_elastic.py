@@ -233,20 +233,43 @@ def test_members_at_no_worker_tasks_address_are_refused_and_training_goes_on():
     # refused once, with one warning naming the place, the address, what
     # answers there and what was expected; the steps go on, and a good
     # worker joining later takes steps.
+    #
+    # Two more members at addresses where no server answers (a port that
+    # accepts connections and says nothing, one where nothing listens) wait
+    # to join; each is named once it has been silent the hang timeout (3 s
+    # here), with what was found there.
     code, output = run_child(
         [sys.executable, os.path.join(TESTS, "_elastic_job.py"),
          "wrong_members"], 280, cwd=TESTS,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                 KERAS_PS_HANG_TIMEOUT="3"))
     assert code == 0, output[-6000:]
     result = last_report(output, code)
     rdzv, ps, web = result["rendezvous"], result["ps"], result["http"]
+    mute, closed = result["mute"], result["closed"]
     assert sorted(result["states"].values()) == [
-        "healthy", "healthy", "refused", "refused", "refused"], result
+        "healthy", "healthy", "joining", "joining", "refused", "refused",
+        "refused"], result
     assert {result["states"][a] for a in (rdzv, ps, web)} == {"refused"}
+    assert {result["states"][a] for a in (mute, closed)} == {"joining"}
     assert result["total"] == result["scheduled"], result
     assert result["late_ran"] > 0, result
     warnings = result["warnings"]
-    assert len(warnings) == 3, warnings
+    for address, what in (
+            (mute, "a process there accepts connections but sends nothing "
+                   "within "),
+            (closed, "nothing listens on that port (the connection is "
+                     "refused)")):
+        index = result["indices"][address]
+        named = [m for _, m in warnings if f" {address} " in m]
+        assert named, warnings
+        assert named[0].startswith(
+            f"[worker:{index}] {address} joined the membership "), named
+        assert f"s ago and no TensorFlow server answers there yet: {what}" \
+            in named[0], named
+        assert "Check that its agent's --address is the HOST:PORT its task " \
+            "serves on" in named[0], named
+        assert "the other workers go on" in named[0], named
     for address, what in (
             (rdzv, "it is not a TensorFlow server: it answered TF's "
                    "WorkerService with 'UNIMPLEMENTED: this is a keras_ps "
