@@ -5,6 +5,7 @@ Usage: python tests/_elastic_job.py wrong_members
 """
 
 import http.server
+import json
 import logging
 import signal
 import socket
@@ -60,7 +61,8 @@ def wrong_members():
     """Agents register the rendezvous server's own address, a ps's address
     and an HTTP server's as their workers', and two where no server answers,
     while training runs on one good worker; a good worker joins after
-    them."""
+    them, and a worker task starts at last at one of the two silent
+    addresses."""
     warnings = _Warnings()
     logging.getLogger("keras_ps").addHandler(warnings)
     server = RendezvousServer(RendezvousConfig(gather_timeout=0.1,
@@ -77,7 +79,7 @@ def wrong_members():
     mute.listen(1024)  # never accepted: each probe stays in its queue
     silent = (f"127.0.0.1:{mute.getsockname()[1]}",
               f"127.0.0.1:{portpicker.pick_unused_port()}")
-    agents = []
+    agents, tasks = [], []
     try:
         with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
             good, late = cluster.spec["worker"]
@@ -124,6 +126,20 @@ def wrong_members():
                 _thread_alive(f"keras_ps-worker-{place(a).index}")
                 for a in wrong), 60, "the refused places' threads to end")
             run(10)  # on the good worker, with the wrong ones members
+            # A worker task starts at last where nothing listened: it joins.
+            tasks.append(subprocess.Popen(
+                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
+                 json.dumps({"worker": [silent[1]]}), "--job_name",
+                 "worker", "--task_index", "0", "--exit_with_parent"],
+                cwd=REPO, stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL))
+
+            def came_and_ran():
+                run(4)
+                return place(silent[1]).closures_run
+
+            wait_until(came_and_ran, 120, "the worker that came at last to "
+                       "take steps")
             nodes.get_cluster_spec(late, 1, 8, timeout=60)
 
             def late_took_steps():
@@ -137,6 +153,7 @@ def wrong_members():
                 indices={a: place(a).index for a in (*wrong, *silent)},
                 mute=silent[0], closed=silent[1],
                 late_ran=place(late).closures_run,
+                came_ran=place(silent[1]).closures_run,
                 rendezvous=endpoint, ps=ps, http=http_address,
                 warnings=warnings.messages)
             coordinator.shutdown()
@@ -147,6 +164,9 @@ def wrong_members():
             agent.send_signal(signal.SIGTERM)
         for agent in agents:
             agent.wait(30)
+        for task in tasks:
+            task.kill()
+            task.wait(30)
         server.stop(0)
         web.shutdown()
         mute.close()

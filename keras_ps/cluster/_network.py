@@ -103,7 +103,7 @@ def why_silent(address, timeout):
             return f"the connection there fails ({e})"
     if not data:
         return "a process there closes each connection without a word"
-    return "it answers now"
+    return "something began to answer there just now"
 
 
 def _get_status(address, timeout, deserializer):
