@@ -155,13 +155,17 @@ def note_lost_outputs(error, outputs_lost):
         "scheduled function, not datasets, iterators or resource handles.")
 
 
+# What an elastic member's address must be, said in both warnings below.
+_WORKER_ADDRESS = ("the HOST:PORT a worker task serves on (`python -m "
+                   "keras_ps.server --job_name worker`)")
+
+
 def refused_member(index, address, why):
     """The warning for a new member whose address is no worker task's
     (`why`: keras_ps.cluster._network.look_at_new_worker)."""
     return (
         f"[worker:{index}] {address} joined the membership but is refused as "
-        f"worker {index}: {why}. Expected the HOST:PORT a worker task serves "
-        "on (`python -m keras_ps.server --job_name worker`), given as its "
+        f"worker {index}: {why}. Expected {_WORKER_ADDRESS}, given as its "
         "agent's --address; the rendezvous server's address is the agent's "
         "--rdzv_endpoint, and a ps is no worker. It stays out of training "
         f"until the membership gives place {index} another address; the "
@@ -175,9 +179,8 @@ def silent_member(index, address, seconds, why):
         f"[worker:{index}] {address} joined the membership {seconds:.0f}s ago "
         f"and no TensorFlow server answers there yet: {why}. It takes no "
         "steps until one does; the other workers go on. Check that its "
-        "agent's --address is the HOST:PORT its task serves on (`python -m "
-        "keras_ps.server --job_name worker`), reachable from this machine, "
-        "and that the task runs.")
+        f"agent's --address is {_WORKER_ADDRESS}, reachable from this "
+        "machine, and that the task runs.")
 
 
 # -- re-admission -------------------------------------------------------------------

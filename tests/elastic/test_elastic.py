@@ -270,8 +270,9 @@ def test_members_at_no_worker_tasks_address_are_refused_and_training_goes_on():
             f"[worker:{index}] {address} joined the membership "), named
         assert f"s ago and no TensorFlow server answers there yet: {what}" \
             in named[0], named
-        assert "Check that its agent's --address is the HOST:PORT its task " \
-            "serves on" in named[0], named
+        assert "Check that its agent's --address is the HOST:PORT a worker " \
+            "task serves on (`python -m keras_ps.server --job_name " \
+            "worker`), reachable from this machine" in named[0], named
         assert "the other workers go on" in named[0], named
     index = result["indices"][closed]
     assert [m for _, m in warnings if m.startswith(
