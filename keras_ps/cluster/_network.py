@@ -33,32 +33,51 @@ def probe(address, timeout):
     stopped (SIGSTOP) process, whose kernel still accepts the TCP connection.
     (gRPC's own channel-ready check polls, about 0.2 s per call.)
     """
-    header = _first_frame_header(address, timeout)
+    header, _ = _first_frame_header(address, timeout)
     return header is not None and header[3] == _SETTINGS_FRAME
 
 
 def _first_frame_header(address, timeout):
-    """The first 9 bytes the server at `address` sends to an HTTP/2 client
-    (a frame header, from an HTTP/2 server), or None when it sends fewer
-    within `timeout` seconds (nothing listens, a stopped process)."""
+    """(The first 9 bytes the server at `address` sends to an HTTP/2 client
+    (a frame header, from an HTTP/2 server), None); or (None, why fewer
+    came within `timeout` seconds, said as a clause): nothing listens, the
+    connection is not accepted, or a process accepts it and sends nothing
+    (a stopped or hung process)."""
     deadline = time.monotonic() + timeout
     try:
         host, port = split_address(address)
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except ConnectionRefusedError:
+        return None, "nothing listens on that port (the connection is refused)"
+    except TimeoutError:
+        return None, (f"a connection there is not accepted within {timeout:g}s"
+                      " (a host that drops packets, the wrong host, or a "
+                      "stopped process whose queue of connections is full)")
+    except (OSError, ValueError) as e:
+        return None, f"it cannot be reached ({e})"
+    header = b""
+    with sock:
+        try:
             sock.sendall(_HTTP2_PREFACE)
-            header = b""
             while len(header) < 9:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    return None
+                    raise TimeoutError
                 sock.settimeout(remaining)
                 chunk = sock.recv(9 - len(header))
                 if not chunk:
-                    return None
+                    return None, ("a process there closes each connection "
+                                  + (f"after {header!r}" if header else
+                                     "without a word"))
                 header += chunk
-            return header
-    except (OSError, ValueError):
-        return None
+        except TimeoutError:
+            sent = f"{header!r} and no more" if header else "nothing"
+            return None, (f"a process there accepts connections but sends "
+                          f"{sent} within {timeout:g}s (a stopped or hung "
+                          "process, or a server of another kind)")
+        except OSError as e:
+            return None, f"the connection there fails ({e})"
+    return header, None
 
 
 def look_at_new_worker(address, timeout):
@@ -66,7 +85,7 @@ def look_at_new_worker(address, timeout):
     (whether a gRPC server answers there, why what answers cannot serve as
     a worker task or None). Refused: a server of another protocol (an HTTP
     or SSH port), or of another gRPC service, or a TF ps or chief task."""
-    header = _first_frame_header(address, timeout)
+    header, _ = _first_frame_header(address, timeout)
     if header is None:
         return False, None  # not yet: a task still starting
     if header[3] != _SETTINGS_FRAME:
@@ -76,34 +95,10 @@ def look_at_new_worker(address, timeout):
 
 
 def why_silent(address, timeout):
-    """Why no gRPC server answers at `address`, said as a clause: nothing
-    listens, the connection is not accepted within `timeout` seconds, or a
-    process accepts it and sends nothing (a stopped or hung process)."""
-    try:
-        host, port = split_address(address)
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except ConnectionRefusedError:
-        return "nothing listens on that port (the connection is refused)"
-    except TimeoutError:
-        return (f"a connection there is not accepted within {timeout:g}s "
-                "(a host that drops packets, the wrong host, or a stopped "
-                "process whose queue of connections is full)")
-    except (OSError, ValueError) as e:
-        return f"it cannot be reached ({e})"
-    with sock:
-        try:
-            sock.sendall(_HTTP2_PREFACE)
-            sock.settimeout(timeout)
-            data = sock.recv(9)
-        except TimeoutError:
-            return (f"a process there accepts connections but sends nothing "
-                    f"within {timeout:g}s (a stopped or hung process, or a "
-                    "server of another kind)")
-        except OSError as e:
-            return f"the connection there fails ({e})"
-    if not data:
-        return "a process there closes each connection without a word"
-    return "something began to answer there just now"
+    """Why no gRPC server answers at `address`, said as a clause (see
+    _first_frame_header)."""
+    return (_first_frame_header(address, timeout)[1]
+            or "something began to answer there just now")
 
 
 def _get_status(address, timeout, deserializer):
