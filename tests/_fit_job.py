@@ -376,6 +376,8 @@ def worker_stop_unroll(at_switch):
             switched_after_resume=[t > stop.report["resumed_at"]
                                    for t in steps.at],
             stood_in=steps.stood_in,
+            run_twice=PER_EXECUTION * sum(
+                w.closures_run_twice for w in coordinator.workers),
             states=[w.state.value for w in coordinator.workers])
 
 

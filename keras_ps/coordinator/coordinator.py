@@ -152,7 +152,8 @@ class ClusterCoordinator:
 
     @property
     def workers(self):
-        """The Worker objects (index, address, state, closures_run)."""
+        """The Worker objects (index, address, state, closures_run,
+        closures_run_twice)."""
         return tuple(self._workers.all())
 
     def schedule(self, fn, args=None, kwargs=None):

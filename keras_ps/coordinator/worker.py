@@ -56,6 +56,8 @@ class Worker:
         self.device = worker_device(index)
         self.state = state
         self.closures_run = 0
+        # Closures of given-up calls that ran here after all, and elsewhere.
+        self.closures_run_twice = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
         self._in_flight = None  # the _Call running now
@@ -243,8 +245,10 @@ class Worker:
         with self._state_lock:
             self._in_flight = None
             if call.abandoned:
+                if call.ran:  # and its closures were requeued: run twice
+                    self.closures_run_twice += len(call.batch)
                 logger.info("[worker:%d] a call given up (hung or stuck) "
-                            "returned; its outcome is dropped", self.index)
+                            "returned (ran: %s); dropped", self.index, call.ran)
                 return False
             call.settled = True
             return True

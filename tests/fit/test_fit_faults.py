@@ -153,6 +153,13 @@ def _stopped_worker_unroll_job(mode):
     return _result(output)
 
 
+def _assert_steps_run_twice_are_counted(result):
+    # A call given up as hung is run again elsewhere; when the worker is
+    # continued it runs too, and the coordinator counts its closures.
+    assert result["iterations"] == result["planned"] + result["run_twice"], \
+        result
+
+
 @pytest.mark.timeout(300)
 def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_out():
     # Worker 1 is SIGSTOPped in epoch 1, before the step function's form
@@ -167,8 +174,7 @@ def test_fit_goes_on_while_a_worker_is_stopped_when_steps_are_due_to_be_written_
     assert result["ran_while_stopped"] >= 12, result
     assert result["switched_after_resume"] == [True], result
     assert result["epochs"] == [0, 1, 2]
-    # A call given up as hung may have run some of its steps: at least once.
-    assert result["planned"] <= result["iterations"] <= result["planned"] + 8
+    _assert_steps_run_twice_are_counted(result)
 
 
 @pytest.mark.timeout(300)
@@ -184,4 +190,4 @@ def test_steps_written_out_handed_out_before_a_worker_stopped_wait_for_it():
     assert result["ran_while_stopped"] >= 12, result
     assert result["epochs"] == [0, 1, 2]
     assert result["states"] == ["healthy", "healthy"], result
-    assert result["planned"] <= result["iterations"] <= result["planned"] + 8
+    _assert_steps_run_twice_are_counted(result)
