@@ -51,8 +51,7 @@ def _internals():
     from tensorflow.python import pywrap_tfe
 
     return types.SimpleNamespace(cancellation=cancellation, context=context,
-                                 executor=executor, ops=ops,
-                                 pywrap_tfe=pywrap_tfe)
+                                 executor=executor, ops=ops, pywrap_tfe=pywrap_tfe)
 
 
 def server_modules():
@@ -375,16 +374,18 @@ def retrace_all_functions():
     A traced graph holds the resource handles it captured; after
     `rebind_variable` those are stale, and a step traced before a table was
     tracked does not mark its rows. No public API clears a function's
-    traces: `tf.function` keeps them in `_function_cache`.
-    """
+    traces: `tf.function` keeps them in `_function_cache`."""
     import gc
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
     cleared = 0
+    # type(), not isinstance(): some objects refuse __class__ (numpy's
+    # NpzFile fields). Function is an ABC: one slow check per type.
+    is_function = {}
     for obj in gc.get_objects():
-        # type(), not isinstance(): isinstance asks the object for its
-        # __class__, which some objects refuse (numpy's NpzFile fields).
-        if (issubclass(type(obj), polymorphic_function.Function)
-                and obj not in _captures_nothing):
+        kind = type(obj)
+        if kind not in is_function:
+            is_function[kind] = issubclass(kind, polymorphic_function.Function)
+        if is_function[kind] and obj not in _captures_nothing:
             obj._function_cache.clear()
             cleared += 1
     return cleared
