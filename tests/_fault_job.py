@@ -170,12 +170,21 @@ def main(mode):
             recovery = coordinator.recover_parameter_servers(timeout=60)
             checkpoint.read(path).assert_consumed()
             restored = float(total.numpy())
-            for _ in range(100):
-                coordinator.schedule(step, args=(iterator,))
-            coordinator.join()
+            before = [w.closures_run for w in coordinator.workers]
+            scheduled, deadline = 0, time.monotonic() + 60
+            # 100 steps, then 10 more at a time until both workers took
+            # steps (a worker re-admitted late may find the 100 taken).
+            while scheduled < 100 or (
+                    min(w.closures_run - b for w, b in
+                        zip(coordinator.workers, before)) == 0
+                    and time.monotonic() < deadline):
+                for _ in range(100 if scheduled == 0 else 10):
+                    coordinator.schedule(step, args=(iterator,))
+                    scheduled += 1
+                coordinator.join()
             say(seen=seen, lost=list(recovery.lost),
                 variables=recovery.variables, restored=restored,
-                total=float(total.numpy()),
+                total=float(total.numpy()), scheduled=scheduled,
                 states=[w.state.value for w in coordinator.workers])
         elif mode == "worker_state_lost":
             # Each closure reads a variable the user placed on its worker:
