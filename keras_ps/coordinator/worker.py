@@ -245,7 +245,7 @@ class Worker:
         with self._state_lock:
             self._in_flight = None
             if call.abandoned:
-                if call.ran:  # and its closures were requeued: run twice
+                if call.ran:  # requeued too (unless they failed the job)
                     self.closures_run_twice += len(call.batch)
                 logger.info("[worker:%d] a call given up (hung or stuck) "
                             "returned (ran: %s); dropped", self.index, call.ran)
