@@ -15,6 +15,7 @@ import threading
 
 # keras_ps/__init__ sets GRPC_FAIL_FAST before anything starts gRPC; none of
 # these modules imports TensorFlow (a task serves sooner without its Python API).
+from keras_ps.cluster import _forks
 from keras_ps.cluster import _network
 from keras_ps import _native
 from keras_ps import _tf_adapter
@@ -45,6 +46,10 @@ def _parser():
     parser.add_argument("--exit_with_parent", action="store_true",
                         help="stop when the process that started this one "
                              "ends, even by SIGKILL (LocalCluster sets it)")
+    # LocalCluster's: serve no task, fork each of its tasks from this
+    # process (keras_ps.cluster._forks).
+    parser.add_argument("--fork_server", action="store_true",
+                        help=argparse.SUPPRESS)
     return parser
 
 
@@ -153,6 +158,8 @@ def _serve_until_signal(server, job, index, address, threads, stop,
 
 def main(argv=None):
     args = _parser().parse_args(argv)
+    if args.fork_server:
+        _forks.serve(main)
     parent = os.getppid() if args.exit_with_parent else None
     # Must be set before TF starts gRPC. A task's own calls to other tasks
     # (a worker reading a tensor from a ps) fail at once when the peer is

@@ -306,10 +306,13 @@ def local_cluster_log_dir_is_a_file(env):
         keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=file.name)
 
 
-@case("local_cluster_task_exits_at_start", RuntimeError,
-      "Task ps:0 exited with code 1 before it answered", "ps-0.log")
-def local_cluster_task_exits_at_start(env):
-    # A Python that cannot start (a broken environment handed to the tasks).
+@case("local_cluster_python_cannot_start", RuntimeError,
+      "fork server (the process its tasks are forked from",
+      "exited with code 1 before it could load TF's server libraries",
+      "its last words: ", "fork-server.log")
+def local_cluster_python_cannot_start(env):
+    # A Python that cannot start (a broken environment handed to the tasks):
+    # the process the tasks are forked from exits first.
     keras_ps.LocalCluster(num_workers=1, num_ps=1, log_dir=env.tmp(),
                           env={"PYTHONHOME": "/nonexistent"})
 
