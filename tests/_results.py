@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 PREFIX = "RESULT "
 
@@ -39,7 +40,17 @@ def last_report(output, code=None):
 def run_child(command, timeout, **popen_kwargs):
     """Runs `command` in its own process group; returns (exit code, output).
     On a timeout it asks the child for its threads' stacks (SIGUSR1), kills
-    the group (the child's servers with it) and fails with that output."""
+    the group (the child's servers with it) and fails with that output.
+
+    A Python script (`[sys.executable, "job.py", ...]`, with `env` and `cwd`
+    at most) is forked from a process that imported TF and Keras once
+    (tests/_zygote.py): the same process otherwise, 2.5 s of CPU sooner."""
+    if (command[0] == sys.executable and len(command) > 1
+            and command[1].endswith(".py")
+            and set(popen_kwargs) <= {"env", "cwd"}):
+        import _zygote
+
+        return _zygote.run(command, timeout, **popen_kwargs)
     job = subprocess.Popen(command, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True,
                            start_new_session=True, **popen_kwargs)

@@ -16,6 +16,7 @@ protocol: one JSON line per request on stdin, one per answer or task exit on
 stdout).
 """
 
+import ctypes
 import json
 import os
 import random
@@ -155,14 +156,15 @@ class ForkServer:
             f"forked from, pid {self._proc.pid}) {code} before it could "
             f"{doing}{_last_line(self._log_path)}; see {self._log_path}")
 
-    def spawn(self, argv, log_path, timeout=60.0):
-        """Forks a task running `python -m keras_ps.server *argv`, its
-        output appended to `log_path`; returns its `ForkedTask`.
+    def spawn(self, name, argv, log_path, timeout=60.0):
+        """Forks task `name` ("ps:0") running `python -m keras_ps.server
+        *argv`, its output appended to `log_path`; returns its `ForkedTask`.
 
         Raises:
             ForkServerError: the fork server is gone or did not answer.
         """
-        request = json.dumps({"argv": list(argv), "log": log_path}) + "\n"
+        request = json.dumps({"name": name, "argv": list(argv),
+                              "log": log_path}) + "\n"
         with self._lock:
             try:
                 self._proc.stdin.write(request.encode())
@@ -236,7 +238,17 @@ def _send(message):
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
-def _run_task(run, argv, log, wakeup):
+def _name_process(name):
+    """Names the process (`ps -o comm`, top) as its task: its command line
+    stays the fork server's."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
+def _run_task(run, argv, name, log, wakeup):
     """In the forked child: becomes the task, and never returns."""
     code = 1
     try:
@@ -253,6 +265,7 @@ def _run_task(run, argv, log, wakeup):
         os.close(log)
         os.close(null)
         random.seed()  # not the fork server's sequence, the same in each task
+        _name_process(name)
         sys.argv = ["keras_ps.server", *argv]
         code = run(argv) or 0
     except SystemExit as e:  # argparse's errors
@@ -322,7 +335,7 @@ def serve(run):
                 _send({"error": f"fork failed: {e.strerror}"})
                 continue
             if pid == 0:
-                _run_task(run, request["argv"], log, wakeup)
+                _run_task(run, request["argv"], request["name"], log, wakeup)
             os.close(log)
             _send({"pid": pid})
         _reap()

@@ -164,7 +164,9 @@ class LocalCluster:
     Each task runs `python -m keras_ps.server`'s code in its own process, on
     a free port: a fork of one process that loaded TF's server libraries
     once (a task serves without spending 0.8 s of CPU to load them; the
-    tasks get the environment of the cluster's start). A task can be
+    tasks get the environment of the cluster's start; `ps` shows each with
+    the command line of the process they are forked from, `pid(job,
+    index)` tells which is which, and `ps -o comm` names them). A task can be
     stopped (SIGTERM), killed (SIGKILL), paused (SIGSTOP), resumed and
     restarted on the same address. When another process takes
     a picked port before its task binds it, the cluster starts again on new
@@ -301,6 +303,7 @@ class LocalCluster:
                 self._task_env(), os.path.join(self.log_dir, "fork-server.log"),
                 _FORK_SERVER_TIMEOUT)
         self._procs[(job, index)] = self._forks.spawn(
+            f"{job}:{index}",
             ["--cluster_spec", json.dumps(self.spec),
              "--job_name", job, "--task_index", str(index),
              "--intra_op_threads", str(self.intra_op_threads),

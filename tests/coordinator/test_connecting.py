@@ -4,23 +4,22 @@ Each runs in its own coordinator process (tests/_cluster_job.py)."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from _paths import TESTS
 from _results import last_report
+from _results import run_child
 
 JOB = os.path.join(TESTS, "_cluster_job.py")
 
 
 def run_job(mode, timeout):
-    proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
-                          text=True, timeout=timeout,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return last_report(proc.stdout)
+    code, output = run_child([sys.executable, JOB, mode], timeout,
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert code == 0, output[-6000:]
+    return last_report(output)
 
 
 @pytest.mark.timeout(200)

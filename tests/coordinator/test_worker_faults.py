@@ -2,7 +2,6 @@
 SIGSTOP of a worker (hung, not dead)."""
 
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -10,16 +9,16 @@ import pytest
 
 from _paths import TESTS
 from _results import last_report
+from _results import run_child
 
 JOB = os.path.join(TESTS, "_fault_job.py")
 
 
 def run_job(mode, timeout, **env):
-    proc = subprocess.run([sys.executable, JOB, mode], capture_output=True,
-                          text=True, timeout=timeout,
-                          env={**os.environ, **env})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return last_report(proc.stdout)
+    code, output = run_child([sys.executable, JOB, mode], timeout,
+                             env={**os.environ, **env})
+    assert code == 0, output[-6000:]
+    return last_report(output)
 
 
 @pytest.mark.timeout(240)

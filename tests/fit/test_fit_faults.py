@@ -55,15 +55,14 @@ def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
     killed_at = read_backup_state(backup_dir)
     assert killed_at["epoch"] == 1 and killed_at["step"] > 0
 
-    again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=200)
-    assert again.returncode == 0, again.stdout[-3000:]
-    result = _result(again.stdout)
+    code, output = run_child(args, 200, env=_env())
+    assert code == 0, output[-3000:]
+    result = _result(output)
     # It resumed inside epoch 1, at the step of the newest backup or later
     # (the backup may have advanced between our read and the kill).
     epoch, step = result["resumed"]
     assert epoch == 1 and step >= killed_at["step"]
-    first = [l for l in again.stdout.splitlines() if l.startswith("PROGRESS")][0]
+    first = [l for l in output.splitlines() if l.startswith("PROGRESS")][0]
     assert first.startswith("PROGRESS epoch=1 ")
     assert result["epochs"] == [1, 2]
     # Every planned step ran; at-least-once allows one packed execution
@@ -78,14 +77,12 @@ def test_keras_own_backup_and_restore_resumes_at_its_epoch(cluster, tmp_path):
     backup_dir = str(tmp_path / "keras_backup")
     spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
     args = [sys.executable, JOB, "keras_backup", spec, backup_dir]
-    killed = subprocess.run(args + ["1"], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=200)
-    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
-    assert "KILLED after epoch 1" in killed.stdout
-    again = subprocess.run(args + ["0"], env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=200)
-    assert again.returncode == 0, again.stdout[-3000:]
-    result = _result(again.stdout)
+    code, output = run_child(args + ["1"], 200, env=_env())
+    assert code == -signal.SIGKILL, output[-3000:]
+    assert "KILLED after epoch 1" in output
+    code, output = run_child(args + ["0"], 200, env=_env())
+    assert code == 0, output[-3000:]
+    result = _result(output)
     # Keras' callback restored the weights and epoch 2: only epochs 2 and 3
     # run again, and the optimizer ends at 4 epochs x 4 steps.
     assert result["epochs"] == [2, 3]
@@ -93,11 +90,11 @@ def test_keras_own_backup_and_restore_resumes_at_its_epoch(cluster, tmp_path):
 
 
 def _worker_kill_run(kill):
-    out = subprocess.run([sys.executable, JOB, "worker_kill", "1" if kill else "0"],
-                         env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=250)
-    assert out.returncode == 0, out.stdout[-3000:]
-    return out.stdout, _result(out.stdout)
+    code, output = run_child(
+        [sys.executable, JOB, "worker_kill", "1" if kill else "0"], 250,
+        env=_env())
+    assert code == 0, output[-3000:]
+    return output, _result(output)
 
 
 @pytest.mark.timeout(300)
@@ -115,12 +112,11 @@ def test_fit_survives_worker_sigkill():
 @pytest.mark.timeout(300)
 def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
     backup_dir = str(tmp_path / "backup")
-    first = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "1"],
-                           env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=140)
-    assert "KILLED ps 0" in first.stdout
-    assert first.returncode == 1, first.stdout[-3000:]
-    failed = _result(first.stdout)
+    code, output = run_child(
+        [sys.executable, JOB, "ps_restart", backup_dir, "1"], 140, env=_env())
+    assert "KILLED ps 0" in output
+    assert code == 1, output[-3000:]
+    failed = _result(output)
     # The error reaches the user within 10 s, names the ps and says what to do.
     assert failed["error"] == "ParameterServerUnavailableError"
     assert failed["is_unavailable"] is True
@@ -130,11 +126,10 @@ def test_ps_killed_fit_fails_fast_then_rerun_resumes(tmp_path):
     assert killed_at is not None and killed_at["epoch"] == 1
 
     # The same script again (a new cluster: the ps variables were lost).
-    again = subprocess.run([sys.executable, JOB, "ps_restart", backup_dir, "0"],
-                           env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=140)
-    assert again.returncode == 0, again.stdout[-3000:]
-    result = _result(again.stdout)
+    code, output = run_child(
+        [sys.executable, JOB, "ps_restart", backup_dir, "0"], 140, env=_env())
+    assert code == 0, output[-3000:]
+    result = _result(output)
     epoch, step = result["resumed"]
     assert (epoch, step) == (killed_at["epoch"], killed_at["step"])
     assert result["epochs"] == [1, 2]

@@ -23,6 +23,7 @@ import keras_ps
 from _paths import TESTS
 from _results import last_report
 from _results import reports
+from _results import run_child
 from keras_ps.dynamic_embedding import hashing
 from keras_ps.dynamic_embedding import policies
 from keras_ps.dynamic_embedding import slots as slots_lib
@@ -390,14 +391,13 @@ def test_export_loads_and_predicts_without_keras_ps(strategy, tmp_path):
 
 # -- checkpoints: restore into 1, 2 and 3 ps ------------------------------------------
 def _job(*args, timeout=280, every_report=False):
-    done = subprocess.run([sys.executable, JOB, *map(str, args)],
-                          capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                                   PYTHONUNBUFFERED="1"))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    code, output = run_child([sys.executable, JOB, *map(str, args)], timeout,
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                                      PYTHONUNBUFFERED="1"))
+    assert code == 0, output[-6000:]
     if every_report:
-        return reports(done.stdout)
-    return last_report(done.stdout)
+        return reports(output)
+    return last_report(output)
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,9 @@ def test_local_cluster_kill_and_restart(tmp_path):
             "fork-server.log", "ps-0.log", "worker-0.log"]
         address = local.address("worker", 0)
         old = local.pid("worker", 0)
+        # Forked from one process, each task is named as itself.
+        with open(f"/proc/{old}/comm") as f:
+            assert f.read().strip() == "worker:0"
         local.kill("worker", 0)
         assert not cluster_lib.wait_for_port(address, 0.5)
         local.restart("worker", 0)

@@ -1,0 +1,214 @@
+"""Test jobs forked from a process that imported TensorFlow and Keras once.
+
+A job script (tests/_fit_job.py, ...) spends 2.5 s of CPU importing TF and
+Keras before its first line runs, and a suite runs about a hundred. Each
+test process starts one zygote (`python tests/_zygote.py FD`) that imports
+them once, creates no TF context (TF's threads and state would not survive
+a fork), and forks a job per request. The job is a process of its own: its
+own pid, session and process group (signals and `killpg` reach it and what
+it starts, as `start_new_session=True` does), the environment, directory and
+arguments asked for, its output on the pipe it was given. It runs the script
+as `python script args` does, from the zygote's top level: its exceptions,
+`sys.exit`, atexit handlers and interpreter shutdown are Python's own.
+
+`run(command, timeout, env, cwd)` is what `_results.run_child` uses for
+`[sys.executable, "script.py", ...]`.
+"""
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+
+_MAX_REQUEST = 1 << 20
+
+
+# The test process' side.
+
+class Zygote:
+    """One zygote and the jobs it forked (thread-safe)."""
+
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        self._proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._sock = ours
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._exits, self._answers = {}, []
+        self._gone = False
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self._sock.makefile("rb"):
+            message = json.loads(line)
+            with self._changed:
+                if "exited" in message:
+                    self._exits[message["exited"]] = message["code"]
+                else:
+                    self._exits.pop(message.get("pid"), None)
+                    self._answers.append(message)
+                self._changed.notify_all()
+        with self._changed:
+            self._gone = True
+            self._changed.notify_all()
+
+    def spawn(self, argv, env, cwd, output_fd):
+        """Forks a job running `python *argv`; returns its pid."""
+        request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        with self._lock:
+            socket.send_fds(self._sock, [request], [output_fd])
+            with self._changed:
+                while not self._answers and not self._gone:
+                    self._changed.wait(120)
+                if not self._answers:
+                    raise RuntimeError("the test zygote is gone")
+                return self._answers.pop(0)["pid"]
+
+    def wait(self, pid, timeout):
+        """The job's exit code, or None after `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: pid in self._exits or self._gone, timeout)
+            return self._exits.get(pid)
+
+
+_zygote = None
+_zygote_lock = threading.Lock()
+
+
+def _the_zygote():
+    global _zygote
+    with _zygote_lock:
+        if _zygote is None or _zygote._gone:
+            _zygote = Zygote()
+        return _zygote
+
+
+def run(command, timeout, env=None, cwd=None):
+    """(exit code, output) of `command` ([sys.executable, script, ...]),
+    forked from the zygote; on a timeout, asks it for its threads' stacks
+    (SIGUSR1), kills its process group and fails with its output."""
+    zygote = _the_zygote()
+    read_end, write_end = os.pipe()
+    try:
+        pid = zygote.spawn(command[1:], dict(os.environ if env is None
+                                             else env), cwd, write_end)
+    finally:
+        os.close(write_end)
+    chunks = []
+    reader = threading.Thread(target=_read_all, args=(read_end, chunks),
+                              daemon=True)
+    reader.start()
+    code = zygote.wait(pid, timeout)
+    if code is None:
+        os.kill(pid, signal.SIGUSR1)
+        zygote.wait(pid, 5)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        zygote.wait(pid, 30)
+        reader.join(30)
+        output = b"".join(chunks).decode(errors="replace")
+        raise AssertionError(
+            f"{command[1:]} timed out after {timeout} s:\n{output[-12000:]}")
+    reader.join()  # until every holder of the pipe closed it, as Popen's
+    return code, b"".join(chunks).decode(errors="replace")
+
+
+def _read_all(fd, chunks):
+    with os.fdopen(fd, "rb") as f:
+        for chunk in iter(lambda: f.read1(65536), b""):
+            chunks.append(chunk)
+
+
+# The zygote's side.
+
+def _serve(sock):
+    """Forks a job per request; returns (in the child only) its request."""
+    wakeup_r, wakeup_w = os.pipe()
+    os.set_blocking(wakeup_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wakeup_w, warn_on_full_buffer=False)
+
+    def send(message):
+        sock.sendall((json.dumps(message) + "\n").encode())
+
+    def reap():
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+    while True:
+        readable, _, _ = select.select([sock, wakeup_r], [], [])
+        if wakeup_r in readable:
+            os.read(wakeup_r, 4096)
+            reap()
+        if sock not in readable:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 1)
+        if not data:  # the test process is gone
+            os._exit(0)
+        pid = os.fork()
+        if pid == 0:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wakeup_r, wakeup_w):
+                os.close(fd)
+            sock.close()
+            return json.loads(data), fds[0]
+        os.close(fds[0])
+        send({"pid": pid})
+        reap()
+
+
+def _become_job(request, output):
+    """In the forked child: the process `python argv...` would be."""
+    import random
+
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(null)
+    os.close(output)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    if request["cwd"]:
+        os.chdir(request["cwd"])
+    random.seed()  # each job its own sequence (ports, names), not the zygote's
+    if os.environ.get("PYTHONUNBUFFERED"):
+        sys.stdout.reconfigure(line_buffering=True, write_through=True)
+        sys.stderr.reconfigure(line_buffering=True, write_through=True)
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+        faulthandler.enable()
+    script = os.path.abspath(request["argv"][0])
+    sys.argv = [script, *request["argv"][1:]]
+    sys.path[0] = os.path.dirname(script)
+    return script
+
+
+if __name__ == "__main__":
+    import runpy
+
+    # What every job imports first (creating no TF context).
+    import keras  # noqa: F401
+    import tensorflow  # noqa: F401
+
+    _script = _become_job(*_serve(socket.socket(fileno=int(sys.argv[1]))))
+    runpy.run_path(_script, run_name="__main__")
