@@ -72,6 +72,10 @@ class Zygote:
                     raise RuntimeError("the test zygote is gone")
                 return self._answers.pop(0)["pid"]
 
+    @property
+    def gone(self):
+        return self._gone
+
     def wait(self, pid, timeout):
         """The job's exit code, or None after `timeout` seconds."""
         with self._changed:
@@ -87,7 +91,7 @@ _zygote_lock = threading.Lock()
 def _the_zygote():
     global _zygote
     with _zygote_lock:
-        if _zygote is None or _zygote._gone:
+        if _zygote is None or _zygote.gone:
             _zygote = Zygote()
         return _zygote
 
@@ -108,6 +112,9 @@ def run(command, timeout, env=None, cwd=None):
                               daemon=True)
     reader.start()
     code = zygote.wait(pid, timeout)
+    if code is None and zygote.gone:
+        raise AssertionError(f"{command[1:]}: the zygote it was forked from "
+                             "ended, and with it the job's exit code")
     if code is None:
         os.kill(pid, signal.SIGUSR1)
         zygote.wait(pid, 5)

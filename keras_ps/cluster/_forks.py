@@ -187,17 +187,19 @@ class ForkServer:
             return None
 
     def wait_for_exit(self, pid, timeout=None):
+        """The task's exit code, or None after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        with self._changed:
+            self._changed.wait_for(
+                lambda: pid in self._exits or self._gone, timeout)
         while True:
             code = self.exit_code(pid)
-            if code is not None:
+            if code is not None or (deadline is not None
+                                    and time.monotonic() >= deadline):
                 return code
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return None
-            with self._changed:
-                # Once the fork server is gone, nobody notifies: look again.
-                self._changed.wait(0.1 if self._gone else left)
+            # The fork server is gone, and reports nothing more: its tasks
+            # see their parent gone and end within a second.
+            time.sleep(0.1)
 
     def close(self, timeout=10.0):
         """Ends the fork server (its tasks should be stopped first)."""
@@ -234,8 +236,11 @@ def _alive(pid):
 
 # The fork server's side.
 
+_ANSWERS_FD = None  # the fork server's pipe to the cluster's process
+
+
 def _send(message):
-    os.write(1, (json.dumps(message) + "\n").encode())
+    os.write(_ANSWERS_FD, (json.dumps(message) + "\n").encode())
 
 
 def _name_process(name):
@@ -252,13 +257,13 @@ def _run_task(run, argv, name, log, wakeup):
     """In the forked child: becomes the task, and never returns."""
     code = 1
     try:
-        for fd in wakeup:
+        for fd in (*wakeup, _ANSWERS_FD):
             os.close(fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
-        # The fork server's pipes were fds 0 and 1: the task keeps neither
-        # (its parent must see EOF when the cluster's process goes).
+        # The task keeps none of the fork server's pipes: the cluster's
+        # process must see the answers end when the fork server does.
         os.dup2(null, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
@@ -296,6 +301,11 @@ def serve(run):
     loads what every task loads before it serves, then forks a task per
     request, which calls `run(argv)` (keras_ps.server.main) and exits with
     its result. Never returns."""
+    global _ANSWERS_FD
+    # Answers go to a copy of stdout; stdout itself to the log (stderr), so
+    # that nothing else printed is taken for an answer.
+    _ANSWERS_FD = os.dup(1)
+    os.dup2(2, 1)
     _tf_adapter.server_modules()
     try:
         loaded = _native.load_in_server()

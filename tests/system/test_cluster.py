@@ -329,3 +329,30 @@ def test_local_cluster_tasks_end_when_its_process_is_sigkilled(tmp_path):
             pass
     logs = "".join(open(tmp_path / name).read() for name in ("ps-0.log", "worker-0.log"))
     assert "because the process that started it" in logs, logs
+
+
+def _parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_local_cluster_whose_fork_server_is_killed_says_so(tmp_path):
+    # The tasks are forked from one process: SIGKILLed, its tasks stop
+    # (their parent is gone), waiting on them does not hang, and a restart
+    # says the process is gone and names its log, instead of hanging.
+    local = cluster_lib.LocalCluster(num_workers=1, num_ps=1,
+                                     log_dir=str(tmp_path))
+    try:
+        pids = [local.pid(job, 0) for job in ("ps", "worker")]
+        fork_server = _parent(pids[0])
+        assert _parent(pids[1]) == fork_server != os.getpid()
+        os.kill(fork_server, signal.SIGKILL)
+        wait_until(lambda: not any(_alive(p) for p in pids), 15,
+                   "the tasks of a killed fork server to stop")
+        with pytest.raises(RuntimeError, match=r"fork server .*pid "
+                           rf"{fork_server}\) (exited|closed).*"
+                           r"fork-server\.log"):
+            local.restart("ps", 0)
+    finally:
+        local.shutdown()
+    assert not _alive(fork_server)
