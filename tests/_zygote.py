@@ -24,6 +24,8 @@ import subprocess
 import sys
 import threading
 
+from keras_ps.cluster import _forks
+
 _MAX_REQUEST = 1 << 20
 
 
@@ -41,47 +43,25 @@ class Zygote:
         theirs.close()
         self._sock = ours
         self._lock = threading.Lock()
-        self._changed = threading.Condition()
-        self._exits, self._answers = {}, []
-        self._gone = False
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reports = _forks.Reports(ours.makefile("rb"), "test-zygote")
 
-    def _read(self):
-        for line in self._sock.makefile("rb"):
-            message = json.loads(line)
-            with self._changed:
-                if "exited" in message:
-                    self._exits[message["exited"]] = message["code"]
-                else:
-                    self._exits.pop(message.get("pid"), None)
-                    self._answers.append(message)
-                self._changed.notify_all()
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
+    @property
+    def gone(self):
+        return self._reports.gone
 
     def spawn(self, argv, env, cwd, output_fd):
         """Forks a job running `python *argv`; returns its pid."""
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
         with self._lock:
             socket.send_fds(self._sock, [request], [output_fd])
-            with self._changed:
-                while not self._answers and not self._gone:
-                    self._changed.wait(120)
-                if not self._answers:
-                    raise RuntimeError("the test zygote is gone")
-                return self._answers.pop(0)["pid"]
-
-    @property
-    def gone(self):
-        return self._gone
+            answer = self._reports.next_answer(120)
+        if answer is None:
+            raise RuntimeError("the test zygote is gone")
+        return answer["pid"]
 
     def wait(self, pid, timeout):
         """The job's exit code, or None after `timeout` seconds."""
-        with self._changed:
-            self._changed.wait_for(
-                lambda: pid in self._exits or self._gone, timeout)
-            return self._exits.get(pid)
+        return self._reports.exit_code(pid, timeout)
 
 
 _zygote = None
@@ -149,21 +129,11 @@ def _serve(sock):
     def send(message):
         sock.sendall((json.dumps(message) + "\n").encode())
 
-    def reap():
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
-
     while True:
         readable, _, _ = select.select([sock, wakeup_r], [], [])
         if wakeup_r in readable:
             os.read(wakeup_r, 4096)
-            reap()
+            _forks.reap(send)
         if sock not in readable:
             continue
         data, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 1)
@@ -179,7 +149,7 @@ def _serve(sock):
             return json.loads(data), fds[0]
         os.close(fds[0])
         send({"pid": pid})
-        reap()
+        _forks.reap(send)
 
 
 def _become_job(request, output):
@@ -187,12 +157,12 @@ def _become_job(request, output):
     import random
 
     os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.dup2(output, 1)
-    os.dup2(output, 2)
-    os.close(null)
-    os.close(output)
+    _forks.redirect_stdio(output)
+    # The zygote's keras_ps (for `_forks.reap`) is not the job's: the job
+    # imports its own, which sets its defaults in the job's environment.
+    for name in [n for n in sys.modules
+                 if n == "keras_ps" or n.startswith("keras_ps.")]:
+        del sys.modules[name]
     os.environ.clear()
     os.environ.update(request["env"])
     if request["cwd"]:

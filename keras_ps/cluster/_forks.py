@@ -82,6 +82,53 @@ class ForkedTask:
 EXIT_UNKNOWN = 255
 
 
+class Reports:
+    """What a forking process says on `stream`, one JSON object a line, read
+    on a thread: answers to its requests (in order) and its children's exit
+    codes (`{"exited": pid, "code": code}`, as `reap` sends them)."""
+
+    def __init__(self, stream, name):
+        self._changed = threading.Condition()
+        self._exits = {}  # pid: exit code
+        self._answers = []
+        self.gone = False  # the stream ended: the process is gone
+        self._reader = threading.Thread(target=self._read, args=(stream,),
+                                        daemon=True, name=name)
+        self._reader.start()
+
+    def _read(self, stream):
+        for line in stream:
+            message = json.loads(line)
+            with self._changed:
+                if "exited" in message:
+                    self._exits[message["exited"]] = message["code"]
+                else:
+                    # A new child may have the pid of one that exited.
+                    self._exits.pop(message.get("pid"), None)
+                    self._answers.append(message)
+                self._changed.notify_all()
+        with self._changed:
+            self.gone = True
+            self._changed.notify_all()
+
+    def next_answer(self, timeout):
+        """The next answer, or None once gone or after `timeout` seconds."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._answers or self.gone, timeout)
+            return self._answers.pop(0) if self._answers else None
+
+    def exit_code(self, pid, timeout=0):
+        """The child's exit code; None while it runs (waiting up to
+        `timeout` seconds, None for no limit, for it to exit)."""
+        with self._changed:
+            self._changed.wait_for(lambda: pid in self._exits or self.gone,
+                                   timeout)
+            return self._exits.get(pid)
+
+    def join(self, timeout):
+        self._reader.join(timeout)
+
+
 class ForkServer:
     """Starts the fork server and forks tasks from it.
 
@@ -104,45 +151,18 @@ class ForkServer:
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                 env=env)
         self._lock = threading.Lock()  # one request at a time
-        self._changed = threading.Condition()
-        self._exits = {}  # pid: exit code
-        self._answers = []  # answers to requests, in order
-        self._gone = False
-        self._reader = threading.Thread(target=self._read, daemon=True,
-                                        name="keras_ps-fork-server")
-        self._reader.start()
+        self._reports = Reports(self._proc.stdout, "keras_ps-fork-server")
         self._next_answer(timeout, "load TF's server libraries")
 
     @property
     def pid(self):
         return self._proc.pid
 
-    def _read(self):
-        for line in self._proc.stdout:
-            message = json.loads(line)
-            with self._changed:
-                if "exited" in message:
-                    self._exits[message["exited"]] = message["code"]
-                else:
-                    # A new task may have the pid of one that exited.
-                    self._exits.pop(message.get("pid"), None)
-                    self._answers.append(message)
-                self._changed.notify_all()
-        with self._changed:
-            self._gone = True
-            self._changed.notify_all()
-
     def _next_answer(self, timeout, doing):
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not self._answers and not self._gone:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._changed.wait(left)
-            if self._answers:
-                return self._answers.pop(0)
-        if self._gone:
+        answer = self._reports.next_answer(timeout)
+        if answer is not None:
+            return answer
+        if self._reports.gone:
             try:
                 code = f"exited with code {self._proc.wait(5)}"
             except subprocess.TimeoutExpired:
@@ -179,19 +199,15 @@ class ForkServer:
 
     def exit_code(self, pid):
         """The task's exit code, or None while it runs."""
-        with self._changed:
-            if pid in self._exits:
-                return self._exits[pid]
-            if self._gone and not _alive(pid):
-                return EXIT_UNKNOWN
-            return None
+        code = self._reports.exit_code(pid)
+        if code is None and self._reports.gone and not _alive(pid):
+            return EXIT_UNKNOWN
+        return code
 
     def wait_for_exit(self, pid, timeout=None):
         """The task's exit code, or None after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._changed:
-            self._changed.wait_for(
-                lambda: pid in self._exits or self._gone, timeout)
+        self._reports.exit_code(pid, timeout)
         while True:
             code = self.exit_code(pid)
             if code is not None or (deadline is not None
@@ -212,7 +228,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
-        self._reader.join(timeout)
+        self._reports.join(timeout)
 
 
 def _last_line(path):
@@ -253,6 +269,17 @@ def _name_process(name):
         pass
 
 
+def redirect_stdio(output):
+    """In a forked child: stdin from /dev/null, stdout and stderr to the
+    file descriptor `output` (then closed)."""
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(output, 1)
+    os.dup2(output, 2)
+    os.close(null)
+    os.close(output)
+
+
 def _run_task(run, argv, name, log, wakeup):
     """In the forked child: becomes the task, and never returns."""
     code = 1
@@ -261,14 +288,9 @@ def _run_task(run, argv, name, log, wakeup):
             os.close(fd)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        null = os.open(os.devnull, os.O_RDONLY)
         # The task keeps none of the fork server's pipes: the cluster's
         # process must see the answers end when the fork server does.
-        os.dup2(null, 0)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        os.close(null)
+        redirect_stdio(log)
         random.seed()  # not the fork server's sequence, the same in each task
         _name_process(name)
         sys.argv = ["keras_ps.server", *argv]
@@ -285,7 +307,9 @@ def _run_task(run, argv, name, log, wakeup):
             os._exit(code)
 
 
-def _reap():
+def reap(send):
+    """Reaps every child that exited, and `send`s each one's exit code
+    (negative for a signal, as Popen's)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -293,7 +317,7 @@ def _reap():
             return
         if pid == 0:
             return
-        _send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        send({"exited": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
 def serve(run):
@@ -321,7 +345,7 @@ def serve(run):
         readable, _, _ = select.select([0, wakeup[0]], [], [])
         if wakeup[0] in readable:
             os.read(wakeup[0], 4096)
-            _reap()
+            reap(_send)
         if 0 not in readable:
             continue
         data = os.read(0, 65536)
@@ -348,5 +372,5 @@ def serve(run):
                 _run_task(run, request["argv"], request["name"], log, wakeup)
             os.close(log)
             _send({"pid": pid})
-        _reap()
+        reap(_send)
 

@@ -24,6 +24,9 @@ if mode == "kill":
 if mode == "hang":
     time.sleep(600)
 print("parent", os.getppid(), flush=True)
+print("keras_ps imported before", "keras_ps" in sys.modules, flush=True)
+import keras_ps
+print("GRPC_FAIL_FAST", os.environ.get("GRPC_FAIL_FAST"), flush=True)
 print("env", os.environ.get("ZYGOTE_TEST"), "cwd", os.getcwd(),
       "argv", sys.argv[1:], "path0", sys.path[0], flush=True)
 """
@@ -34,12 +37,16 @@ def test_a_forked_job_is_the_process_python_would_start(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
     env = dict(os.environ, ZYGOTE_TEST="set")
+    env.pop("GRPC_FAIL_FAST", None)  # set by keras_ps' import, in the job
     code, output = run_child([sys.executable, str(script), "env", "x"], 60,
                              env=env, cwd=str(tmp_path / ".."))
     assert code == 0, output
     assert "leads its group True session True" in output
     # Forked from the zygote, not started by this process.
     assert f"parent {os.getpid()}\n" not in output and "parent " in output
+    # Its keras_ps is its own, imported under its environment.
+    assert "keras_ps imported before False" in output
+    assert "GRPC_FAIL_FAST use_caller" in output
     assert (f"env set cwd {tmp_path.parent} argv ['env', 'x'] "
             f"path0 {tmp_path}") in output
     assert run_child([sys.executable, str(script), "exit"], 60,
