@@ -59,7 +59,8 @@ def holding_job(spec, backup_dir, mode="hold", timeout=180):
          json.dumps({k: list(v) for k, v in spec.items()}), backup_dir],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1"))
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
+                 PYTHONFAULTHANDLER="1"))
     lines = []
 
     def read():
@@ -72,7 +73,8 @@ def holding_job(spec, backup_dir, mode="hold", timeout=180):
     try:
         wait_until(lambda: "HOLDING\n" in lines or job.poll() is not None,
                    timeout, f"the holding job ({mode}) to hold {backup_dir}")
-        assert "HOLDING\n" in lines and job.poll() is None, job.output()[-6000:]
+        assert "HOLDING\n" in lines and job.poll() is None, (
+            f"exit code {job.poll()}:\n{job.output()[-6000:]}")
         yield job
     finally:
         if job.poll() is None:
