@@ -154,10 +154,6 @@ class ForkServer:
         self._reports = Reports(self._proc.stdout, "keras_ps-fork-server")
         self._next_answer(timeout, "load TF's server libraries")
 
-    @property
-    def pid(self):
-        return self._proc.pid
-
     def _next_answer(self, timeout, doing):
         answer = self._reports.next_answer(timeout)
         if answer is not None:
