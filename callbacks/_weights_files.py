@@ -8,6 +8,8 @@ import json
 import logging
 import os
 
+import tensorflow as tf
+
 from keras_ps.backups import _chain
 from keras_ps.errors import BackupCorruptError
 
@@ -89,3 +91,18 @@ def load(model, directory, state, mismatch):
             previous.get("serial"), previous.get("epoch"),
             previous.get("step"))
     return load(model, directory, previous, mismatch)
+
+
+def load_keeping(model, path, kept):
+    """Loads the weights file at `path` into `model`, except the variables
+    in `kept`, which keep their values."""
+    # A copy of each kept variable on its own ps (nothing travels through
+    # the chief), written back after the file, which holds every variable,
+    # was loaded.
+    copies = []
+    for variable in kept:
+        with tf.device(variable.device):
+            copies.append(tf.identity(variable))
+    model.load_weights(path)
+    for variable, copy in zip(kept, copies):
+        variable.assign(copy)

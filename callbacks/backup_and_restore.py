@@ -7,8 +7,7 @@ import os
 import shutil
 import sys
 
-import tensorflow as tf
-
+from keras_ps.callbacks import _backup_cost
 from keras_ps.callbacks import _backup_modes
 from keras_ps.callbacks import _state_file
 from keras_ps.callbacks import _weights_files
@@ -54,7 +53,10 @@ class BackupAndRestore(ResumableCallback):
             `keras_ps.errors.BackupDirInUseError`).
         save_freq: `"epoch"` (at each epoch end), an integer `N` (every `N`
             steps, and at each epoch end), or False (only before a
-            preemption: needs `save_before_preemption=True`).
+            preemption: needs `save_before_preemption=True`). Each
+            backup's INFO log line says how long training waited for it; an
+            epoch whose backups took a quarter of it is warned of once per
+            `fit`, naming a save_freq that would bring that near 5%.
         delete_checkpoint: delete `backup_dir` when training finishes.
         save_before_preemption: True: SIGTERM (a preemption notice, a pod
             deletion, `docker stop`) during `fit` waits for the next step
@@ -199,6 +201,7 @@ class BackupAndRestore(ResumableCallback):
         self._incremental_path = os.path.join(self.backup_dir,
                                               _INCREMENTAL_FOLDER)
         self._incremental = None
+        self._cost = _backup_cost.BackupCost()
 
     # -- what fit asks ------------------------------------------------------------
     def resume_position(self):
@@ -219,6 +222,7 @@ class BackupAndRestore(ResumableCallback):
         _checks.check_environment()  # not at the first backup, after steps
         _checks.make_directory(self.backup_dir, "backup_dir")
         self._lock.acquire()  # held until fit ends (on_train_end, on_fit_exit)
+        self._cost.begin_fit()
         try:
             self._begin()
         except BaseException:
@@ -297,19 +301,10 @@ class BackupAndRestore(ResumableCallback):
                 **self._incremental_options)
             state = backup.restore(devices=devices).metadata
         else:
-            kept = [v for i in range(strategy.num_ps) if i not in lost
-                    for v in strategy.variables_on_ps(i)]
-            # A copy of each kept variable on its own ps (nothing travels
-            # through the chief), written back after the weights file,
-            # which holds every variable, was loaded.
-            copies = []
-            for variable in kept:
-                with tf.device(variable.device):
-                    copies.append(tf.identity(variable))
-            self.model.load_weights(os.path.join(self.backup_dir,
-                                                 state["weights"]))
-            for variable, copy in zip(kept, copies):
-                variable.assign(copy)
+            _weights_files.load_keeping(
+                self.model, os.path.join(self.backup_dir, state["weights"]),
+                [v for i in range(strategy.num_ps) if i not in lost
+                 for v in strategy.variables_on_ps(i)])
         logger.warning("[chief] restored the variables of ps %s (%d) from "
                        "the backup of epoch %d, step %d; the other ps kept "
                        "theirs", sorted(lost), len(lost_variables),
@@ -354,6 +349,7 @@ class BackupAndRestore(ResumableCallback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        self._cost.begin_epoch()
         self._last_step_seen = -1
         if self._resume is not None and epoch == self._resume[0]:
             self._last_step_seen = self._resume[1] - 1
@@ -371,6 +367,7 @@ class BackupAndRestore(ResumableCallback):
     def on_epoch_end(self, epoch, logs=None):
         if self.save_freq is not False or self._notice.received:
             self._backup(epoch + 1, 0)
+        self._cost.end_epoch(epoch + 1, self.save_freq)
         self._end_if_preempted()
 
     def on_train_end(self, logs=None):
@@ -378,6 +375,7 @@ class BackupAndRestore(ResumableCallback):
         if self._notice.received and self._newest_backup_at != end:
             self._backup(*end)  # a job started again finds training done
         self._finish_writes()
+        logger.info("[chief] %s", self._cost.summary())
         if self._notice.received:
             logger.warning("[chief] training ended after SIGTERM: %s is "
                            "kept", self.backup_dir)
@@ -424,6 +422,7 @@ class BackupAndRestore(ResumableCallback):
     def _backup(self, epoch, step):
         # Wait for the steps in flight, so the backup holds every step it counts.
         ClusterCoordinator(self.model.distribute_strategy).join()
+        started = self._cost.started()
         self._serial += 1
         extra = {key: provide() for key, provide in self.state_providers.items()}
         state = {"epoch": epoch, "step": step, "serial": self._serial,
@@ -441,8 +440,9 @@ class BackupAndRestore(ResumableCallback):
                                  self.double_checkpoint)
         self._steps_since_save = 0
         self._newest_backup_at = (epoch, step)
-        logger.info("[chief] backup %d written: epoch %d, step %d",
-                    self._serial, epoch, step)
+        logger.info("[chief] backup %d written: epoch %d, step %d (training "
+                    "waited %.2f s)", self._serial, epoch, step,
+                    self._cost.written(started))
 
     def _read_state(self):
         return _state_file.read(self._state_path, self._incremental_path)
