@@ -238,12 +238,21 @@ def _last_line(path):
     return f" (its last words: {lines[-1].strip()!r})" if lines else ""
 
 
-def _alive(pid):
+def stat_state(path):
+    """The state letter in a /proc stat file (`/proc/PID/stat`,
+    `/proc/PID/task/TID/stat`), or None when it cannot be read (the process
+    or thread is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+        with open(path) as f:
+            # "pid (comm) state ...": comm may hold spaces and ")".
+            return f.read().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _alive(pid):
+    state = stat_state(f"/proc/{pid}/stat")
+    return state is not None and state not in "ZX"
 
 
 # The fork server's side.

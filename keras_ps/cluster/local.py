@@ -94,14 +94,9 @@ def wait_until_stopped(pid, timeout=60.0):
     """
     deadline = time.monotonic() + timeout
     while True:
-        states = []
-        for path in glob.glob(f"/proc/{pid}/task/*/stat"):
-            try:
-                with open(path) as f:
-                    # "pid (comm) state ...": comm may hold spaces and ")".
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except (OSError, IndexError):  # a thread that just ended
-                continue
+        states = [state for state in map(
+            _forks.stat_state, glob.glob(f"/proc/{pid}/task/*/stat"))
+            if state is not None]  # None: a thread that just ended
         # t: stopped under a debugger; Z, X: the process is gone.
         if all(state in "tTZX" for state in states):
             return
