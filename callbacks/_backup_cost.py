@@ -3,7 +3,9 @@ it: the time training waited for each backup, from the end of the steps in
 flight to the backup's publication (the steps' own time, the join before
 it, is training and not counted), and a warning, once per `fit`, when the
 backups of an epoch took a large share of it, with a `save_freq` that would
-bring that share near `TARGET_SHARE`."""
+bring that share near `TARGET_SHARE`. The first backup of a `fit` is left
+out of the share: with incremental backups it is the full one, whose cost
+`save_freq` does not change."""
 
 import logging
 import math
@@ -50,10 +52,11 @@ def advice(epoch, waited, backups, epoch_seconds, save_freq):
             f"({waited:.1f} s of {epoch_seconds:.1f} s: {backups} backup(s), "
             f"{waited / backups:.2f} s each, save_freq={save_freq!r}). ")
     if isinstance(save_freq, int):
-        fix = (f"A save_freq of about {suggested_save_freq(save_freq, share)}"
-               f" would bring that near {TARGET_SHARE:.0%}; a lost ps or "
-               "coordinator then rolls back up to that many steps (shards, "
-               "with a ShardedInput).")
+        fix = (f"A save_freq of {suggested_save_freq(save_freq, share)} or "
+               f"more would bring that near {TARGET_SHARE:.0%} (more if each "
+               "backup then costs more: a delta over more steps holds more "
+               "rows); a lost ps or coordinator then rolls back up to that "
+               "many steps (shards, with a ShardedInput).")
     else:
         fix = ("Longer epochs (steps_per_epoch) back up less often; a lost "
                "ps or coordinator then rolls back up to an epoch.")
@@ -85,6 +88,7 @@ class BackupCost:
         self._epoch_began = self._clock()
         self._epoch_seconds = 0.0
         self._epoch_backups = 0
+        self._epoch_left_out = 0.0  # the fit's first backup
 
     def started(self):
         """A backup starts (the steps in flight have ended): its start."""
@@ -94,8 +98,11 @@ class BackupCost:
         """The backup begun at `started` is published; returns the seconds
         training waited for it."""
         seconds = self._clock() - started
-        self._epoch_seconds += seconds
-        self._epoch_backups += 1
+        if self.total_backups == 0:
+            self._epoch_left_out += seconds
+        else:
+            self._epoch_seconds += seconds
+            self._epoch_backups += 1
         self.total_seconds += seconds
         self.total_backups += 1
         return seconds
@@ -103,8 +110,9 @@ class BackupCost:
     def end_epoch(self, epoch, save_freq):
         """The epoch (its last backup written) ends: warns, once per `fit`,
         when its backups took `WARN_SHARE` of it or more."""
+        elapsed = self._clock() - self._epoch_began - self._epoch_left_out
         said = advice(epoch, self._epoch_seconds, self._epoch_backups,
-                      self._clock() - self._epoch_began, save_freq)
+                      elapsed, save_freq)
         if said is not None and not self._warned:
             self._warned = True
             logger.warning("[chief] %s", said)
