@@ -2,8 +2,8 @@
 it: the time training waited for each backup, from the end of the steps in
 flight to the backup's publication (the steps' own time, the join before
 it, is training and not counted), and a warning, once per `fit`, when the
-backups of an epoch took a large share of it, with a `save_freq` that would
-bring that share near `TARGET_SHARE`. The first backup of a `fit` is left
+backups of an epoch took a large share of it, with the smallest `save_freq`
+that could bring that share near `TARGET_SHARE`. The first backup of a `fit` is left
 out of the share: with incremental backups it is the full one, whose cost
 `save_freq` does not change."""
 
@@ -23,7 +23,7 @@ def suggested_save_freq(save_freq, share, target=TARGET_SHARE):
     """The `save_freq` (steps) whose backups would take about `target` of
     the time, given that backups every `save_freq` steps took `share` of
     it; each backup is assumed to cost what it did (a delta covering more
-    steps holds more rows, so the share found is somewhat higher).
+    steps holds more rows, so the share found is higher: a lower bound).
 
     Args:
         save_freq: steps between two backups, a positive integer.
