@@ -52,11 +52,12 @@ def advice(epoch, waited, backups, epoch_seconds, save_freq):
             f"({waited:.1f} s of {epoch_seconds:.1f} s: {backups} backup(s), "
             f"{waited / backups:.2f} s each, save_freq={save_freq!r}). ")
     if isinstance(save_freq, int):
-        fix = (f"A save_freq of {suggested_save_freq(save_freq, share)} or "
-               f"more would bring that near {TARGET_SHARE:.0%} (more if each "
-               "backup then costs more: a delta over more steps holds more "
-               "rows); a lost ps or coordinator then rolls back up to that "
-               "many steps (shards, with a ShardedInput).")
+        fix = ("Backing up less often costs less, but less than in "
+               "proportion (a delta over more steps holds more rows): for "
+               f"that share to fall near {TARGET_SHARE:.0%}, save_freq must "
+               f"be {suggested_save_freq(save_freq, share)} at the very "
+               "least, and a lost ps or coordinator then rolls back up to "
+               "that many steps (shards, with a ShardedInput).")
     else:
         fix = ("Longer epochs (steps_per_epoch) back up less often; a lost "
                "ps or coordinator then rolls back up to an epoch.")

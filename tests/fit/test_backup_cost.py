@@ -67,7 +67,7 @@ def test_an_epoch_over_a_quarter_is_warned_of_once_per_fit(caplog):
     [record] = caplog.records
     assert ("Backups held training for 50% of epoch 2 (4.0 s of 8.0 s: 4 "
             "backup(s), 1.00 s each, save_freq=100)") in record.getMessage()
-    assert "A save_freq of 1900 or more would bring that near 5%" in (
+    assert "near 5%, save_freq must be 1900 at the very least" in (
         record.getMessage())
     epoch(step_seconds=1.0, backup_seconds=3.0, backups=1)  # 75%, same fit
     cost.end_epoch(3, 100)
@@ -139,11 +139,12 @@ def test_fit_says_what_its_backups_held_training(strategy, tmp_path, caplog,
         # out: 50%.
         assert warnings == [
             "[chief] Backups held training for 50% of epoch 1 (8.0 s of "
-            "16.0 s: 2 backup(s), 4.00 s each, save_freq=4). A save_freq of "
-            "76 or more would bring that near 5% (more if each "
-            "backup then costs more: a delta over more steps holds more "
-            "rows); a lost ps or coordinator then rolls back up to that many "
-            "steps (shards, with a ShardedInput). See 'How often to back up' "
-            "in docs/incremental_backups.md."], warnings
+            "16.0 s: 2 backup(s), 4.00 s each, save_freq=4). Backing up "
+            "less often costs less, but less than in proportion (a delta "
+            "over more steps holds more rows): for that share to fall near "
+            "5%, save_freq must be 76 at the very least, and a lost ps or "
+            "coordinator then rolls back up to that many steps (shards, with "
+            "a ShardedInput). See 'How often to back up' in "
+            "docs/incremental_backups.md."], warnings
     else:
         assert warnings == [], warnings
