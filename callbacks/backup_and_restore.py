@@ -55,8 +55,9 @@ class BackupAndRestore(ResumableCallback):
             steps, and at each epoch end), or False (only before a
             preemption: needs `save_before_preemption=True`). Each
             backup's INFO log line says how long training waited for it; an
-            epoch whose backups took a quarter of it is warned of once per
-            `fit`, naming a save_freq that would bring that near 5%.
+            epoch whose backups took a quarter of it or more is warned of
+            once per `fit`, naming the least save_freq that could bring that
+            near 5%.
         delete_checkpoint: delete `backup_dir` when training finishes.
         save_before_preemption: True: SIGTERM (a preemption notice, a pod
             deletion, `docker stop`) during `fit` waits for the next step
