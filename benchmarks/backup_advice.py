@@ -1,7 +1,8 @@
 """What following BackupAndRestore's advice on save_freq costs training.
 
 BackupAndRestore warns when an epoch's backups held training for a quarter
-of it or more, naming a save_freq that would bring that near 5%. This runs
+of it or more, naming the least save_freq that could bring that near 5%
+(each backup costing what it did). This runs
 `Model.fit` as a user would, with `keras_ps.callbacks.BackupAndRestore` (its
 default `incremental="auto"`: incremental at these sizes), on the model and
 data of incremental_backups.py (Embedding(R, 64) over 2 ps, 2 workers,
@@ -15,9 +16,8 @@ in-process cluster, LazyAdam, Zipf ids), each run in its own process:
 
 For each run with backups: steps/s over the epochs after the first (the
 first holds the traces and the first, full, backup) against the mean of
-runs 1 and 4, and what the callback logged: the time each backup held
-training and the share of each epoch it reported (its first backup left
-out, as the warning does).
+the two runs without backups, and what the callback logged: the time each
+backup held training, its warning, and its line at the end of `fit`.
 
     .venv/bin/python benchmarks/backup_advice.py --rows 10000000 --json
     .venv/bin/python benchmarks/backup_advice.py --rows 10000000 \

@@ -3,9 +3,9 @@ it: the time training waited for each backup, from the end of the steps in
 flight to the backup's publication (the steps' own time, the join before
 it, is training and not counted), and a warning, once per `fit`, when the
 backups of an epoch took a large share of it, with the smallest `save_freq`
-that could bring that share near `TARGET_SHARE`. The first backup of a `fit` is left
-out of the share: with incremental backups it is the full one, whose cost
-`save_freq` does not change."""
+that could bring that share near `TARGET_SHARE`. The first backup of a
+`fit` is left out of the share: with incremental backups it is the full
+one, whose cost `save_freq` does not change."""
 
 import logging
 import math
@@ -74,7 +74,6 @@ class BackupCost:
 
     def __init__(self, clock=time.monotonic):
         self._clock = clock
-        self._warned = False
         self.begin_fit()
 
     def begin_fit(self):
