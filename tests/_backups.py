@@ -6,12 +6,12 @@ loop's IncrementalBackup)."""
 import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
 
 from _paths import TESTS
 from _polling import wait_until
+from _results import start_child
 
 
 def read_backup_state(backup_dir):
@@ -54,11 +54,10 @@ def holding_job(spec, backup_dir, mode="hold", timeout=180):
     its first backup. Yields its Popen once it said so, with `.output()`
     (its lines so far); SIGKILLed on the way out unless the test ended
     it."""
-    job = subprocess.Popen(
+    job = start_child(
         [sys.executable, os.path.join(TESTS, "_fit_job.py"), mode,
          json.dumps({k: list(v) for k, v in spec.items()}), backup_dir],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True,
+        stdin=True,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONUNBUFFERED="1",
                  PYTHONFAULTHANDLER="1"))
     lines = []

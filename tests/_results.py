@@ -67,3 +67,20 @@ def run_child(command, timeout, **popen_kwargs):
         raise AssertionError(
             f"{command[1:]} timed out after {timeout} s:\n{output[-12000:]}")
     return job.returncode, output
+
+
+def start_child(command, env=None, cwd=None, stdin=False):
+    """Starts `command` as `subprocess.Popen(command, stdout=PIPE,
+    stderr=STDOUT, text=True, env=env, cwd=cwd)` would (with `stdin=PIPE`
+    if `stdin`), for a test that signals it or reads it as it runs. A Python
+    script is forked from the zygote, as in `run_child`; the job has a
+    session of its own either way."""
+    if command[0] == sys.executable and len(command) > 1 \
+            and command[1].endswith(".py"):
+        import _zygote
+
+        return _zygote.start(command, env=env, cwd=cwd, stdin=stdin)
+    return subprocess.Popen(
+        command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        bufsize=1 if stdin else -1, env=env, cwd=cwd, start_new_session=True)

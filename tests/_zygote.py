@@ -12,7 +12,9 @@ as `python script args` does, from the zygote's top level: its exceptions,
 `sys.exit`, atexit handlers and interpreter shutdown are Python's own.
 
 `run(command, timeout, env, cwd)` is what `_results.run_child` uses for
-`[sys.executable, "script.py", ...]`.
+`[sys.executable, "script.py", ...]`; `start(command, env, cwd, stdin)` what
+`_results.start_child` uses, for a job the test signals or talks to while
+it runs.
 """
 
 import json
@@ -49,11 +51,14 @@ class Zygote:
     def gone(self):
         return self._reports.gone
 
-    def spawn(self, argv, env, cwd, output_fd):
-        """Forks a job running `python *argv`; returns its pid."""
+    def spawn(self, argv, env, cwd, output_fd, input_fd=None):
+        """Forks a job running `python *argv`, its stdout and stderr on
+        `output_fd`, its stdin from `input_fd` (or /dev/null); returns its
+        pid."""
         request = json.dumps({"argv": argv, "env": env, "cwd": cwd}).encode()
+        fds = [output_fd] + ([] if input_fd is None else [input_fd])
         with self._lock:
-            socket.send_fds(self._sock, [request], [output_fd])
+            socket.send_fds(self._sock, [request], fds)
             answer = self._reports.next_answer(120)
         if answer is None:
             raise RuntimeError("the test zygote is gone")
@@ -111,6 +116,74 @@ def run(command, timeout, env=None, cwd=None):
     return code, b"".join(chunks).decode(errors="replace")
 
 
+class Job:
+    """A job forked from the zygote, used as a `subprocess.Popen` started
+    with `stdout=PIPE, stderr=STDOUT, text=True` (and `stdin=PIPE`) is:
+    `pid`, `stdout`, `stdin`, `poll`, `wait`, `send_signal`, `terminate`,
+    `kill`, `returncode` (negative for a signal). Its exit code comes from
+    the zygote, its parent."""
+
+    def __init__(self, zygote, args, pid, stdout, stdin):
+        self._zygote = zygote
+        self.args, self.pid, self.stdout, self.stdin = args, pid, stdout, stdin
+        self.returncode = None
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self._zygote.wait(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self._zygote.wait(self.pid, timeout)
+        if self.returncode is None and self._zygote.gone:
+            raise AssertionError(f"{self.args[1:]}: the zygote it was forked "
+                                 "from ended, and with it the exit code")
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # exited since; the zygote reports its code
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+
+def start(command, env=None, cwd=None, stdin=False):
+    """`command` ([sys.executable, script, ...]) forked from the zygote, as
+    a `Job`: its output (stdout and stderr) readable as text from
+    `job.stdout`, its stdin writable (line-buffered) from `job.stdin` with
+    `stdin`."""
+    zygote = _the_zygote()
+    read_end, write_end = os.pipe()
+    in_read, in_write = os.pipe() if stdin else (None, None)
+    try:
+        pid = zygote.spawn(command[1:], dict(os.environ if env is None
+                                             else env), cwd, write_end,
+                           in_read)
+    except BaseException:
+        for fd in (read_end, in_write):
+            if fd is not None:
+                os.close(fd)
+        raise
+    finally:
+        for fd in (write_end, in_read):
+            if fd is not None:
+                os.close(fd)
+    return Job(zygote, command, pid,
+               os.fdopen(read_end, "r", encoding="utf-8", errors="replace"),
+               None if in_write is None else
+               os.fdopen(in_write, "w", buffering=1, encoding="utf-8"))
+
+
 def _read_all(fd, chunks):
     with os.fdopen(fd, "rb") as f:
         for chunk in iter(lambda: f.read1(65536), b""):
@@ -136,7 +209,7 @@ def _serve(sock):
             _forks.reap(send)
         if sock not in readable:
             continue
-        data, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 1)
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_REQUEST, 2)
         if not data:  # the test process is gone
             os._exit(0)
         pid = os.fork()
@@ -146,18 +219,23 @@ def _serve(sock):
             for fd in (wakeup_r, wakeup_w):
                 os.close(fd)
             sock.close()
-            return json.loads(data), fds[0]
-        os.close(fds[0])
+            return json.loads(data), fds
+        for fd in fds:
+            os.close(fd)
         send({"pid": pid})
         _forks.reap(send)
 
 
-def _become_job(request, output):
-    """In the forked child: the process `python argv...` would be."""
+def _become_job(request, fds):
+    """In the forked child: the process `python argv...` would be, its
+    output on fds[0] and its stdin from fds[1] if given."""
     import random
 
     os.setsid()
-    _forks.redirect_stdio(output)
+    _forks.redirect_stdio(fds[0])
+    if len(fds) > 1:
+        os.dup2(fds[1], 0)
+        os.close(fds[1])
     # The zygote's keras_ps (for `_forks.reap`) is not the job's: the job
     # imports its own, which sets its defaults in the job's environment.
     for name in [n for n in sys.modules

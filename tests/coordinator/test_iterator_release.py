@@ -10,7 +10,6 @@ destroyed. The same holds for the iterators of a custom loop that it drops.
 
 import gc
 import os
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from _open_files import open_on, reading_iterator, write_records
 from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
+from _results import run_child
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -101,12 +101,12 @@ def test_release_iterators_names_what_it_takes(coordinator):
 def test_release_goes_on_through_a_worker_killed_and_restarted():
     """A worker killed after a release (its iterator then dropped the plain
     way), restarted and re-admitted: its line is made again and holds."""
-    proc = subprocess.run(
+    code, output = run_child(
         [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
-         "release_after_restart"], capture_output=True, text=True,
-        timeout=160, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = last_report(proc.stdout)
+         "release_after_restart"], 160,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert code == 0, output[-6000:]
+    result = last_report(output)
     assert result["readmitted"] is True
     # Before the kill, both workers read and hold the first file.
     assert result["first"] == [1, 1]
@@ -116,4 +116,4 @@ def test_release_goes_on_through_a_worker_killed_and_restarted():
     assert result["reading"] == [1, 1]
     assert result["freed"] == [0, 0]
     # Nothing the lost worker's line failed on is printed at exit.
-    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+    assert "Exception ignored" not in output, output[-3000:]

@@ -6,7 +6,6 @@ clear error, and the same script run again resumes from the backup. Each runs in
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -16,6 +15,7 @@ from _backups import read_backup_state
 from _paths import TESTS
 from _results import last_report
 from _results import run_child
+from _results import start_child
 
 JOB = os.path.join(TESTS, "_fit_job.py")
 
@@ -35,8 +35,7 @@ def test_backup_and_restore_after_coordinator_sigkill(cluster, tmp_path):
     backup_dir = str(tmp_path / "backup")
     spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
     args = [sys.executable, JOB, "backup", spec, backup_dir]
-    job = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    job = start_child(args, env=_env())
     try:
         # Kill the coordinator once a mid-epoch backup of epoch 1 exists.
         deadline = time.monotonic() + 180

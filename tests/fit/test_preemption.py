@@ -23,6 +23,8 @@ from keras_ps.training._fit_epochs import SHORT_LEAD_PER_WORKER
 from _backups import read_backup_state
 from _paths import TESTS
 from _results import last_report
+from _results import run_child
+from _results import start_child
 
 JOB = os.path.join(TESTS, "_fit_job.py")
 # tests/_fit_job.py preempt: 2 epochs of 100 steps, 2 steps an execution.
@@ -40,11 +42,10 @@ def _args(cluster, backup_dir, mode):
 
 
 def _again(cluster, backup_dir):
-    again = subprocess.run(_args(cluster, backup_dir, "-"), env=_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=200)
-    assert again.returncode == 0, again.stdout[-3000:]
-    return last_report(again.stdout)
+    code, output = run_child(_args(cluster, backup_dir, "-"), 200,
+                             env=_env())
+    assert code == 0, output[-3000:]
+    return last_report(output)
 
 
 def _pid_1_prefix():
@@ -73,9 +74,7 @@ def test_sigterm_mid_epoch_backs_up_then_ends_and_the_job_resumes_there(
         if prefix is None:
             pytest.skip(why_not)
     backup_dir = str(tmp_path / "backup")
-    job = subprocess.Popen(prefix + _args(cluster, backup_dir, "mid"),
-                           env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    job = start_child(prefix + _args(cluster, backup_dir, "mid"), env=_env())
     output = []
     try:
         for line in job.stdout:
@@ -118,11 +117,10 @@ def test_sigterm_after_the_last_step_keeps_a_backup_of_the_finished_training(
     # backup of the end is written and kept, so the job started again finds
     # training done instead of starting over.
     backup_dir = str(tmp_path / "backup")
-    ended = subprocess.run(_args(cluster, backup_dir, "at_end"), env=_env(),
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                           text=True, timeout=200)
-    assert ended.returncode == -signal.SIGTERM, ended.stdout[-3000:]
-    assert "training ended after SIGTERM" in ended.stdout, ended.stdout[-3000:]
+    code, output = run_child(_args(cluster, backup_dir, "at_end"), 200,
+                             env=_env())
+    assert code == -signal.SIGTERM, output[-3000:]
+    assert "training ended after SIGTERM" in output, output[-3000:]
     state = read_backup_state(backup_dir)
     assert (state["epoch"], state["step"]) == (EPOCHS, 0), state
 

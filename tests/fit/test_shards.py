@@ -9,7 +9,6 @@ leaving, and a coordinator SIGKILLed and rerun with BackupAndRestore."""
 import json
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
@@ -19,6 +18,7 @@ from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
 from _results import run_child
+from _results import start_child
 from keras_ps.shards.ledger import (ShardLedger, ShardState,
                                     ShardTransitionError)
 
@@ -428,8 +428,7 @@ def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
     spec = json.dumps({k: list(v) for k, v in cluster.spec.items()})
     args = [sys.executable, JOB, "backup", str(tmp_path / "data"), spec,
             backup_dir]
-    job = subprocess.Popen(args, env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+    job = start_child(args, env=_env())
     try:
         # Kill once a backup of epoch 1 holds 6 shards done.
         def mid_epoch_backup():
@@ -451,10 +450,9 @@ def test_coordinator_sigkill_rerun_skips_shards_already_done(cluster,
     # done shards than the callbacks had seen (its step).
     assert len(done_before) >= killed_at["step"] >= 6
 
-    again = subprocess.run(args, env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True, timeout=200)
-    assert again.returncode == 0, again.stdout[-3000:]
-    result = _result(again.stdout)
+    code, output = run_child(args, 200, env=_env())
+    assert code == 0, output[-3000:]
+    result = _result(output)
     assert result["history_epochs"] == [1], result
     # The rerun resumed at the backup's position, from the backup's ledger,
     # and handed out only the shards not done in it.

@@ -24,6 +24,7 @@ import keras_ps
 from _paths import REPO
 from _polling import wait_until
 from _results import reports
+from _results import run_child
 from keras_ps import evaluator as evaluator_cli
 from keras_ps.sidecar import evaluator as evaluation
 from keras_ps.sidecar import format as fmt
@@ -351,17 +352,17 @@ def test_training_and_evaluator_processes(tmp_path):
         text=True)
     train_env = {k: v for k, v in env.items() if k != "TF_CONFIG"}
     try:
-        trainer = subprocess.run(
-            [sys.executable, JOB, "train", ckpt, logs, str(epochs)], cwd=REPO,
-            env=train_env, capture_output=True, text=True, timeout=360)
-        assert trainer.returncode == 0, trainer.stderr[-3000:]
+        code, trained = run_child(
+            [sys.executable, JOB, "train", ckpt, logs, str(epochs)], 360,
+            cwd=REPO, env=train_env)
+        assert code == 0, trained[-3000:]
         out, _ = evaluator.communicate(timeout=120)
     finally:
         if evaluator.poll() is None:
             evaluator.kill()
             evaluator.communicate()
     assert evaluator.returncode == 0, out[-3000:]
-    result = reports(trainer.stdout)[0]
+    result = reports(trained)[0]
     assert result["embedding_shards"] == 2          # trained sharded
     assert result["iterations"] == epochs * 10
 
@@ -381,7 +382,7 @@ def test_training_and_evaluator_processes(tmp_path):
     assert evaluated[-1] == names[-1]
     for name in skipped:
         assert f"skipped checkpoint {name}" in out
-    if "PACE timeout" not in trainer.stdout:
+    if "PACE timeout" not in trained:
         assert evaluated == names
 
     # Event files: one value per evaluated checkpoint, at its training step.

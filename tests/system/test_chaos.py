@@ -3,25 +3,24 @@
 at-least-once slack more), the result matches an undisturbed run."""
 
 import os
-import subprocess
 import sys
 
 import pytest
 
 from _paths import REPO
 from _results import last_report
+from _results import run_child
 
 CHAOS = os.path.join(REPO, "benchmarks", "chaos.py")
 MAX_PACK, PER_EXECUTION = 16, 2
 
 
 def _run(kills, stops, timeout):
-    proc = subprocess.run(
+    code, output = run_child(
         [sys.executable, CHAOS, "--kills", str(kills), "--stops", str(stops)],
-        capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "KERAS_PS_HANG_TIMEOUT": "3"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return last_report(proc.stdout)
+        timeout, env={**os.environ, "KERAS_PS_HANG_TIMEOUT": "3"})
+    assert code == 0, output[-6000:]
+    return last_report(output)
 
 
 def _check(report, kills, stops):

@@ -5,23 +5,23 @@ counts, and must print the numbers the tutorial promises."""
 import glob
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
 from _paths import REPO as ROOT  # noqa: E402
+from _results import run_child
 TUTORIALS = os.path.join(ROOT, "tutorials")
 
 
 def run_tutorial(name, *args, timeout=150):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("TF_CONFIG", None)  # a local cluster, not the caller's
-    result = subprocess.run(
-        [sys.executable, os.path.join(TUTORIALS, name), *args],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
+    code, output = run_child(
+        [sys.executable, os.path.join(TUTORIALS, name), *args], timeout,
+        env=env, cwd=ROOT)
+    assert code == 0, output[-6000:]
+    return output
 
 
 def number(pattern, text):

@@ -3,11 +3,13 @@ process `python script args` would be, as far as the tests can tell."""
 
 import os
 import signal
+import subprocess
 import sys
 
 import pytest
 
 from _results import run_child
+from _results import start_child
 
 _SCRIPT = """
 import faulthandler, os, signal, sys, time
@@ -61,3 +63,39 @@ def test_a_forked_job_is_the_process_python_would_start(tmp_path):
                        r"Current thread.*in <module>"):
         run_child([sys.executable, str(script), "hang"], 3, env=env,
                   cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+_TALKING_SCRIPT = """
+import sys, time
+print("READY", flush=True)
+line = sys.stdin.readline()
+print("GOT", line.strip(), flush=True)
+if line.strip() == "wait":
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_started_job_reads_its_stdin_and_ends_by_the_signal_sent(tmp_path):
+    # As subprocess.Popen with stdout=PIPE, stderr=STDOUT, stdin=PIPE: the
+    # test talks to the job, signals it and reads its exit code.
+    script = tmp_path / "talk.py"
+    script.write_text(_TALKING_SCRIPT)
+    job = start_child([sys.executable, str(script)], stdin=True)
+    try:
+        assert job.stdout.readline() == "READY\n"
+        assert job.poll() is None
+        job.stdin.write("wait\n")
+        assert job.stdout.readline() == "GOT wait\n"
+        with pytest.raises(subprocess.TimeoutExpired):
+            job.wait(0.5)
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(60) == -signal.SIGTERM == job.poll()
+        assert job.stdout.read() == ""
+    finally:
+        job.kill()
+    # A job that ends by itself, its stdin closed.
+    job = start_child([sys.executable, str(script)], stdin=True)
+    job.stdin.close()
+    assert job.wait(60) == 0
+    assert job.stdout.read() == "READY\nGOT \n"
