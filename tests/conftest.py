@@ -15,12 +15,16 @@ import pytest  # noqa: E402
 # The files that take longest (their own clusters and coordinator jobs, a
 # few minutes each), started first: the two test processes (-n 2 --dist
 # loadfile) then end close together instead of one running a long file
-# alone at the end. The Docker tests come after these, once the image
-# .ci/run builds in the background is likely ready.
+# alone at the end. In an order that gives the files that mostly wait
+# (for a timeout, a stuck call, a silent ps: test_ps_recovery,
+# test_stuck_calls) a file beside them that keeps the cores busy, instead
+# of two waiting files side by side with the cores idle. The Docker tests
+# come after these, once the image .ci/run builds in the background is
+# likely ready.
 LONGEST_FIRST = [
     "fit/test_incremental_backups.py", "fit/test_ps_recovery.py",
     "sharding/test_dynamic_embedding.py", "fit/test_shards.py",
-    "system/test_tutorials.py",
+    "system/test_tutorials.py", "coordinator/test_stuck_calls.py",
     "coordinator/test_worker_faults.py", "fit/test_fit_faults.py",
     "sharding/test_dynamic_incremental.py", "system/test_docker.py",
 ]

@@ -9,6 +9,17 @@ import textwrap
 
 import pytest
 
+from _results import run_child
+
+
+def _script(directory, text):
+    """`text` as a script file in `directory`, for `run_child`, which forks
+    a script from the zygote (TF and Keras imported, no TF context made)."""
+    path = directory / "script.py"
+    path.write_text(text)
+    return str(path)
+
+
 # A daemon thread traces a function of 4,000 ops in a section; the main
 # thread returns as soon as the trace has begun, so the interpreter exits
 # while it runs. Only a process that waits for the section writes `done`.
@@ -43,9 +54,9 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.timeout(120)
 def test_exit_waits_for_a_trace_under_way(tmp_path):
     marker = tmp_path / "marker"
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(marker)],
-                          capture_output=True, text=True, timeout=100)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, output = run_child(
+        [sys.executable, _script(tmp_path, SCRIPT), str(marker)], 100)
+    assert code == 0, output[-3000:]
     assert marker.read_text() == "done"
 
 
@@ -192,17 +203,17 @@ COMPACTION_SCRIPT = textwrap.dedent("""
                                     2])
 def test_a_script_ending_during_a_compaction_stops_it_and_exits(num_ps,
                                                                 tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", COMPACTION_SCRIPT, str(tmp_path / "backup"),
-         str(num_ps)], capture_output=True, text=True, timeout=280,
+    code, output = run_child(
+        [sys.executable, _script(tmp_path, COMPACTION_SCRIPT),
+         str(tmp_path / "backup"), str(num_ps)], 280,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     # The user's error, then an exit that stopped the compaction at its
     # next block (not after its thousands of blocks), never an abort.
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    assert "RuntimeError: the user's error while compacting" in proc.stderr
-    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    assert code == 1, output[-3000:]
+    assert "RuntimeError: the user's error while compacting" in output
+    assert "terminate called" not in output, output[-3000:]
     assert "being written in the background is dropped: the process " \
-           "exits" in proc.stderr, proc.stderr[-3000:]
+           "exits" in output, output[-3000:]
 
 
 # The per-ps backup threads' sections are counted before the threads start.
