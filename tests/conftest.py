@@ -17,15 +17,18 @@ import pytest  # noqa: E402
 # loadfile) then end close together instead of one running a long file
 # alone at the end. In an order that gives the files that mostly wait
 # (for a timeout, a stuck call, a silent ps: test_ps_recovery,
-# test_stuck_calls) a file beside them that keeps the cores busy, instead
-# of two waiting files side by side with the cores idle. The Docker tests
-# come after these, once the image .ci/run builds in the background is
-# likely ready.
+# test_stuck_calls, test_worker_faults) a file beside them that keeps the
+# cores busy, instead of two waiting files side by side with the cores
+# idle (measured from the suite's durations and the machine's idle time;
+# the two test processes take these files as they become free). The
+# Docker tests come after these, once the image .ci/run builds in the
+# background is likely ready.
 LONGEST_FIRST = [
     "fit/test_incremental_backups.py", "fit/test_ps_recovery.py",
     "sharding/test_dynamic_embedding.py", "fit/test_shards.py",
     "system/test_tutorials.py", "coordinator/test_stuck_calls.py",
-    "coordinator/test_worker_faults.py", "fit/test_fit_faults.py",
+    "fit/test_fit.py", "coordinator/test_worker_faults.py",
+    "fit/test_fit_faults.py",
     "sharding/test_dynamic_incremental.py", "system/test_docker.py",
 ]
 
