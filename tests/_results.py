@@ -37,6 +37,13 @@ def last_report(output, code=None):
     return found[-1]
 
 
+def _is_script(command):
+    """Whether `command` is `[sys.executable, "script.py", ...]`, which the
+    test zygote can fork."""
+    return (command[0] == sys.executable and len(command) > 1
+            and command[1].endswith(".py"))
+
+
 def run_child(command, timeout, **popen_kwargs):
     """Runs `command` in its own process group; returns (exit code, output).
     On a timeout it asks the child for its threads' stacks (SIGUSR1), kills
@@ -45,9 +52,7 @@ def run_child(command, timeout, **popen_kwargs):
     A Python script (`[sys.executable, "job.py", ...]`, with `env` and `cwd`
     at most) is forked from a process that imported TF and Keras once
     (tests/_zygote.py): the same process otherwise, 2.5 s of CPU sooner."""
-    if (command[0] == sys.executable and len(command) > 1
-            and command[1].endswith(".py")
-            and set(popen_kwargs) <= {"env", "cwd"}):
+    if _is_script(command) and set(popen_kwargs) <= {"env", "cwd"}:
         import _zygote
 
         return _zygote.run(command, timeout, **popen_kwargs)
@@ -75,8 +80,7 @@ def start_child(command, env=None, cwd=None, stdin=False):
     if `stdin`), for a test that signals it or reads it as it runs. A Python
     script is forked from the zygote, as in `run_child`; the job has a
     session of its own either way."""
-    if command[0] == sys.executable and len(command) > 1 \
-            and command[1].endswith(".py"):
+    if _is_script(command):
         import _zygote
 
         return _zygote.start(command, env=env, cwd=cwd, stdin=stdin)
