@@ -85,35 +85,35 @@ def run(command, timeout, env=None, cwd=None):
     """(exit code, output) of `command` ([sys.executable, script, ...]),
     forked from the zygote; on a timeout, asks it for its threads' stacks
     (SIGUSR1), kills its process group and fails with its output."""
-    zygote = _the_zygote()
-    read_end, write_end = os.pipe()
-    try:
-        pid = zygote.spawn(command[1:], dict(os.environ if env is None
-                                             else env), cwd, write_end)
-    finally:
-        os.close(write_end)
-    chunks = []
-    reader = threading.Thread(target=_read_all, args=(read_end, chunks),
-                              daemon=True)
+    job = start(command, env, cwd)
+    chunks = []  # bytes as they come: a timeout shows what was written
+    reader = threading.Thread(target=_read_all,
+                              args=(job.stdout.buffer, chunks), daemon=True)
     reader.start()
-    code = zygote.wait(pid, timeout)
-    if code is None and zygote.gone:
-        raise AssertionError(f"{command[1:]}: the zygote it was forked from "
-                             "ended, and with it the job's exit code")
-    if code is None:
-        os.kill(pid, signal.SIGUSR1)
-        zygote.wait(pid, 5)
+    try:
+        code = job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        job.send_signal(signal.SIGUSR1)
+        _wait_quietly(job, 5)
         try:
-            os.killpg(pid, signal.SIGKILL)
+            os.killpg(job.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        zygote.wait(pid, 30)
+        _wait_quietly(job, 30)
         reader.join(30)
         output = b"".join(chunks).decode(errors="replace")
         raise AssertionError(
-            f"{command[1:]} timed out after {timeout} s:\n{output[-12000:]}")
+            f"{command[1:]} timed out after {timeout} s:\n{output[-12000:]}"
+        ) from None
     reader.join()  # until every holder of the pipe closed it, as Popen's
     return code, b"".join(chunks).decode(errors="replace")
+
+
+def _wait_quietly(job, timeout):
+    try:
+        job.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 class Job:
@@ -184,8 +184,8 @@ def start(command, env=None, cwd=None, stdin=False):
                os.fdopen(in_write, "w", buffering=1, encoding="utf-8"))
 
 
-def _read_all(fd, chunks):
-    with os.fdopen(fd, "rb") as f:
+def _read_all(f, chunks):
+    with f:
         for chunk in iter(lambda: f.read1(65536), b""):
             chunks.append(chunk)
 
