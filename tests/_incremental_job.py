@@ -264,6 +264,7 @@ def faults(by_shards, directory):
                                                   expected)
     train(resumed, 7)
     entry = resumed_writer.save()
+    resumed_writer.wait()  # the dropped folders deleted (in a thread)
     expected[entry.id] = values(resumed)
     chain = [e["id"] for e in _backup_chain.read(folder)["chains"][-1]]
     after_fallback = _restore_outcome(by_shards[3], folder, expected)[0]

@@ -322,16 +322,23 @@ class BackgroundWrites:
                            or {}, seconds=seconds)
 
     def wait(self):
-        """Waits for the delta being written in the background, if any.
+        """Waits for the delta being written in the background, if any, and
+        for the folders of dropped backups to be deleted.
 
         Returns:
-            Its BackupEntry once published (`seconds`: from the save to the
-            publication), or None when none was pending.
+            The delta's BackupEntry once published (`seconds`: from the save
+            to the publication), or None when none was pending.
 
         Raises:
             The error that stopped it (it was not published; the next
             backup holds its rows).
         """
+        try:
+            return self._wait_pending()
+        finally:
+            self._removal.wait()
+
+    def _wait_pending(self):
         with self._lock:
             pending, self._pending = self._pending, None
             return None if pending is None else pending.wait()
@@ -340,9 +347,10 @@ class BackgroundWrites:
         """Ends the delta being written in the background. Its failure is
         logged, but a failed write raises when `saving`: every later
         backup would fail the same way, and training must not go on
-        without them unnoticed."""
+        without them unnoticed. The folders of dropped backups may still
+        be being deleted."""
         try:
-            self.wait()
+            self._wait_pending()
         except BackupWriteError as error:
             if saving:
                 raise

@@ -186,8 +186,8 @@ class IncrementalBackup(_background.BackgroundWrites):
         self.background_compaction = bool(background_compaction)
         self.merge_below = merge_below
         self._compaction = None  # a full backup written in the background
-        # Tests: called as (device, group name, block) before each block of
-        # a background compaction is written.
+        self._removal = _backup_chain.FolderRemoval()  # of dropped entries
+        # Tests: called with (device, group name, block) before each block.
         self._before_compaction_block = None
 
     # -- what is backed up ----------------------------------------------------------
@@ -325,6 +325,7 @@ class IncrementalBackup(_background.BackgroundWrites):
         entry_id = max(manifest["next_id"], self._next_id)
         folder = _backup_chain.folder_name(kind, entry_id)
         path = os.path.join(self.directory, folder)
+        self._removal.wait(path)
         shutil.rmtree(path, ignore_errors=True)  # a crashed attempt's files
         os.makedirs(path)
         return entry_id, folder, path
@@ -373,9 +374,8 @@ class IncrementalBackup(_background.BackgroundWrites):
         return self._publish(updated, entry, generation, deltas, started)
 
     def _publish(self, manifest, entry, generation, deltas, started):
-        compaction = self._compaction
-        _backup_chain.publish(self.directory, manifest, keep=(
-            [compaction.folder] if compaction is not None else []))
+        keep = [] if self._compaction is None else [self._compaction.folder]
+        _backup_chain.publish(self.directory, manifest, keep, self._removal)
         self._base = (entry["id"], generation)
         c, length = _backup_chain.locate(manifest, entry["id"])
         chain = manifest["chains"][c]

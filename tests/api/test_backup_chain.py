@@ -4,6 +4,8 @@ published. No cluster needed."""
 
 import json
 import os
+import shutil
+import threading
 
 import pytest
 
@@ -121,6 +123,41 @@ def test_publish_replaces_the_manifest_and_removes_unlisted_folders(tmp_path):
         "delta-000002", "full-000001", "manifest.json", "other"]
     assert _backup_chain.read(str(tmp_path)) == manifest
     assert _backup_chain.read(str(tmp_path / "none")) is None
+
+
+def test_a_publish_with_a_folder_removal_returns_before_the_folders_go(
+        tmp_path, monkeypatch):
+    """Deleting a dropped chain can take seconds; publishing does not wait
+    for it. The file system's slowness is played by holding each delete
+    until the test lets it go."""
+    for name in ("full-000001", "delta-000002", "full-000003", "other"):
+        os.makedirs(tmp_path / name)
+    let_go, deleting = threading.Event(), threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path, ignore_errors=False):
+        deleting.set()
+        assert let_go.wait(30)
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(_backup_chain.shutil, "rmtree", slow_rmtree)
+    removal = _backup_chain.FolderRemoval()
+    manifest = manifest_of([entry(3, "full")])
+    _backup_chain.publish(str(tmp_path), manifest, removal=removal)
+    assert _backup_chain.read(str(tmp_path)) == manifest
+    assert deleting.wait(30)
+    assert {"full-000001", "delta-000002"} <= set(os.listdir(tmp_path))
+    # Queued again while being deleted: once only.
+    removal.remove([str(tmp_path / "full-000001")])
+    let_go.set()
+    removal.wait(str(tmp_path / "delta-000002"))
+    assert "delta-000002" not in os.listdir(tmp_path)
+    removal.wait()
+    assert sorted(os.listdir(tmp_path)) == ["full-000003", "manifest.json",
+                                            "other"]
+    # Nothing queued: no thread, and wait() returns at once.
+    removal.remove([])
+    removal.wait()
 
 
 def test_an_unreadable_manifest_or_file_is_named(tmp_path):
