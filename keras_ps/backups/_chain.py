@@ -19,8 +19,8 @@ fingerprints. It is the one thing published: an entry's files are written
 first, then a new manifest replaces the old one by an atomic rename, so a
 crash while writing leaves the previous manifest, whose files are intact.
 Folders the manifest does not name (a crashed entry's, a dropped chain's)
-are deleted after each publish, by a `FolderRemoval` in a thread of its own
-where one is given. Pure Python.
+are deleted after each publish, by a `FolderRemoval` in a thread of its
+own. Pure Python.
 """
 
 import contextlib
@@ -80,16 +80,13 @@ def read(directory):
     return manifest
 
 
-def publish(directory, manifest, keep=(), removal=None):
-    """Replaces the manifest atomically, then deletes unnamed entry folders
-    (but those in `keep`: being written): at once, or by `removal` (a
-    FolderRemoval) in its thread."""
+def publish(directory, manifest, keep, removal):
+    """Replaces the manifest atomically, then has `removal` (a
+    FolderRemoval) delete the entry folders it does not name (but those in
+    `keep`: being written)."""
     write_atomically(os.path.join(directory, MANIFEST_FILE),
                             json.dumps(manifest, indent=1))
-    if removal is None:
-        remove_unlisted(directory, manifest, keep)
-    else:
-        removal.remove(unlisted(directory, manifest, keep))
+    removal.remove(unlisted(directory, manifest, keep))
 
 
 def unlisted(directory, manifest, keep=()):
@@ -103,13 +100,6 @@ def unlisted(directory, manifest, keep=()):
         return []
     return [os.path.join(directory, name) for name in sorted(names)
             if _ENTRY_FOLDER.match(name) and name not in listed]
-
-
-def remove_unlisted(directory, manifest, keep=()):
-    """Deletes the entry folders of `directory` that `manifest` does not list
-    and `keep` does not name."""
-    for path in unlisted(directory, manifest, keep):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class FolderRemoval:

@@ -113,12 +113,15 @@ def test_publish_replaces_the_manifest_and_removes_unlisted_folders(tmp_path):
                  "full-000004", "other"):
         os.makedirs(tmp_path / name)
     manifest = manifest_of([entry(1, "full"), entry(2, "delta")])
+    removal = _backup_chain.FolderRemoval()
     # full-000004: a full backup being written, kept.
-    _backup_chain.publish(str(tmp_path), manifest, keep=["full-000004"])
+    _backup_chain.publish(str(tmp_path), manifest, ["full-000004"], removal)
+    removal.wait()
     assert sorted(os.listdir(tmp_path)) == [
         "delta-000002", "full-000001", "full-000004", "manifest.json",
         "other"]
-    _backup_chain.publish(str(tmp_path), manifest)
+    _backup_chain.publish(str(tmp_path), manifest, [], removal)
+    removal.wait()
     assert sorted(os.listdir(tmp_path)) == [
         "delta-000002", "full-000001", "manifest.json", "other"]
     assert _backup_chain.read(str(tmp_path)) == manifest
@@ -143,7 +146,7 @@ def test_a_publish_with_a_folder_removal_returns_before_the_folders_go(
     monkeypatch.setattr(_backup_chain.shutil, "rmtree", slow_rmtree)
     removal = _backup_chain.FolderRemoval()
     manifest = manifest_of([entry(3, "full")])
-    _backup_chain.publish(str(tmp_path), manifest, removal=removal)
+    _backup_chain.publish(str(tmp_path), manifest, [], removal)
     assert _backup_chain.read(str(tmp_path)) == manifest
     assert deleting.wait(30)
     assert {"full-000001", "delta-000002"} <= set(os.listdir(tmp_path))
