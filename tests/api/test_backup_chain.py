@@ -136,9 +136,10 @@ def test_a_publish_with_a_folder_removal_returns_before_the_folders_go(
     for name in ("full-000001", "delta-000002", "full-000003", "other"):
         os.makedirs(tmp_path / name)
     let_go, deleting = threading.Event(), threading.Event()
-    rmtree = shutil.rmtree
+    rmtree, deleted = shutil.rmtree, []
 
     def slow_rmtree(path, ignore_errors=False):
+        deleted.append(os.path.basename(path))
         deleting.set()
         assert let_go.wait(30)
         rmtree(path, ignore_errors=ignore_errors)
@@ -158,8 +159,11 @@ def test_a_publish_with_a_folder_removal_returns_before_the_folders_go(
     removal.wait()
     assert sorted(os.listdir(tmp_path)) == ["full-000003", "manifest.json",
                                             "other"]
+    assert deleted == ["delta-000002", "full-000001"]
     # Nothing queued: no thread, and wait() returns at once.
+    assert removal._thread is None
     removal.remove([])
+    assert removal._thread is None
     removal.wait()
 
 
