@@ -88,24 +88,23 @@ def test_keras_own_backup_and_restore_resumes_at_its_epoch(cluster, tmp_path):
     assert result["iterations"] == 16
 
 
-def _worker_kill_run(kill):
-    code, output = run_child(
-        [sys.executable, JOB, "worker_kill", "1" if kill else "0"], 250,
-        env=_env())
-    assert code == 0, output[-3000:]
-    return output, _result(output)
-
-
 @pytest.mark.timeout(300)
 def test_fit_survives_worker_sigkill():
-    output, killed = _worker_kill_run(kill=True)
+    code, output = run_child([sys.executable, JOB, "worker_kill", "1"], 250,
+                             env=_env())
+    assert code == 0, output[-3000:]
+    killed = _result(output)
     assert "KILLED worker 2" in output
-    _, undisturbed = _worker_kill_run(kill=False)
     assert killed["epochs"] == [0, 1, 2]
     assert killed["states"][2] == "failed"
     assert killed["iterations"] >= 3 * 40
-    assert undisturbed["accuracy"] > 0.9
-    assert abs(killed["accuracy"] - undisturbed["accuracy"]) <= 0.02
+    # Trained as well as without the kill. Three workers update the ps
+    # asynchronously, so two runs of the same seed differ even undisturbed:
+    # six undisturbed runs gave 0.976-0.989 on a quiet machine, and one
+    # beside a loaded suite 0.990 where its killed twin gave 0.969. A floor
+    # below that spread (an untrained model scores about 0.5) holds where a
+    # difference between two such draws does not.
+    assert killed["accuracy"] >= 0.95, killed
 
 
 @pytest.mark.timeout(300)
