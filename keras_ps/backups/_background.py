@@ -144,6 +144,12 @@ class Compaction:
                     files, table_rows = writer.write_in_blocks(
                         path + os.sep, self._should_stop, before_block,
                         since=None if root is None else root[1])
+                written = time.monotonic()
+                # On the disk before a manifest names it, and here rather
+                # than in the publishing save(), where training waits: the
+                # manifest's own fsync would otherwise wait for the kernel
+                # to write these files back (ext4 orders the two).
+                _backup_chain.sync_files(path, self._should_stop)
                 entry = _backup_chain.new_entry(entry_id, self.kind, folder,
                                                 files, table_rows, None)
                 if root is None:
@@ -152,9 +158,10 @@ class Compaction:
                 self.entry = entry
                 self.seconds = time.monotonic() - started
                 logger.info("[chief] %s %d written while training went on: "
-                            "%d bytes in %.2fs; the next backup publishes it",
+                            "%d bytes in %.2fs (synced to the disk in "
+                            "%.2fs); the next backup publishes it",
                             self.description, entry_id, entry["bytes"],
-                            self.seconds)
+                            self.seconds, time.monotonic() - written)
             except Exception as error:  # noqa: BLE001  (logged by save())
                 self.error = error
 

@@ -338,6 +338,25 @@ def write_atomically(path, data):
         raise
 
 
+def sync_files(folder, stopped):
+    """Has the kernel write every file of `folder`, and the folder itself,
+    to the disk (fsync), whichever process wrote them; stops early once
+    `stopped()` (asked between files) is true."""
+    for name in sorted(os.listdir(folder)):
+        if stopped():
+            return
+        descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
 @dataclasses.dataclass(frozen=True)
 class BackupEntry:
     """One backup written or restored.

@@ -167,6 +167,38 @@ def test_a_publish_with_a_folder_removal_returns_before_the_folders_go(
     removal.wait()
 
 
+def test_sync_files_syncs_each_file_then_the_folder_and_stops_when_asked(
+        tmp_path, monkeypatch):
+    """A compaction's files are synced by the chief, which did not write
+    them: each file, then the folder (its names), and no more once the
+    compaction is dropped. The fsyncs are recorded by the path they were
+    given (and still run)."""
+    for name in ("rows.1", "rows.0", "bundle.0"):
+        (tmp_path / name).write_bytes(name.encode() * 1000)
+    fsync, synced = os.fsync, []
+
+    def recording_fsync(descriptor):
+        synced.append(os.readlink(f"/proc/self/fd/{descriptor}"))
+        fsync(descriptor)
+
+    monkeypatch.setattr(_backup_chain.os, "fsync", recording_fsync)
+    _backup_chain.sync_files(str(tmp_path), lambda: False)
+    assert synced == [str(tmp_path / n) for n in ("bundle.0", "rows.0",
+                                                  "rows.1")] + [str(tmp_path)]
+    del synced[:]
+    asked = []
+
+    def stopped():
+        asked.append(True)
+        return len(asked) > 1
+
+    _backup_chain.sync_files(str(tmp_path), stopped)
+    assert synced == [str(tmp_path / "bundle.0")]
+    # Its folder removed meanwhile (the compaction dropped): named.
+    with pytest.raises(FileNotFoundError, match="gone"):
+        _backup_chain.sync_files(str(tmp_path / "gone"), lambda: False)
+
+
 def test_an_unreadable_manifest_or_file_is_named(tmp_path):
     (tmp_path / "manifest.json").write_text("{not json")
     with pytest.raises(BackupCorruptError, match="manifest.json"):
