@@ -342,19 +342,15 @@ def sync_files(folder, stopped):
     """Has the kernel write every file of `folder`, and the folder itself,
     to the disk (fsync), whichever process wrote them; stops early once
     `stopped()` (asked between files) is true."""
-    for name in sorted(os.listdir(folder)):
+    paths = [os.path.join(folder, name) for name in sorted(os.listdir(folder))]
+    for path in paths + [folder]:
         if stopped():
             return
-        descriptor = os.open(os.path.join(folder, name), os.O_RDONLY)
+        descriptor = os.open(path, os.O_RDONLY)
         try:
             os.fsync(descriptor)
         finally:
             os.close(descriptor)
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 @dataclasses.dataclass(frozen=True)
