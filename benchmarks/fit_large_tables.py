@@ -67,21 +67,28 @@ SCHEDULE = {"tf_native_adam": (3, 20)}
 DEFAULT_SCHEDULE = (4, 300)
 
 
-# Ids "zipf" (log-uniform, the default: most of a batch repeats a few rows)
-# or "uniform" over the whole table (BENCH_IDS in the environment).
+# Ids "zipf" (log-uniform, the default: most of a batch repeats a few rows,
+# the lowest ids the most, so with rows split into ranges the first ps
+# holds the hot ones), "zipf_spread" (the same ids, each moved to
+# id * SPREAD % rows: as often repeated, the hot ones scattered over the
+# table) or "uniform" over the whole table (BENCH_IDS in the environment).
 IDS_ENV_VAR = "BENCH_IDS"
-ID_DISTRIBUTIONS = ("zipf", "uniform")
+ID_DISTRIBUTIONS = ("zipf", "zipf_spread", "uniform")
+SPREAD = 1_000_003  # a prime: a one-to-one map of [0, rows) unless it divides rows
 
 
 def make_batch(tf, rows, worker, index):
     seed = tf.stack([tf.cast(worker, tf.int64), tf.cast(index, tf.int64)])
-    if os.environ.get(IDS_ENV_VAR, "zipf") == "uniform":
+    distribution = os.environ.get(IDS_ENV_VAR, "zipf")
+    if distribution == "uniform":
         ids = tf.random.stateless_uniform([BATCH, IDS], seed, 0, rows,
                                           dtype=tf.int64)
     else:
         u = tf.random.stateless_uniform([BATCH, IDS], seed, 0.0,
                                         math.log(rows + 1))
         ids = tf.minimum(tf.cast(tf.floor(tf.exp(u)), tf.int64) - 1, rows - 1)
+        if distribution == "zipf_spread":
+            ids = ids * SPREAD % rows
     odd = tf.reduce_sum(tf.math.floormod(ids, 2), axis=1, keepdims=True)
     return ids, tf.cast(odd >= IDS // 2, tf.float32)
 
