@@ -74,13 +74,14 @@ def run_child(command, timeout, **popen_kwargs):
     return job.returncode, output
 
 
-def start_child(command, env=None, cwd=None, stdin=False):
+def start_child(command, env=None, cwd=None, stdin=False, fresh=False):
     """Starts `command` as `subprocess.Popen(command, stdout=PIPE,
     stderr=STDOUT, text=True, env=env, cwd=cwd)` would (with `stdin=PIPE`
     if `stdin`), for a test that signals it or reads it as it runs. A Python
-    script is forked from the zygote, as in `run_child`; the job has a
-    session of its own either way."""
-    if _is_script(command):
+    script is forked from the zygote, as in `run_child`, unless `fresh`
+    (a new interpreter, as Popen starts it); the job has a session of its
+    own either way."""
+    if _is_script(command) and not fresh:
         import _zygote
 
         return _zygote.start(command, env=env, cwd=cwd, stdin=stdin)
