@@ -329,6 +329,13 @@ class ClusterCoordinator:
         self._queue.abandon()
         return self._queue.drain(_PS_LOSS_GRACE, timeout, "after an error")
 
+    def calls_in_flight(self):
+        """One line per worker call in flight: its worker, how many
+        closures of which function, and what it waits on now."""
+        calls = [(w, w.in_flight_call()) for w in self._workers.all()]
+        return [call.describe(w.index, w.address) for w, call in calls
+                if call is not None]
+
     def update_workers(self, addresses):
         """Follows a new worker membership while training runs.
 

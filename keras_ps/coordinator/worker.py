@@ -25,6 +25,7 @@ from keras_ps.coordinator import values
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator.failure_handling import Decision
 from keras_ps.coordinator.worker_states import ALLOWED_TRANSITIONS
+from keras_ps.coordinator.worker_states import Call
 from keras_ps.coordinator.worker_states import GONE as _GONE
 from keras_ps.coordinator.worker_states import IN_CLUSTER  # noqa: F401 (re-exported)
 from keras_ps.coordinator.worker_states import OUT
@@ -32,19 +33,6 @@ from keras_ps.coordinator.worker_states import RUNNABLE
 from keras_ps.coordinator.worker_states import WorkerState
 
 logger = logging.getLogger(__name__)
-
-
-class _Call:
-    """One remote call in flight: its batch, when it started, its gate hold."""
-
-    def __init__(self, batch):
-        self.batch = batch
-        self.started = time.monotonic()
-        self.gate_hold = None
-        self.tracing = False  # in its trace: waits on every worker, not this
-        self.settled = False  # its outcome was handled, or it was given up
-        self.abandoned = False  # given up by the watchdog
-        self.ran = False  # it ran on the worker; its outputs may be on the way
 
 
 class Worker:
@@ -60,7 +48,7 @@ class Worker:
         self.closures_run_twice = 0
         self._consecutive_failures = 0
         self._failed_readmissions = 0
-        self._in_flight = None  # the _Call running now
+        self._in_flight = None  # the Call running now
         # fn -> the longest a finished call of it took here, per closure.
         self._call_times = weakref.WeakKeyDictionary()
         self._services = services
@@ -200,7 +188,7 @@ class Worker:
             logger.warning("[worker:%d] must trace a new function while a "
                            "worker may be hung; this waits for that worker",
                            self.index)
-        call = _Call(batch)
+        call = Call(batch)
         for closure in batch:  # dynamic data shards: the shard is handed out
             if closure.listener is not None:
                 closure.listener.started(self.index)
@@ -215,7 +203,7 @@ class Worker:
         except Exception as error:  # decided below, never swallowed
             if self._finish_call(call):
                 stale = generation != services.readmission.generation
-                self._on_failure(batch, error, stale, ran=call.ran)
+                self._on_failure(batch, error, stale, call)
             return
         if not self._finish_call(call):
             return
@@ -270,8 +258,11 @@ class Worker:
             call.tracing = False
         if call.abandoned:  # its worker stopped while the trace waited
             return None  # its closures run elsewhere; dropped by the caller
+        if batch[0].cancellation.is_cancelled:  # while it was traced
+            raise tf.errors.CancelledError(None, None, "cancelled unsent")
         call.started = time.monotonic()  # the call proper, not the trace
         run = batch[0].cancellation.get_cancelable_function(pack.function)
+        call.sent = True
         with tf.device(self.device), dispatch_scope(
                 self.index, self._services.num_workers()):
             results, token = run(*pack.args)
@@ -291,8 +282,8 @@ class Worker:
                 tf.nest.map_structure(pick, closure.kwargs))
 
     # -- failures ------------------------------------------------------------------
-    def _on_failure(self, batch, error, stale=False, ran=False):
-        services = self._services
+    def _on_failure(self, batch, error, stale, call):
+        services, ran = self._services, call.ran
         queue = services.queue
         if self.state in _GONE:
             # It left the cluster mid-call: its closures run elsewhere.
@@ -302,9 +293,12 @@ class Worker:
             return
         if batch[0].cancellation.is_cancelled:
             # Cancelled in flight because another closure failed first.
-            logger.info("[worker:%d] %d closures cancelled in flight after an "
-                        "error elsewhere", self.index, len(batch))
+            logger.info("[worker:%d] %d closures cancelled %s after an error "
+                        "elsewhere", self.index, len(batch), "in flight"
+                        if call.sent else "before they were sent")
             queue.mark_cancelled(batch)
+            if not call.sent:  # its iterators were not touched
+                return
             # A call cancelled inside an iterator's next() leaves that
             # iterator ended: this worker's datasets are made again, as
             # after a restart (its iterators start over).

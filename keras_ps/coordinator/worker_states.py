@@ -1,10 +1,12 @@
-"""A worker's lifecycle: its states and the moves allowed between them.
+"""A worker's lifecycle: its states and the moves allowed between them;
+and its remote call in flight, with what that call waits on now.
 
 `Worker.transition` (keras_ps/coordinator/worker.py) is the only place a
 worker's state changes; it checks each move against `ALLOWED_TRANSITIONS`.
 """
 
 import enum
+import time
 
 
 class WorkerState(enum.Enum):
@@ -52,3 +54,37 @@ ALLOWED_TRANSITIONS = {
 RUNNABLE = (_S.HEALTHY, _S.READMITTED)
 # States in which a worker is part of the cluster definition TF holds.
 IN_CLUSTER = (_S.HEALTHY, _S.READMITTED, _S.RECOVERING)
+
+
+class Call:
+    """One remote call in flight: its batch, when it started, its gate hold."""
+
+    def __init__(self, batch):
+        self.batch = batch
+        self.started = time.monotonic()
+        self.gate_hold = None
+        self.tracing = False  # in its trace: waits on every worker, not this
+        self.settled = False  # its outcome was handled, or it was given up
+        self.abandoned = False  # given up by the watchdog
+        self.sent = False  # its function was sent to the worker
+        self.ran = False  # it ran on the worker; its outputs may be on the way
+
+    def describe(self, index, address):
+        """One line for a person reading a warning: the worker, how many
+        closures of which function, and what the call waits on now."""
+        fn = self.batch[0].fn
+        name = getattr(fn, "__name__", None) or type(fn).__name__
+        return (f"worker {index} ({address}): {len(self.batch)} closures of "
+                f"'{name}' {self._doing()}")
+
+    def _doing(self):
+        if self.gate_hold is None:
+            return "waits for a cluster update to end"
+        if self.tracing:
+            return "is being traced"
+        if self.ran:
+            return "copies its outputs back"
+        if self.sent:
+            return (f"has run on the worker for "
+                    f"{time.monotonic() - self.started:.1f}s")
+        return "is about to be sent"

@@ -11,7 +11,6 @@ or, under a strategy with a `variable_partitioner`, as a ShardedVariable.
 
 import logging
 
-import numpy as np
 import tensorflow as tf
 
 from keras_ps import _tf_adapter

@@ -138,7 +138,9 @@ def cancelled_on_error(coordinator):
     except BaseException:
         if not coordinator.cancel_scheduled():
             logger.warning("[chief] calls of the call that raised still run "
-                           "(a hung worker?); what they return is dropped")
+                           "(a hung worker?); what they return is dropped: "
+                           "%s", "; ".join(coordinator.calls_in_flight())
+                           or "they ended just now")
         raise
 
 

@@ -6,6 +6,7 @@ import weakref
 import pytest
 import tensorflow as tf
 
+from _polling import wait_until
 import keras_ps
 from keras_ps.coordinator import packing
 from keras_ps.coordinator import worker_index, num_workers
@@ -451,17 +452,57 @@ def test_cancel_scheduled_drops_pending_and_running_functions(coordinator):
 
     remotes = [coordinator.schedule(long_running)
                for _ in range(coordinator.num_workers + 3)]
-    deadline = time.monotonic() + 60
-    while sum(w.in_flight_seconds() is not None
-              for w in coordinator.workers) < coordinator.num_workers:
-        assert time.monotonic() < deadline, "the long functions never started"
-        time.sleep(0.01)
+
+    def running_on_every_worker():
+        lines = coordinator.calls_in_flight()
+        return len(lines) == coordinator.num_workers and all(
+            "closures of 'long_running' has run on the worker for" in line
+            for line in lines)
+
+    wait_until(running_on_every_worker, 60, "the long functions to run")
     assert coordinator.cancel_scheduled() is True
     assert coordinator.is_idle()
     for remote in remotes:
         with pytest.raises(tf.errors.CancelledError):
             remote.fetch()
     coordinator.join()  # no error left behind
+    assert coordinator.schedule(tf.function(lambda: tf.constant(5))).fetch() == 5
+
+
+def test_a_call_cancelled_while_traced_is_not_sent(coordinator, caplog):
+    # Its trace waits until the call was cancelled: when the trace ends the
+    # call is dropped unsent, and its worker's datasets are not made again
+    # (as they are after a call cancelled on the worker).
+    import logging
+    caplog.set_level(logging.INFO, logger="keras_ps.coordinator")
+    tracing, may_end = threading.Event(), threading.Event()
+
+    @tf.function
+    def slow_to_trace():
+        tracing.set()
+        may_end.wait(60)
+        return tf.constant(1)
+
+    remote = coordinator.schedule(slow_to_trace)
+    assert tracing.wait(60), "the function was never traced"
+    assert [line.split(": ", 1)[1] for line in coordinator.calls_in_flight()
+            ] == ["1 closures of 'slow_to_trace' is being traced"]
+    returned = []
+    canceller = threading.Thread(
+        target=lambda: returned.append(coordinator.cancel_scheduled()))
+    canceller.start()
+    wait_until(lambda: any("cancelling 1 calls in flight" in r.getMessage()
+                           for r in caplog.records),
+               30, "the call in flight to be cancelled")
+    may_end.set()
+    canceller.join(60)
+    assert returned == [True]
+    with pytest.raises(tf.errors.CancelledError):
+        remote.fetch()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("1 closures cancelled before they were sent" in m
+               for m in messages), messages
+    assert not any("cancelled in flight after" in m for m in messages), messages
     assert coordinator.schedule(tf.function(lambda: tf.constant(5))).fetch() == 5
 
 

@@ -905,7 +905,7 @@ def _worker_running(queue, index, batch):
     from keras_ps.coordinator import worker as worker_lib
     services = types.SimpleNamespace(queue=queue)
     worker = worker_lib.Worker(services, index, f"localhost:{index + 1}")
-    call = worker_lib._Call(batch)
+    call = worker_lib.Call(batch)
     call.gate_hold = _Hold()
     worker._in_flight = call
     return worker, call

@@ -69,7 +69,7 @@ def default_sigint():
 
 def _assert_nothing_runs_after(strategy, model, stopper):
     coordinator = keras_ps.ClusterCoordinator(strategy)
-    assert coordinator.is_idle()
+    assert coordinator.is_idle(), coordinator.calls_in_flight()
     iterations = int(model.optimizer.iterations.numpy())
     coordinator.join()  # would run what was left
     assert int(model.optimizer.iterations.numpy()) == iterations
@@ -113,7 +113,7 @@ def test_evaluate_that_raises_runs_none_of_its_steps_after(strategy):
         model.evaluate(x, y, batch_size=1, steps=STEPS, callbacks=[stopper],
                        verbose=0)
     coordinator = keras_ps.ClusterCoordinator(strategy)
-    assert coordinator.is_idle()
+    assert coordinator.is_idle(), coordinator.calls_in_flight()
     statuses = [r.status for r in stopper.remotes]
     assert RemoteValueStatus.PENDING not in statuses
     assert RemoteValueStatus.FAILED in statuses, statuses
