@@ -224,6 +224,16 @@ class Readmission:
             time.monotonic() - started, gate - started, connected - gate,
             time.monotonic() - connected)
 
+    def remake_datasets(self, index):
+        """Makes worker `index`'s datasets and iterators again, alone (no
+        call in flight), with no cluster push: after a call cancelled on a
+        worker that kept its process and its context."""
+        started = time.monotonic()
+        with self._gate.exclusive():
+            self.restart_iterators([index])
+        logger.info("[worker:%d] datasets made again in %.2fs", index,
+                    time.monotonic() - started)
+
     def record_incarnation(self, index, address):
         """Notes which process worker `index` runs now, before this job's
         context is made on it (None: it left the cluster)."""

@@ -300,10 +300,10 @@ class Worker:
             if not call.sent:  # its iterators were not touched
                 return
             # A call cancelled inside an iterator's next() leaves that
-            # iterator ended: this worker's datasets are made again, as
-            # after a restart (its iterators start over).
+            # iterator ended: this worker's datasets are made again (its
+            # iterators start over); its context is kept (no cluster push).
             try:
-                services.readmission.readmit(self.index)
+                services.readmission.remake_datasets(self.index)
             except Exception as rebuild_error:  # recovered like a failure
                 self.transition(WorkerState.FAILED,
                                 type(rebuild_error).__name__)

@@ -442,6 +442,48 @@ def test_error_cancels_a_long_function_in_flight(coordinator):
     assert ok.fetch() == 5
 
 
+def test_an_iterator_reads_again_after_an_error_cancelled_its_call(
+        coordinator):
+    # A call cancelled on its worker may have been inside its iterator's
+    # next() (which ends that iterator for good): that worker's datasets are
+    # made again, and the same iterator reads on, from their start.
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.range(10**6)))
+
+    @tf.function
+    def read_then_spin(it):
+        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
+                             [next(it)])[0]
+
+    @tf.function
+    def fails():
+        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
+
+    @tf.function
+    def read(it):
+        return worker_index(), next(it)
+
+    spinning = coordinator.schedule(read_then_spin, args=(iterator,))
+    (line,) = wait_until(
+        lambda: [l for l in coordinator.calls_in_flight()
+                 if "'read_then_spin' has run on the worker" in l],
+        60, "the spinning call to run")
+    spinner = int(line.split()[1])
+    coordinator.schedule(fails)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        coordinator.join()
+    with pytest.raises(tf.errors.CancelledError):
+        spinning.fetch()
+    read_by = {}
+    for _ in range(200):
+        index, value = coordinator.schedule(read, args=(iterator,)).fetch()
+        read_by.setdefault(int(index), []).append(int(value))
+        if len(read_by.get(spinner, ())) >= 2:
+            break
+    assert read_by[spinner][:2] == [0, 1], read_by
+    assert all(v == list(range(len(v))) for v in read_by.values()), read_by
+
+
 def test_cancel_scheduled_drops_pending_and_running_functions(coordinator):
     # A custom loop that ends for its own reason: long functions run on
     # every worker and more wait; all end cancelled, nothing is raised later.
