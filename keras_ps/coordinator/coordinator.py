@@ -111,7 +111,7 @@ class ClusterCoordinator:
         self._workers = membership.Workers(config)
         self._readmission = failure_handling.Readmission(
             self._gate, self._workers.members_by_index, self._workers.count,
-            lambda: list(self._datasets))
+            lambda: list(self._datasets), self._release_replaced)
         self._release = iterator_release.IteratorRelease(
             lambda: self._readmission.generation)
         self._dropped = iterator_release.DroppedIterators(
@@ -228,6 +228,14 @@ class ClusterCoordinator:
         with self._gate.shared():
             self._release.release(iterators, self._workers.all())
 
+    def _release_replaced(self, index, iterators):
+        """Releases iterators that a rebuild of worker `index`'s datasets
+        replaced, one by one, as `release_iterators` does."""
+        for iterator in iterators:
+            values = [None] * self._workers.count()
+            values[index] = iterator
+            self.release_iterators(PerWorkerValues(values))
+
     def lost_parameter_servers(self):
         """{index: address} of the ps that do not hold this job's variables
         now: unreachable, or answering after a restart with nothing on them."""
@@ -291,9 +299,11 @@ class ClusterCoordinator:
             self._packing.clear()
             # Under the gate: a worker's re-admission traces its datasets.
             retraced = _tf_adapter.retrace_all_functions()
-            self._readmission.restart_iterators([  # the rollback's data
+            replaced = self._readmission.restart_iterators([  # the rollback's data
                 w.index for w in self._workers.all()
                 if w.state in worker_lib.RUNNABLE])
+        for index, iterators in replaced.items():  # their workers kept them
+            self._release_replaced(index, iterators)
         recovery = _ps_state.PsRecovery(
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,

@@ -264,10 +264,19 @@ class PerWorkerDataset:
 
     def rebuild(self, index, num_workers):
         """(Re)creates worker `index`'s dataset and every iterator on it
-        (called with the gate held exclusively)."""
+        (called with the gate held exclusively).
+
+        Returns:
+            The iterators replaced (those of a worker that kept its process
+            are alive there: see `ClusterCoordinator` on releasing them).
+        """
         while len(self._datasets) <= index:
             self._datasets.append(None)
         self._datasets[index] = self._build(index, num_workers)
+        replaced = []
         for iterators in list(self._iterators):
-            iterators.replace(index, self._iter_on(index))
+            old = iterators.replace(index, self._iter_on(index))
+            if old is not None:
+                replaced.append(old)
         logger.info("[worker:%d] per-worker dataset rebuilt", index)
+        return replaced

@@ -195,11 +195,14 @@ class Readmission:
     waits for every listed task when the definition changes.
     """
 
-    def __init__(self, gate, members, num_workers, datasets):
+    def __init__(self, gate, members, num_workers, datasets, release):
         self._gate = gate
         self._members = members  # () -> {index: address} of workers in the cluster
         self._num_workers = num_workers  # () -> the number of worker places
         self._datasets = datasets  # () -> the live per-worker datasets
+        # (index, iterators) -> None: hands iterators replaced on a worker
+        # that kept its process to its release line.
+        self._release = release
         # The cluster as connected; updated copies are pushed.
         self._server_def = _tf_adapter.get_server_def()
         # Bumped by every push: a call that started before a push and failed
@@ -230,7 +233,8 @@ class Readmission:
         worker that kept its process and its context."""
         started = time.monotonic()
         with self._gate.exclusive():
-            self.restart_iterators([index])
+            replaced = self.restart_iterators([index])
+        self._release(index, replaced[index])
         logger.info("[worker:%d] datasets made again in %.2fs", index,
                     time.monotonic() - started)
 
@@ -263,10 +267,21 @@ class Readmission:
         After a ps loss too: a step that failed on the lost ps has the rest
         of it cancelled by TF, and one cancelled inside its iterator's
         next() leaves that iterator ended for good (it raises End of
-        sequence at the next step)."""
+        sequence at the next step).
+
+        Returns:
+            {index: the iterators replaced on that worker}. Dropped the
+            plain way, one still alive on its worker stalls the worker's
+            next requests for up to a minute (TF destroys it on the thread
+            serving them: keras_ps/coordinator/iterator_release.py); on a
+            worker that kept its process, release them instead.
+        """
+        replaced = {}
         for index in indices:
-            for dataset in self._datasets():
-                dataset.rebuild(index, self._num_workers())
+            replaced[index] = [
+                old for dataset in self._datasets()
+                for old in dataset.rebuild(index, self._num_workers())]
+        return replaced
 
     def reconnect(self):
         """Pushes the cluster to every task again, under the caller's

@@ -92,10 +92,12 @@ class PerWorkerValues:
         return tuple(self._values)
 
     def replace(self, index, value):
-        """Sets worker `index`'s value (a rebuilt iterator on a returning worker)."""
+        """Sets worker `index`'s value (a rebuilt iterator on a returning
+        worker); returns the value it had (None if none)."""
         while len(self._values) <= index:
             self._values.append(None)
-        self._values[index] = value
+        old, self._values[index] = self._values[index], value
+        return old
 
     def take_values(self):
         """Returns the values and forgets them (see

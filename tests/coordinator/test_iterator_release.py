@@ -93,6 +93,52 @@ def test_a_dropped_iterator_is_released_too(cluster, coordinator, tmp_path):
     assert _open_on_workers(cluster, second) >= 1
 
 
+def test_iterators_replaced_after_a_cancelled_call_are_released(
+        cluster, coordinator, tmp_path):
+    # A call cancelled on its worker has that worker's datasets made again:
+    # the iterators replaced are alive there, and are released, not dropped
+    # the plain way (which stalls the worker's next requests).
+    import tensorflow as tf
+
+    _earlier_drops_released(cluster, coordinator, tmp_path)
+    first = write_records(str(tmp_path / "first.tfrecord"))
+    second = write_records(str(tmp_path / "second.tfrecord"))
+    iterator = reading_iterator(coordinator, first)
+    readers = open_on([cluster.pid("worker", i) for i in range(2)], first)
+
+    @tf.function
+    def spin():
+        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
+                             [tf.constant(0)])[0]
+
+    @tf.function
+    def fails():
+        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
+
+    spinning = coordinator.schedule(spin)
+    (line,) = wait_until(
+        lambda: [l for l in coordinator.calls_in_flight()
+                 if "'spin' has run on the worker" in l],
+        60, "the spinning call to run")
+    spinner = int(line.split()[1])
+    coordinator.schedule(fails)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        coordinator.join()
+    with pytest.raises(tf.errors.CancelledError):
+        spinning.fetch()
+    assert readers[spinner] >= 1
+    # Dropped the plain way, the replaced iterator would be destroyed by
+    # now: making and reading another one takes many requests to each worker.
+    other = reading_iterator(coordinator, second)
+    after = open_on([cluster.pid("worker", i) for i in range(2)], first)
+    assert after == readers, (after, readers, spinner)
+    coordinator.release_iterators(other)
+    wait_until(lambda: open_on([cluster.pid("worker", i) for i in range(2)],
+                               first)[spinner] == 0, 60,
+               "the replaced iterator's file to be closed")
+    del iterator
+
+
 def test_release_iterators_names_what_it_takes(coordinator):
     with pytest.raises(TypeError, match=r"iter\(per_worker_dataset\)"):
         coordinator.release_iterators([1, 2])
