@@ -236,7 +236,11 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
                 if not events:
                     return
                 event = events[-1]
-                if "lost its variables" in message and "detected" not in event:
+                # "lost its variables" (it answers, empty) or "lost (...);
+                # recovering" (it did not answer).
+                lost = "lost its variables" in message or (
+                    ") lost (" in message and "recovering" in message)
+                if lost and "detected" not in event:
                     event["detected"] = now
                 elif "recovered in" in message:
                     event["recovered"] = now
