@@ -1,11 +1,11 @@
 import gc
 import threading
-import time
 import weakref
 
 import pytest
 import tensorflow as tf
 
+from _cancels import cancel_on_its_worker, spin_from
 from _polling import wait_until
 import keras_ps
 from keras_ps.coordinator import packing
@@ -417,26 +417,11 @@ def test_one_coordinator_per_strategy(strategy, coordinator):
 def test_error_cancels_a_long_function_in_flight(coordinator):
     @tf.function
     def long_running():
-        # Runs for minutes unless cancelled (a cheap op per iteration).
-        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
-                             [tf.constant(0)])[0]
+        return spin_from(tf.constant(0))
 
-    @tf.function
-    def fails():
-        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
-
-    long = coordinator.schedule(long_running)
-    busy = lambda: any(w.in_flight_seconds() is not None
-                       for w in coordinator.workers)
-    deadline = time.monotonic() + 60
-    while not busy():
-        assert time.monotonic() < deadline, "the long function never started"
-        time.sleep(0.01)
-    coordinator.schedule(fails)
-    with pytest.raises(tf.errors.InvalidArgumentError):
-        coordinator.join()
-    with pytest.raises(tf.errors.CancelledError):
-        long.fetch()
+    # Its call is cancelled on its worker by another closure's error: join
+    # raises that error, its fetch() CancelledError.
+    cancel_on_its_worker(coordinator, long_running)
     # The coordinator goes on: later functions run.
     ok = coordinator.schedule(tf.function(lambda: tf.constant(5)))
     assert ok.fetch() == 5
@@ -452,28 +437,13 @@ def test_an_iterator_reads_again_after_an_error_cancelled_its_call(
 
     @tf.function
     def read_then_spin(it):
-        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
-                             [next(it)])[0]
-
-    @tf.function
-    def fails():
-        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
+        return spin_from(next(it))
 
     @tf.function
     def read(it):
         return worker_index(), next(it)
 
-    spinning = coordinator.schedule(read_then_spin, args=(iterator,))
-    (line,) = wait_until(
-        lambda: [l for l in coordinator.calls_in_flight()
-                 if "'read_then_spin' has run on the worker" in l],
-        60, "the spinning call to run")
-    spinner = int(line.split()[1])
-    coordinator.schedule(fails)
-    with pytest.raises(tf.errors.InvalidArgumentError):
-        coordinator.join()
-    with pytest.raises(tf.errors.CancelledError):
-        spinning.fetch()
+    spinner = cancel_on_its_worker(coordinator, read_then_spin, (iterator,))
     read_by = {}
     for _ in range(200):
         index, value = coordinator.schedule(read, args=(iterator,)).fetch()

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from _cancels import cancel_on_its_worker, spin_from
 from _open_files import open_on, reading_iterator, write_records
 from _paths import TESTS
 from _polling import wait_until
@@ -108,24 +109,9 @@ def test_iterators_replaced_after_a_cancelled_call_are_released(
 
     @tf.function
     def spin():
-        return tf.while_loop(lambda i: i < 10**9, lambda i: i + 1,
-                             [tf.constant(0)])[0]
+        return spin_from(tf.constant(0))
 
-    @tf.function
-    def fails():
-        return tf.debugging.check_numerics(tf.constant(float("nan")), "bad")
-
-    spinning = coordinator.schedule(spin)
-    (line,) = wait_until(
-        lambda: [l for l in coordinator.calls_in_flight()
-                 if "'spin' has run on the worker" in l],
-        60, "the spinning call to run")
-    spinner = int(line.split()[1])
-    coordinator.schedule(fails)
-    with pytest.raises(tf.errors.InvalidArgumentError):
-        coordinator.join()
-    with pytest.raises(tf.errors.CancelledError):
-        spinning.fetch()
+    spinner = cancel_on_its_worker(coordinator, spin)
     assert readers[spinner] >= 1
     # Dropped the plain way, the replaced iterator would be destroyed by
     # now: making and reading another one takes many requests to each worker.
