@@ -24,9 +24,14 @@ from _results import run_child
 pytestmark = pytest.mark.timeout(180)
 
 
+def _open_by_worker(cluster, path):
+    """How many descriptors each worker process holds open on `path`."""
+    return open_on([cluster.pid("worker", i) for i in range(2)], path)
+
+
 def _open_on_workers(cluster, path):
     """How many descriptors the worker processes hold open on `path`."""
-    return sum(open_on([cluster.pid("worker", i) for i in range(2)], path))
+    return sum(_open_by_worker(cluster, path))
 
 
 def _earlier_drops_released(cluster, coordinator, tmp_path):
@@ -47,13 +52,20 @@ def _earlier_drops_released(cluster, coordinator, tmp_path):
                "the iterators dropped before the test to be released")
 
 
-def test_a_released_iterator_is_held_until_the_next_release(
-        cluster, coordinator, tmp_path):
+def _reading_the_first_of_two_files(cluster, coordinator, tmp_path):
+    """Once the iterators dropped before are released: two record files,
+    and iterators reading the first on every worker that takes calls.
+    Returns (first, second, iterators)."""
     _earlier_drops_released(cluster, coordinator, tmp_path)
     first = write_records(str(tmp_path / "first.tfrecord"))
     second = write_records(str(tmp_path / "second.tfrecord"))
+    return first, second, reading_iterator(coordinator, first)
 
-    iterator = reading_iterator(coordinator, first)
+
+def test_a_released_iterator_is_held_until_the_next_release(
+        cluster, coordinator, tmp_path):
+    first, second, iterator = _reading_the_first_of_two_files(
+        cluster, coordinator, tmp_path)
     readers = _open_on_workers(cluster, first)
     assert readers >= 1, "no worker holds the dataset's file open"
     coordinator.release_iterators(iterator)
@@ -75,11 +87,8 @@ def test_a_released_iterator_is_held_until_the_next_release(
 def test_a_dropped_iterator_is_released_too(cluster, coordinator, tmp_path):
     # A custom loop that makes a new iterator each epoch and drops the last
     # one: the coordinator releases it on a thread of its own.
-    _earlier_drops_released(cluster, coordinator, tmp_path)
-    first = write_records(str(tmp_path / "first.tfrecord"))
-    second = write_records(str(tmp_path / "second.tfrecord"))
-
-    iterator = reading_iterator(coordinator, first)
+    first, second, iterator = _reading_the_first_of_two_files(
+        cluster, coordinator, tmp_path)
     readers = _open_on_workers(cluster, first)
     assert readers >= 1, "no worker holds the dataset's file open"
     del iterator
@@ -101,11 +110,9 @@ def test_iterators_replaced_after_a_cancelled_call_are_released(
     # the plain way (which stalls the worker's next requests).
     import tensorflow as tf
 
-    _earlier_drops_released(cluster, coordinator, tmp_path)
-    first = write_records(str(tmp_path / "first.tfrecord"))
-    second = write_records(str(tmp_path / "second.tfrecord"))
-    iterator = reading_iterator(coordinator, first)
-    readers = open_on([cluster.pid("worker", i) for i in range(2)], first)
+    first, second, iterator = _reading_the_first_of_two_files(
+        cluster, coordinator, tmp_path)
+    readers = _open_by_worker(cluster, first)
 
     @tf.function
     def spin():
@@ -116,11 +123,10 @@ def test_iterators_replaced_after_a_cancelled_call_are_released(
     # Dropped the plain way, the replaced iterator would be destroyed by
     # now: making and reading another one takes many requests to each worker.
     other = reading_iterator(coordinator, second)
-    after = open_on([cluster.pid("worker", i) for i in range(2)], first)
+    after = _open_by_worker(cluster, first)
     assert after == readers, (after, readers, spinner)
     coordinator.release_iterators(other)
-    wait_until(lambda: open_on([cluster.pid("worker", i) for i in range(2)],
-                               first)[spinner] == 0, 60,
+    wait_until(lambda: _open_by_worker(cluster, first)[spinner] == 0, 60,
                "the replaced iterator's file to be closed")
     del iterator
 
