@@ -67,7 +67,7 @@ class ScheduledShard(abc.ABC):
 class Closure:
     """One scheduled call: a tf.function, its arguments, its RemoteValue."""
 
-    __slots__ = ("fn", "args", "kwargs", "remote_value", "per_worker",
+    __slots__ = ("fn", "name", "args", "kwargs", "remote_value", "per_worker",
                  "generation", "cancellation", "listener", "outputs_lost",
                  "stuck_on")
 
@@ -76,7 +76,8 @@ class Closure:
         self.args = args
         self.kwargs = kwargs
         self.per_worker = per_worker  # args hold PerWorkerValues to substitute
-        self.remote_value = RemoteValue(getattr(fn, "__name__", None))
+        self.name = packing.function_name(fn)
+        self.remote_value = RemoteValue(self.name)
         self.generation = 0  # error generation when a worker took it
         self.cancellation = None  # cancels it in flight after another's error
         # Hook for dynamic data shards (keras_ps/shards/epoch.py): an object
@@ -101,7 +102,7 @@ class Closure:
                                tf.types.experimental.ConcreteFunction)):
             raise ScheduleUsageError(
                 "coordinator.schedule needs a tf.function. Received: "
-                f"fn={getattr(fn, '__name__', fn)!r} of type "
+                f"fn={packing.function_name(fn)!r} of type "
                 f"{type(fn).__name__}. Wrap it: fn = tf.function(fn).")
         per_worker = False
         listener = None

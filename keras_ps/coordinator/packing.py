@@ -149,9 +149,8 @@ class PackedFunctions:
             return
         for variable in function.variables:
             if tf.DeviceSpec.from_string(variable.device).job == _UNCONNECTED_JOB:
-                name = getattr(fn, "__name__", None) or repr(fn)
                 raise ValueError(
-                    f"The scheduled function '{name}' reads variable "
+                    f"The scheduled function '{function_name(fn)}' reads variable "
                     f"'{variable.name}' (shape {variable.shape}), which was "
                     f"created before the keras_ps strategy connected to the "
                     f"cluster: it lives on {variable.device}, a device no "
@@ -263,7 +262,7 @@ class PackedFunctions:
                 logger.info("[chief] a function not traced yet gives way "
                             "to its stand-in, traced already, while a "
                             "worker may be hung or its trace is under way "
-                            "(%s)", _name(fn))
+                            "(%s)", function_name(fn))
             for closure in batch:
                 closure.fn = stand_in
             fn = stand_in
@@ -275,8 +274,10 @@ class PackedFunctions:
         return batch, []
 
 
-def _name(fn):
-    return getattr(fn, "__name__", repr(fn))
+def function_name(fn):
+    """How errors and warnings name a scheduled function: its `__name__`
+    (a tf.function's is the Python function's), else its type's."""
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _pack(fn):

@@ -72,10 +72,8 @@ class Call:
     def describe(self, index, address):
         """One line for a person reading a warning: the worker, how many
         closures of which function, and what the call waits on now."""
-        fn = self.batch[0].fn
-        name = getattr(fn, "__name__", None) or type(fn).__name__
         return (f"worker {index} ({address}): {len(self.batch)} closures of "
-                f"'{name}' {self._doing()}")
+                f"'{self.batch[0].name}' {self._doing()}")
 
     def _doing(self):
         if self.gate_hold is None:
