@@ -2,7 +2,7 @@
 around workers that are down; prints RESULT lines the test reads.
 
 Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster|
-    made_before|release_after_restart
+    made_before|release_after_restart|release_after_ps_recovery
 """
 
 import logging
@@ -241,9 +241,45 @@ def release_after_restart():
             freed=open_on(pids(), paths[3]))
 
 
+def release_after_ps_recovery():
+    """Iterators a ps recovery replaced (the workers kept their processes):
+    released, held until the next release, not dropped the plain way."""
+    import tempfile
+
+    from _open_files import open_on, reading_iterator, write_records
+    from _polling import wait_until
+
+    folder = tempfile.mkdtemp()
+    first, second = [write_records(os.path.join(folder, f"{k}.tfrecord"))
+                     for k in range(2)]
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        with strategy.scope():
+            tf.Variable(1.0)  # what the ps loses
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        pids = lambda: [cluster.pid("worker", i) for i in range(2)]
+        iterator = reading_iterator(coordinator, first)
+        reading = open_on(pids(), first)
+        cluster.kill("ps", 0)
+        cluster.restart("ps", 0)
+        recovery = coordinator.recover_parameter_servers(timeout=120)
+        # The recovery made `iterator`'s datasets again (their new readers
+        # have not opened the file yet); dropped the plain way, the replaced
+        # ones would be destroyed by the time another iterator has read.
+        other = reading_iterator(coordinator, second)
+        held = open_on(pids(), first)
+        coordinator.release_iterators(other)
+        wait_until(lambda: open_on(pids(), first) == [0, 0], 60,
+                   "the replaced iterators' files to be closed")
+        del iterator
+        say(lost=list(recovery.lost), reading=reading, held=held,
+            freed=open_on(pids(), first))
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     {"connect": connect, "dataset_while_down": dataset_while_down,
      "dataset_no_worker": dataset_no_worker,
      "second_cluster": second_cluster, "made_before": made_before,
-     "release_after_restart": release_after_restart}[sys.argv[1]]()
+     "release_after_restart": release_after_restart,
+     "release_after_ps_recovery": release_after_ps_recovery}[sys.argv[1]]()

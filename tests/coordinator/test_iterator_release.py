@@ -155,3 +155,19 @@ def test_release_goes_on_through_a_worker_killed_and_restarted():
     assert result["freed"] == [0, 0]
     # Nothing the lost worker's line failed on is printed at exit.
     assert "Exception ignored" not in output, output[-3000:]
+
+
+def test_iterators_replaced_by_a_ps_recovery_are_released():
+    """A ps killed and restarted, recovered in a custom loop: the workers
+    kept their processes, so the iterators the recovery replaced on them
+    are released (held until the next release), not dropped."""
+    code, output = run_child(
+        [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
+         "release_after_ps_recovery"], 160,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert code == 0, output[-6000:]
+    result = last_report(output)
+    assert result["lost"] == [0]
+    assert result["reading"] == [1, 1]
+    assert result["held"] == [1, 1], result
+    assert result["freed"] == [0, 0]
