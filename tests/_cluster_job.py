@@ -2,7 +2,8 @@
 around workers that are down; prints RESULT lines the test reads.
 
 Usage: python tests/_cluster_job.py connect|dataset_while_down|second_cluster|
-    made_before|release_after_restart|release_after_ps_recovery
+    made_before|release_after_restart|release_after_ps_recovery|
+    release_after_hang
 """
 
 import logging
@@ -276,10 +277,60 @@ def release_after_ps_recovery():
             freed=open_on(pids(), first))
 
 
+def release_after_hang():
+    """Iterators replaced when a hung worker (SIGSTOP, then SIGCONT) is
+    re-admitted: it kept its process, so they are released, held until the
+    next release, not dropped the plain way."""
+    import tempfile
+
+    from _open_files import open_on, reading_iterator, write_records
+    from _polling import wait_until
+    from keras_ps.coordinator.worker_states import WorkerState
+
+    folder = tempfile.mkdtemp()
+    first, second = [write_records(os.path.join(folder, f"{k}.tfrecord"))
+                     for k in range(2)]
+
+    @tf.function
+    def step():
+        return tf.constant(1)
+
+    with keras_ps.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        coordinator = keras_ps.ClusterCoordinator(
+            keras_ps.ParameterServerStrategy(cluster.resolver))
+        on_worker_1 = lambda: open_on([cluster.pid("worker", 1)], first)[0]
+        iterator = reading_iterator(coordinator, first)
+        reading = on_worker_1()
+        # Traced before the pause: TF registers a new function on every
+        # worker, and waits for the stopped one.
+        for _ in range(2):
+            [coordinator.schedule(step) for _ in range(8)]
+            coordinator.join()
+        cluster.pause("worker", 1)
+        [coordinator.schedule(step) for _ in range(20)]
+        wait_until(lambda: coordinator.workers[1].state is WorkerState.HUNG,
+                   120, "worker 1 to be seen hung")
+        cluster.resume("worker", 1)
+        readmitted = coordinator.workers[1].wait_until_runnable(timeout=120)
+        coordinator.join()
+        # Worker 1's datasets were made again (their new reader has not
+        # opened the file yet); dropped the plain way, the replaced
+        # iterator would be destroyed by the time another one has read.
+        other = reading_iterator(coordinator, second)
+        held = on_worker_1()
+        coordinator.release_iterators(other)
+        wait_until(lambda: on_worker_1() == 0, 60,
+                   "the replaced iterator's file to be closed")
+        del iterator
+        say(readmitted=readmitted, reading=reading, held=held,
+            freed=on_worker_1())
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING)
     {"connect": connect, "dataset_while_down": dataset_while_down,
      "dataset_no_worker": dataset_no_worker,
      "second_cluster": second_cluster, "made_before": made_before,
      "release_after_restart": release_after_restart,
-     "release_after_ps_recovery": release_after_ps_recovery}[sys.argv[1]]()
+     "release_after_ps_recovery": release_after_ps_recovery,
+     "release_after_hang": release_after_hang}[sys.argv[1]]()

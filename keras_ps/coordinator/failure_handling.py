@@ -213,19 +213,36 @@ class Readmission:
         self._incarnations = {}
 
     def readmit(self, index):
+        """Pushes the cluster and makes worker `index`'s datasets again.
+
+        Returns:
+            The iterators replaced on that worker when it kept its process
+            (a hung or stuck worker that came back): alive there, to be
+            released once it takes calls again. Empty when it runs a new
+            process (they were lost with the old one).
+        """
         started = time.monotonic()
         with self._gate.exclusive():
             gate = time.monotonic()
+            recorded = self._incarnations.get(index)
             # Asked before the push: a restart after it is then seen.
             self.record_incarnation(index, self._members().get(index))
+            kept_its_process = (recorded is not None
+                                and recorded == self._incarnations[index])
             self.reconnect()
             connected = time.monotonic()
-            self.restart_iterators([index])
+            replaced = self.restart_iterators([index])
         logger.info(
             "[worker:%d] rebuilt in %.2fs: %.2fs waiting for calls in flight, "
             "%.2fs server def, %.2fs datasets", index,
             time.monotonic() - started, gate - started, connected - gate,
             time.monotonic() - connected)
+        return replaced[index] if kept_its_process else []
+
+    def release(self, index, iterators):
+        """Hands `iterators`, replaced on worker `index` by a rebuild, to
+        its release line (the worker must take calls again)."""
+        self._release(index, iterators)
 
     def remake_datasets(self, index):
         """Makes worker `index`'s datasets and iterators again, alone (no

@@ -15,7 +15,8 @@ So fit and evaluate hand their iterators over instead of dropping them,
 and so does the coordinator for the iterators of a custom loop that the user
 drops (`DroppedIterators`: a new `iter(per_worker_dataset)` each epoch), and
 for those replaced when a worker that kept its process has its datasets made
-again (after a call cancelled on it, after a ps recovery). Each
+again (after a call cancelled on it, a hung or stuck worker re-admitted, a
+ps recovery). Each
 worker has a release line: a queue on the worker, and a dataset on the worker
 whose own background thread takes each iterator from the queue and holds it
 until the next one arrives, then drops it. The coordinator's handle is never

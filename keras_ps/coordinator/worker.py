@@ -431,7 +431,7 @@ class Worker:
         if self.state is not WorkerState.RECOVERING:
             return
         try:
-            self._services.readmission.readmit(self.index)
+            replaced = self._services.readmission.readmit(self.index)
         except Exception as error:  # still flaky: back to FAILED, try again
             logger.info("[worker:%d] recovery failed (%s: %s); retrying",
                         self.index, type(error).__name__,
@@ -441,4 +441,5 @@ class Worker:
                            config.rebuild_retry_delay))
             return
         self.transition(WorkerState.READMITTED, "context and datasets rebuilt")
+        self._services.readmission.release(self.index, replaced)
         self._services.on_admitted()

@@ -171,3 +171,20 @@ def test_iterators_replaced_by_a_ps_recovery_are_released():
     assert result["reading"] == [1, 1]
     assert result["held"] == [1, 1], result
     assert result["freed"] == [0, 0]
+
+
+def test_iterators_replaced_when_a_hung_worker_comes_back_are_released():
+    """A worker SIGSTOPped until it is seen hung, then SIGCONTed and
+    re-admitted: it kept its process, so the iterator its re-admission
+    replaced is released (held until the next release), not dropped."""
+    code, output = run_child(
+        [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
+         "release_after_hang"], 160,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                 KERAS_PS_HANG_TIMEOUT="3"))
+    assert code == 0, output[-6000:]
+    result = last_report(output)
+    assert result["readmitted"] is True
+    assert result["reading"] == 1
+    assert result["held"] == 1, result
+    assert result["freed"] == 0
