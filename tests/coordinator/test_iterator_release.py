@@ -136,15 +136,20 @@ def test_release_iterators_names_what_it_takes(coordinator):
         coordinator.release_iterators([1, 2])
 
 
+def _cluster_job(name, **env):
+    """Runs tests/_cluster_job.py `name` on a cluster of its own; its last
+    report and its output."""
+    code, output = run_child(
+        [sys.executable, os.path.join(TESTS, "_cluster_job.py"), name], 160,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env))
+    assert code == 0, output[-6000:]
+    return last_report(output), output
+
+
 def test_release_goes_on_through_a_worker_killed_and_restarted():
     """A worker killed after a release (its iterator then dropped the plain
     way), restarted and re-admitted: its line is made again and holds."""
-    code, output = run_child(
-        [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
-         "release_after_restart"], 160,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert code == 0, output[-6000:]
-    result = last_report(output)
+    result, output = _cluster_job("release_after_restart")
     assert result["readmitted"] is True
     # Before the kill, both workers read and hold the first file.
     assert result["first"] == [1, 1]
@@ -161,12 +166,7 @@ def test_iterators_replaced_by_a_ps_recovery_are_released():
     """A ps killed and restarted, recovered in a custom loop: the workers
     kept their processes, so the iterators the recovery replaced on them
     are released (held until the next release), not dropped."""
-    code, output = run_child(
-        [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
-         "release_after_ps_recovery"], 160,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    assert code == 0, output[-6000:]
-    result = last_report(output)
+    result, _ = _cluster_job("release_after_ps_recovery")
     assert result["lost"] == [0]
     assert result["reading"] == [1, 1]
     assert result["held"] == [1, 1], result
@@ -177,13 +177,7 @@ def test_iterators_replaced_when_a_hung_worker_comes_back_are_released():
     """A worker SIGSTOPped until it is seen hung, then SIGCONTed and
     re-admitted: it kept its process, so the iterator its re-admission
     replaced is released (held until the next release), not dropped."""
-    code, output = run_child(
-        [sys.executable, os.path.join(TESTS, "_cluster_job.py"),
-         "release_after_hang"], 160,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                 KERAS_PS_HANG_TIMEOUT="3"))
-    assert code == 0, output[-6000:]
-    result = last_report(output)
+    result, _ = _cluster_job("release_after_hang", KERAS_PS_HANG_TIMEOUT="3")
     assert result["readmitted"] is True
     assert result["reading"] == 1
     assert result["held"] == 1, result
