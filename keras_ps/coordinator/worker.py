@@ -441,5 +441,5 @@ class Worker:
                            config.rebuild_retry_delay))
             return
         self.transition(WorkerState.READMITTED, "context and datasets rebuilt")
-        self._services.readmission.release(self.index, replaced)
         self._services.on_admitted()
+        self._services.readmission.release(self.index, replaced)
