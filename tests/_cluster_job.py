@@ -307,9 +307,16 @@ def release_after_hang():
             [coordinator.schedule(step) for _ in range(8)]
             coordinator.join()
         cluster.pause("worker", 1)
-        [coordinator.schedule(step) for _ in range(20)]
-        wait_until(lambda: coordinator.workers[1].state is WorkerState.HUNG,
-                   120, "worker 1 to be seen hung")
+
+        def seen_hung():
+            # Steps go on being scheduled until worker 1 has taken some
+            # (worker 0 may take the first ones all).
+            if coordinator.workers[1].state is WorkerState.HUNG:
+                return True
+            coordinator.schedule(step)
+            return False
+
+        wait_until(seen_hung, 120, "worker 1 to be seen hung", interval=0.1)
         cluster.resume("worker", 1)
         readmitted = coordinator.workers[1].wait_until_runnable(timeout=120)
         coordinator.join()
