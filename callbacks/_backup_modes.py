@@ -3,6 +3,8 @@
 import logging
 
 from keras_ps.backups import _checks
+from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training._fit_epochs import LOST_SHARDS
@@ -88,3 +90,32 @@ def check_preemption_mode(model):
             f"{type(model.distribute_strategy).__name__}. Fix: build "
             "the model under the strategy's scope, or pass "
             "save_before_preemption=False.")
+
+
+def finish_incremental(backup):
+    """Waits for `backup`'s last delta to be published (an error is logged:
+    `fit` is ending); a full backup still being written in the background
+    is dropped (the next fit starts it again), the chain stays."""
+    if not backup.stop_compaction(timeout=60):
+        logger.warning("[chief] the full backup being written in the "
+                       "background did not stop within 60 s (a ps does not "
+                       "answer?); left behind")
+    try:
+        backup.wait()
+    except Exception as error:  # noqa: BLE001  (logged, as in fit)
+        logger.warning("[chief] the last delta was not published (%s: %s)",
+                       type(error).__name__, error)
+
+
+def raise_if_ps_lost(model, error):
+    """Raises ParameterServerUnavailableError (from `error`) when a ps of
+    `model`'s keras_ps strategy is lost: a failed restore's real cause."""
+    strategy = model.distribute_strategy
+    if not isinstance(strategy, ParameterServerStrategy):
+        return  # a model outside keras_ps: no ps to lose
+    lost = ClusterCoordinator(strategy).lost_parameter_servers()
+    if lost:
+        raise ParameterServerUnavailableError(
+            f"Parameter server(s) {sorted(lost)} at "
+            f"{[lost[i] for i in sorted(lost)]} were lost while the backup "
+            "was being restored.") from error

@@ -8,12 +8,29 @@ backup at the next step boundary and then hands the signal to whatever
 handled it before, so the process ends as it would have, minus the steps it
 would have lost. Python runs signal handlers in the main thread only, so
 `fit` must run there.
+
+A ps' own SIGTERM is heard through `PsNotices` (keras_ps.cluster.ps_notices):
+the ps serves on while a backup is written at the next step boundary, then
+it is released and stops; the recovery of the lost ps restores that backup,
+so only the steps run between the backup and the ps' exit are trained again.
 """
 
+import logging
 import signal
 import threading
+import time
+
+from keras_ps.cluster.ps_notices import PsNoticeWatch
+from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.strategy import ParameterServerStrategy
+
+logger = logging.getLogger(__name__)
 
 SIGNAL = signal.SIGTERM
+# Seconds a released ps has to stop before `fit` recovers it at once (it
+# stops within a fraction of a second; one still there is found by a step).
+GONE_TIMEOUT_S = 5.0
 
 
 class PreemptionNotice:
@@ -72,3 +89,64 @@ class PreemptionNotice:
         signal.raise_signal(SIGNAL)
         if default:
             raise SystemExit(128 + SIGNAL)
+
+
+class PsNotices:
+    """The ps' preemption notices during one `fit` (none outside a keras_ps
+    ParameterServerStrategy)."""
+
+    def __init__(self):
+        self._watch = None
+        self._released = []
+
+    def start(self, strategy):
+        self._strategy = strategy
+        if isinstance(strategy, ParameterServerStrategy):
+            self._watch = PsNoticeWatch(strategy)
+            if not self._watch.start():
+                self._watch = None
+
+    def due(self):
+        """Whether a ps got a notice that no backup has answered yet."""
+        return self._watch is not None and bool(self._watch.noticed())
+
+    def release(self, published, serial, epoch, step):
+        """After backup `serial` (at `epoch`, `step`) is written: once
+        `published()` returns (a delta still being written is published),
+        the noticed ps are released."""
+        noticed = self._watch.noticed() if self._watch is not None else []
+        if noticed:
+            published()
+            self._watch.release(noticed)
+            self._released = noticed
+            logger.warning("[chief] backup %d (epoch %d, step %d) written "
+                           "after the preemption notice of ps %s: released",
+                           serial, epoch, step, noticed)
+
+    def raise_once_gone(self):
+        """After a release within training: waits for the released ps to
+        stop, then raises the loss that `fit` recovers from at once. Waited
+        for here, `fit` schedules no step that would fail on the leaving ps,
+        so the recovery trains no step again (the backup holds every step
+        scheduled so far).
+
+        Raises:
+            ParameterServerUnavailableError: a released ps has stopped.
+        """
+        released, self._released = self._released, []
+        if not released:
+            return
+        coordinator = ClusterCoordinator(self._strategy)
+        deadline = time.monotonic() + GONE_TIMEOUT_S
+        while not set(released) <= set(coordinator.lost_parameter_servers()):
+            if time.monotonic() >= deadline:
+                return  # still there: the step that finds it gone recovers
+            time.sleep(0.05)
+        raise ParameterServerUnavailableError(
+            f"Parameter server(s) {released} stopped after their preemption "
+            "notice, once the backup was written.")
+
+    def stop(self):
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None

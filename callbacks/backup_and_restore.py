@@ -12,14 +12,13 @@ from keras_ps.callbacks import _backup_modes
 from keras_ps.callbacks import _state_file
 from keras_ps.callbacks import _weights_files
 from keras_ps.callbacks._preemption import PreemptionNotice
+from keras_ps.callbacks._preemption import PsNotices
 from keras_ps.backups import _chain
 from keras_ps.backups import _checks
 from keras_ps.backups import _job_lock
 from keras_ps.coordinator import ClusterCoordinator
-from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups import incremental_backup
 from keras_ps.backups.incremental_backup import IncrementalBackup
-from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training._fit_epochs import LOST_SHARDS, ResumableCallback
 
 logger = logging.getLogger(__name__)
@@ -65,7 +64,11 @@ class BackupAndRestore(ResumableCallback):
             from before `fit` (by default the process ends, status 143);
             the job started again resumes at that step. `fit` must run in
             the main thread. After the last step the backup directory is
-            kept, so a restart finds training done. See docs/model_fit.md.
+            kept, so a restart finds training done. A ps' own SIGTERM (a ps
+            of `python -m keras_ps.server`) is heard too: the ps serves on
+            while a backup is written at the next step boundary, then
+            stops, and the recovery (`recover_ps`) trains again only the
+            steps since that backup. See docs/model_fit.md.
         incremental: `"auto"` (default), True or False. True: backups are
             those of `keras_ps.IncrementalBackup`: a full backup, then at
             each `save_freq` a delta holding only the table rows the
@@ -183,7 +186,7 @@ class BackupAndRestore(ResumableCallback):
         self.save_before_preemption = bool(save_before_preemption)
         self.double_checkpoint = bool(double_checkpoint)
         self.short_lead = self.save_before_preemption  # acts within executions
-        self._notice = PreemptionNotice()
+        self._notice, self._ps_notices = PreemptionNotice(), PsNotices()
         self._newest_backup_at = None  # (epoch, step)
         self._state_path = os.path.join(self.backup_dir, _state_file.FILE_NAME)
         self._resume = None
@@ -234,6 +237,7 @@ class BackupAndRestore(ResumableCallback):
         if self.save_before_preemption:
             _backup_modes.check_preemption_mode(self.model)
             self._notice.install()
+            self._ps_notices.start(self.model.distribute_strategy)
         self._resume = None
         self.restored_state = None
         self._incremental = _backup_modes.incremental_writer(
@@ -273,7 +277,7 @@ class BackupAndRestore(ResumableCallback):
     def _mismatch(self, weights, error):
         # Keras reports every failed assignment as a ValueError, a lost
         # ps' among them: that one is the ps' loss, not a wrong model.
-        self._raise_if_ps_lost(error)
+        _backup_modes.raise_if_ps_lost(self.model, error)
         detail = " ".join(str(error).split())
         if len(detail) > 300:
             detail = detail[:300] + "..."
@@ -329,17 +333,6 @@ class BackupAndRestore(ResumableCallback):
                     state["epoch"], state["step"])
         return self._resume
 
-    def _raise_if_ps_lost(self, error):
-        strategy = self.model.distribute_strategy
-        if not isinstance(strategy, ParameterServerStrategy):
-            return  # a model outside keras_ps: no ps to lose
-        lost = ClusterCoordinator(strategy).lost_parameter_servers()
-        if lost:
-            raise ParameterServerUnavailableError(
-                f"Parameter server(s) {sorted(lost)} at "
-                f"{[lost[i] for i in sorted(lost)]} were lost while the backup "
-                "was being restored.") from error
-
     def has_backup(self):
         return self._read_state() is not None
 
@@ -359,14 +352,15 @@ class BackupAndRestore(ResumableCallback):
     def on_train_batch_end(self, batch, logs=None):
         self._steps_since_save += batch - self._last_step_seen
         self._last_step_seen = batch
-        if self._notice.received or (
+        if self._notice.received or self._ps_notices.due() or (
                 self.save_freq not in ("epoch", False)
                 and self._steps_since_save >= self.save_freq):
             self._backup(self._epoch, batch + 1)
         self._end_if_preempted()
 
     def on_epoch_end(self, epoch, logs=None):
-        if self.save_freq is not False or self._notice.received:
+        if (self.save_freq is not False or self._notice.received
+                or self._ps_notices.due()):
             self._backup(epoch + 1, 0)
         self._cost.end_epoch(epoch + 1, self.save_freq)
         self._end_if_preempted()
@@ -376,6 +370,7 @@ class BackupAndRestore(ResumableCallback):
         if self._notice.received and self._newest_backup_at != end:
             self._backup(*end)  # a job started again finds training done
         self._finish_writes()
+        self._ps_notices.stop()
         logger.info("[chief] %s", self._cost.summary())
         if self._notice.received:
             logger.warning("[chief] training ended after SIGTERM: %s is "
@@ -386,6 +381,7 @@ class BackupAndRestore(ResumableCallback):
 
     def on_fit_exit(self):
         self._lock.release()  # fit raised: on_train_end was not called
+        self._ps_notices.stop()
         if not self._notice.received:
             return self._notice.uninstall()
         error = sys.exc_info()[1]  # fit's, when it raised after the signal
@@ -396,7 +392,9 @@ class BackupAndRestore(ResumableCallback):
     # -- preemption notices -------------------------------------------------------
     def _end_if_preempted(self):
         """After SIGTERM, once the backup is written and published: the
-        signal goes to its previous handler (by default the process ends)."""
+        signal goes to its previous handler (by default the process ends).
+        A ps released after its own notice is recovered from at once."""
+        self._ps_notices.raise_once_gone()
         if not self._notice.received:
             return
         self._finish_writes()
@@ -407,17 +405,7 @@ class BackupAndRestore(ResumableCallback):
 
     def _finish_writes(self):
         if self._incremental is not None:
-            # A full backup still being written in the background is
-            # dropped (the next fit starts it again); the chain stays.
-            if not self._incremental.stop_compaction(timeout=60):
-                logger.warning("[chief] the full backup being written in "
-                               "the background did not stop within 60 s "
-                               "(a ps does not answer?); left behind")
-            try:
-                self._incremental.wait()  # the last delta, published
-            except Exception as error:  # noqa: BLE001  (logged, as in fit)
-                logger.warning("[chief] the last delta was not published "
-                               "(%s: %s)", type(error).__name__, error)
+            _backup_modes.finish_incremental(self._incremental)
 
     # -- backups ----------------------------------------------------------------------
     def _backup(self, epoch, step):
@@ -444,6 +432,8 @@ class BackupAndRestore(ResumableCallback):
         logger.info("[chief] backup %d written: epoch %d, step %d (training "
                     "waited %.2f s)", self._serial, epoch, step,
                     self._cost.written(started))
+        self._ps_notices.release(self._incremental.wait if self._incremental
+                                 else lambda: None, self._serial, epoch, step)
 
     def _read_state(self):
         return _state_file.read(self._state_path, self._incremental_path)

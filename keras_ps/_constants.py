@@ -140,6 +140,12 @@ STUCK_FLOOR_S = 120.0
 PS_RECOVERY_TIMEOUT_ENV_VAR = "KERAS_PS_PS_RECOVERY_TIMEOUT"
 DEFAULT_PS_RECOVERY_TIMEOUT = 300.0
 
+# Seconds a ps of `python -m keras_ps.server` serves on after SIGTERM while a
+# coordinator watches it, waiting for its backup and release
+# (keras_ps.cluster.ps_notices); `--preemption_grace` wins over it. 0: stop
+# at once.
+PREEMPTION_GRACE_ENV_VAR = "KERAS_PS_PREEMPTION_GRACE"
+
 
 def _check_bounds(name, raw, value, default, minimum, above):
     """`value` (parsed from `raw`) within the knob's bounds, or an error

@@ -201,17 +201,17 @@ def own_executor():
     executor. With the shared default executor, an error of a call to one
     (dead) worker can surface in another worker thread's next call, which
     then retries a step that had run (no public API for executors)."""
-    internals = _internals()
-    return internals.context.executor_scope(internals.executor.new_executor(
-        enable_async=False, enable_streaming_enqueue=False))
+    return executor_scope(new_executor(asynchronous=False))
 
 
-def new_async_executor():
-    """A new asynchronous eager executor: ops run under it (see
-    `executor_scope`) return at once and run in order on its own thread, so
-    a slow or hung remote task never blocks the caller (no public API for
-    executors)."""
-    return _internals().executor.new_executor(enable_async=True)
+def new_executor(asynchronous=True):
+    """A new eager executor (no public API for executors). Asynchronous: ops
+    run under it (see `executor_scope`) return at once and run in order on
+    its own thread, so a slow or hung remote task never blocks the caller.
+    Synchronous: ops run on the caller's thread, each sent alone (an op sent
+    on TF's streaming enqueue to a ps restarted since waits forever)."""
+    return _internals().executor.new_executor(
+        enable_async=asynchronous, enable_streaming_enqueue=asynchronous)
 
 
 def clear_executor_error(executor):

@@ -17,6 +17,8 @@ import threading
 # these modules imports TensorFlow (a task serves sooner without its Python API).
 from keras_ps.cluster import _forks
 from keras_ps.cluster import _network
+from keras_ps.cluster import ps_notices
+from keras_ps import _constants
 from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
@@ -43,6 +45,13 @@ def _parser():
                         help="threads one op may split its work over (0: "
                              "TF's default, one per core); LocalCluster "
                              "shares the cores between its tasks")
+    parser.add_argument("--preemption_grace", type=float, default=None,
+                        help="a ps' longest wait after SIGTERM for the "
+                             "coordinator watching it to back up and release"
+                             " it (0: stop at once; default: "
+                             f"${_constants.PREEMPTION_GRACE_ENV_VAR}, else "
+                             f"{ps_notices.DEFAULT_GRACE_S:g}); see "
+                             "keras_ps.cluster.ps_notices")
     parser.add_argument("--exit_with_parent", action="store_true",
                         help="stop when the process that started this one "
                              "ends, even by SIGKILL (LocalCluster sets it)")
@@ -121,26 +130,32 @@ def _task(args):
 
 
 def _stop_on_signals():
-    """An event that SIGTERM and SIGINT set. Installed before the server
-    starts: its port is open as soon as it starts, and a signal sent then
-    (a test, or an orchestrator stopping a task that just came up) must
-    stop it cleanly, not with Python's default exit."""
+    """An event that SIGTERM and SIGINT set, and the list of the signals
+    received. Installed before the server starts: its port is open as soon
+    as it starts, and a signal sent then (a test, or an orchestrator stopping
+    a task that just came up) must stop it cleanly, not with Python's default
+    exit."""
     stop = threading.Event()
+    received = []
 
     def on_signal(signum, frame):
+        received.append(signum)
         stop.set()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return stop
+    return stop, received
 
 
-def _serve_until_signal(server, job, index, address, threads, stop,
-                        parent=None):
-    """Serves until `stop` is set (SIGTERM/SIGINT, see _stop_on_signals), or
+def _serve_until_signal(server, job, index, address, threads, signals,
+                        parent=None, notices=None, grace=0.0):
+    """Serves until a signal (SIGTERM/SIGINT, see _stop_on_signals), or
     until `parent` (a pid) is no longer this process' parent: a parent that
     dies, even by SIGKILL, leaves this process to init, and nothing else
-    would stop it."""
+    would stop it. A ps (`notices`: its ServerNotices) that a coordinator
+    watches serves on after SIGTERM until released, for up to `grace`
+    seconds (keras_ps.cluster.ps_notices)."""
+    stop, received = signals
     print(f"keras_ps.server: {job}:{index} serving at {address}"
           f" ({threads})", flush=True)
     why = "on signal"  # the message tests and operators look for
@@ -148,6 +163,13 @@ def _serve_until_signal(server, job, index, address, threads, stop,
         if parent is not None and os.getppid() != parent:
             why = f"because the process that started it (pid {parent}) ended"
             break
+    else:
+        if (notices is not None and grace > 0 and received[:1] ==
+                [signal.SIGTERM] and len(received) == 1 and notices.watched()):
+            stop.clear()
+            why = ps_notices.serve_out_notice(
+                notices, grace, stop, lambda line: print(
+                    f"keras_ps.server: {job}:{index} {line}", flush=True))
     print(f"keras_ps.server: {job}:{index} stopping {why} ({server.target})",
           flush=True)
     sys.stdout.flush()
@@ -174,6 +196,19 @@ def main(argv=None):
             return _fail(
                 f"--{flag} {getattr(args, flag)} is negative. Pass 0 for "
                 "TF's default or a number of threads (1 or more).")
+    if args.preemption_grace is None:
+        try:
+            args.preemption_grace = _constants.env_float(
+                _constants.PREEMPTION_GRACE_ENV_VAR,
+                ps_notices.DEFAULT_GRACE_S, minimum=0)
+        except ValueError as e:
+            return _fail(str(e))
+    elif not 0 <= args.preemption_grace < float("inf"):  # NaN too
+        return _fail(
+            f"--preemption_grace {args.preemption_grace} is not a number of "
+            "seconds. Pass 0 to stop at once on SIGTERM, or the seconds a ps "
+            "may wait for its coordinator's backup (default "
+            f"{ps_notices.DEFAULT_GRACE_S:g}).")
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:
@@ -197,7 +232,7 @@ def main(argv=None):
     config.inter_op_parallelism_threads = (
         args.inter_op_threads or max(4, os.cpu_count() or 1))
     config.intra_op_parallelism_threads = args.intra_op_threads
-    stop = _stop_on_signals()
+    signals = _stop_on_signals()
     try:
         server = server_lib.Server(
             server_lib.ClusterSpec(cluster_lib.training_cluster(cluster)),
@@ -217,7 +252,11 @@ def main(argv=None):
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")
                + f"; {native}")
-    _serve_until_signal(server, job, index, address, threads, stop, parent)
+    library = _native.server_library()
+    notices = (ps_notices.ServerNotices(library)
+               if job == "ps" and library is not None else None)
+    _serve_until_signal(server, job, index, address, threads, signals,
+                        parent, notices, args.preemption_grace)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,15 @@ Usage:
       restarts them on a thread of their own); [] runs undisturbed. With IN_RESTORE (a ps
       index), that ps is killed and restarted while the first recovery
       reads the backup. Reports iterations, accuracy and the recovery logs.
+  python tests/_fit_job.py ps_notice BACKUP_DIR INCREMENTAL 1|0
+      fit(epochs=2, steps_per_epoch=400) with BackupAndRestore(
+      save_freq="epoch", save_before_preemption=True,
+      incremental=INCREMENTAL (JSON)) on its own LocalCluster; with 1, ps 0
+      gets SIGTERM (a preemption notice) at the first batch end from batch
+      40 of epoch 0 on
+      and, once it has exited, is started again on its address (a restart
+      policy), beside fit. Reports iterations, accuracy, the recovery logs,
+      the ps' exit code, how long it served on and its stop line.
   python tests/_fit_job.py ps_pause BACKUP_DIR SECONDS|given_up|forever|kill
       fit with BackupAndRestore(save_freq=4) on its own LocalCluster; at
       batch 21 of epoch 1, ps 0 is SIGSTOPped and continued SECONDS later
@@ -95,13 +104,13 @@ def data(seed=0, n=4096):
     return x, y.astype("float32")
 
 
-def build(strategy):
+def build(strategy, learning_rate=0.02):
     keras.utils.set_random_seed(1)
     with strategy.scope():
         model = keras.Sequential([
             keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
             keras.layers.Dense(1, activation="sigmoid")])
-        model.compile(keras.optimizers.Adam(0.02), "binary_crossentropy",
+        model.compile(keras.optimizers.Adam(learning_rate), "binary_crossentropy",
                       metrics=["accuracy"], steps_per_execution=PER_EXECUTION)
     return model
 
@@ -515,6 +524,68 @@ def ps_recover(backup_dir, kills, in_restore=None, recover_ps=True):
             rolled_back=history.history.get("steps_rolled_back"))
 
 
+NOTICE_EPOCHS, NOTICE_STEPS, NOTICE_AT = 2, 400, (0, 40)
+
+
+class _NoticePs(keras.callbacks.Callback):
+    """SIGTERMs ps 0 at NOTICE_AT and, on a thread of its own, waits for it
+    to exit and starts it again on its address (what a restart policy does
+    after a preemption)."""
+
+    def __init__(self, cluster):
+        super().__init__()
+        self.cluster = cluster
+        self.thread = None
+        self.exit_code = self.served_on = self.stop_line = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) >= NOTICE_AT and self.thread is None:
+            self.thread = threading.Thread(target=self._notice)
+            self.thread.start()
+            print(f"SIGTERM TO ps 0 at {NOTICE_AT}", flush=True)
+
+    def _notice(self):
+        started = time.monotonic()
+        self.exit_code = self.cluster.stop("ps", 0, timeout=60)
+        self.served_on = time.monotonic() - started
+        with open(os.path.join(self.cluster.log_dir, "ps-0.log")) as f:
+            self.stop_line = [line.strip() for line in f
+                              if "stopping" in line][-1]
+        self.cluster.restart("ps", 0)
+
+    def join(self):
+        if self.thread is not None:
+            self.thread.join()
+
+
+def ps_notice(backup_dir, incremental, notice):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        # 800 steps at Adam's 0.02 end 0.97-0.99 accurate with the load of
+        # the machine (async steps' staleness); at 0.005, 0.986-0.990.
+        model = build(strategy, learning_rate=0.005)
+        notifier = _NoticePs(cluster)
+        backup = keras_ps.callbacks.BackupAndRestore(
+            backup_dir, save_freq="epoch", save_before_preemption=True,
+            incremental=incremental)
+        history = model.fit(
+            dataset_creator(), epochs=NOTICE_EPOCHS,
+            steps_per_epoch=NOTICE_STEPS, verbose=0,
+            callbacks=[notifier] * notice + [backup])
+        notifier.join()
+        x, y = data(seed=1, n=1024)
+        _, accuracy = model.evaluate(x, y, batch_size=128, verbose=0)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=NOTICE_EPOCHS * NOTICE_STEPS, accuracy=float(accuracy),
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"),
+            exit_code=notifier.exit_code, served_on=notifier.served_on,
+            stop_line=notifier.stop_line)
+
+
 class _Warnings(logging.Handler):
     """Keeps the messages of WARNING records (the watchdog's); `seen` is set
     once one holds `text`."""
@@ -739,6 +810,8 @@ if __name__ == "__main__":
         ps_restart(sys.argv[2], sys.argv[3] == "1")
     elif sys.argv[1] == "keras_backup":
         keras_backup(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
+    elif sys.argv[1] == "ps_notice":
+        ps_notice(sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1")
     elif sys.argv[1] == "ps_pause":
         ps_pause(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "ps_pause_in_backup":

@@ -1,5 +1,5 @@
-"""keras_ps' C++ kernels (row_updates.cc, row_files.cc): built once per
-machine, loaded by every process of a cluster.
+"""keras_ps' C++ kernels (row_updates.cc, row_files.cc, notices.cc): built
+once per machine, loaded by every process of a cluster.
 
 TF has no kernel for LazyAdam's row update: made of TF's ops it is three
 gathers, sixteen elementwise ops and four scatters, each a pass over all the
@@ -10,6 +10,8 @@ its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
 backup's row file with one copy of its bytes (TF's ops make three);
 `KerasPsReadFile` reads one back for a restore, with a thread reading the
 next file of the restore into the page cache meanwhile.
+`KerasPsPreemptionNotice` and `KerasPsReleasePreempted` carry a ps' SIGTERM
+to the coordinator and its release back (keras_ps.cluster.ps_notices).
 `KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
 the same floats in the same order as TF's UnsortedSegmentSum, about ten
 times faster for rows of 64 floats. They
@@ -54,9 +56,9 @@ from keras_ps import _constants
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-           for name in ("row_updates.cc", "row_files.cc")]
+           for name in ("row_updates.cc", "row_files.cc", "notices.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 6
+VERSION = 7
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine
 # (row_updates.cc compiles its row functions once per vector width and picks
@@ -233,14 +235,23 @@ def load_in_server():
     if not enabled():
         return "native kernels off (KERAS_PS_NATIVE=0)"
     check_direct_io()
+    global _server_library
     try:
         path = build()
         # Loading registers the ops and kernels with TF's registries (the
         # library's static initializers), as tf.load_op_library does.
-        ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        _server_library = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
     except (NativeBuildError, OSError) as error:
         return f"native kernels not loaded: {error}"
     return "native kernels loaded"
+
+
+_server_library = None
+
+
+def server_library():
+    """The library `load_in_server` loaded (a ctypes handle), or None."""
+    return _server_library
 
 
 _library = None

@@ -113,7 +113,7 @@ class _ReleaseLine:
         self.worker = index
         self.generation = generation
         self._device = worker_device(index)
-        self._executor = _tf_adapter.new_async_executor()
+        self._executor = _tf_adapter.new_executor()
         _EXECUTORS.append(self._executor)
         with self._on_worker():
             self._queue = tf.raw_ops.FIFOQueueV2(

@@ -1673,7 +1673,19 @@ SERVER_CASES = [
                   "--job_name", "ps", "--intra_op_threads", "-2"],
                  ["--intra_op_threads -2 is negative", "Pass 0 for TF's default"],
                  id="server_negative_intra_op_threads"),
-    # The first item, a dict, is the process' TF_CONFIG.
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "ps", "--preemption_grace", "-5"],
+                 ["--preemption_grace -5.0 is not a number of seconds",
+                  "Pass 0 to stop at once on SIGTERM"],
+                 id="server_negative_preemption_grace"),
+    # A first item {"env": {...}} adds to the process' environment.
+    pytest.param([{"env": {"KERAS_PS_PREEMPTION_GRACE": "30s"}},
+                  "--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "ps"],
+                 ["KERAS_PS_PREEMPTION_GRACE must be a number",
+                  "KERAS_PS_PREEMPTION_GRACE='30s'", "Unset it"],
+                 id="server_env_preemption_grace_not_number"),
+    # Any other first item, a dict, is the process' TF_CONFIG.
     pytest.param([{"cluster": _spec(ps=[2001], worker=[2002]),
                    "task": {"type": "ps", "index": 0}},
                   "--job_name", "worker", "--task_index", "1"],
@@ -1709,7 +1721,10 @@ def test_server_cli_bad_flags(argv, needles):
             argv = json.loads(json.dumps(argv).replace("HELD_PORT", port))
             needles = [n.replace("HELD_PORT", port) for n in needles]
         if argv and isinstance(argv[0], dict):
-            env["TF_CONFIG"] = json.dumps(argv[0])
+            if "env" in argv[0]:
+                env.update(argv[0]["env"])
+            else:
+                env["TF_CONFIG"] = json.dumps(argv[0])
             argv = argv[1:]
         result = subprocess.run(
             [sys.executable, "-m", "keras_ps.server", *argv], cwd=REPO,

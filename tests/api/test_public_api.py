@@ -46,7 +46,7 @@ def test_tf_internals_still_exist(tmp_path):
         _exit_guard.tf_section) is True
     with _tf_adapter.own_executor():
         assert tf.add(1, 2).numpy() == 3
-    executor = _tf_adapter.new_async_executor()
+    executor = _tf_adapter.new_executor()
     with _tf_adapter.executor_scope(executor):
         total = tf.add(1, 2)
     executor.wait()

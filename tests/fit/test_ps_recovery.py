@@ -6,6 +6,7 @@ gives the ps its variables back, restores the newest backup and finishes
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,6 +95,45 @@ def test_fit_recovers_a_lost_ps_in_the_same_call(case, tmp_path, undisturbed):
         (result["accuracy"], undisturbed["accuracy"])
     assert result["accuracy"] <= undisturbed["accuracy"] + 0.02, \
         (result["accuracy"], undisturbed["accuracy"])
+
+
+def run_notice(tmp_path, incremental, notice):
+    code, output = run_job("ps_notice", str(tmp_path / "backup"),
+                           json.dumps(incremental), "1" if notice else "0")
+    assert code == 0, output[-4000:]
+    return output, last_report(output)
+
+
+@pytest.fixture(scope="module")
+def undisturbed_notice_job(tmp_path_factory):
+    return run_notice(tmp_path_factory.mktemp("undisturbed"), False, False)[1]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("incremental", [False, True])
+def test_a_ps_preemption_notice_is_backed_up_first_and_costs_no_step(
+        incremental, tmp_path, undisturbed_notice_job):
+    # save_freq="epoch" and SIGTERM to ps 0 at step 40 of epoch 0: without
+    # the notice heard, the ps would stop at once, with no backup yet to
+    # recover from. With it, the ps serves on until a backup is written at
+    # the next step, is released and stops; fit recovers it from that
+    # backup (started again by a restart policy) and trains no step twice.
+    output, result = run_notice(tmp_path, incremental, True)
+    released = re.findall(r"backup \d+ \(epoch (\d+), step (\d+)\) written "
+                          r"after the preemption notice of ps \[0\]: released",
+                          output)
+    assert len(released) == 1, output[-4000:]
+    restored = re.findall(r"training again from epoch (\d+), step (\d+) "
+                          r"\((\d+) steps rolled back\)", output)
+    assert restored == [released[0] + ("0",)], output[-4000:]
+    assert result["exit_code"] == 0
+    assert "stopping on SIGTERM, released by the coordinator after its " \
+        "backup" in result["stop_line"]
+    assert sum(result["recoveries"]) == 1
+    assert result["rolled_back"] == [0, 0]
+    assert result["iterations"] == result["planned"], result
+    assert result["accuracy"] >= undisturbed_notice_job["accuracy"] - 0.005, \
+        (result["accuracy"], undisturbed_notice_job["accuracy"])
 
 
 @pytest.mark.timeout(200)
