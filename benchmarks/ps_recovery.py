@@ -32,6 +32,11 @@ In one process, on one cluster and one model:
   phase C  as phase A, after B: the machine is shared, so the steps/s
            without backups is the mean of a fit before and one after B.
 
+--notice: ps 0 gets SIGTERM instead of SIGKILL (a preemption notice), and
+BackupAndRestore has save_before_preemption=True: the ps serves on until the
+chief has written a backup and released it; it is started again once it has
+exited. The timeline starts at the SIGTERM.
+
 --plan short (for tables whose backup takes minutes): phase B is one epoch
 of 180 steps per kill, ps 0 killed at the end of step 150 (50 steps after
 the only backup, at step 100), no throughput window (the slowdown is only
@@ -49,6 +54,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -129,7 +135,7 @@ class Sampler(threading.Thread):
                 and (pid is None or s[2] == pid)]
 
 
-def run_one(rows, kills, plan_name="full", incremental="auto"):
+def run_one(rows, kills, plan_name="full", incremental="auto", notice=False):
     plan = PLANS[plan_name]
     logging.basicConfig(level=logging.WARNING)
     # Each incremental backup written, published, restored.
@@ -292,10 +298,16 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
                              "backups_before": len(backups)}
                     events.append(event)
                     event["kill"] = time.monotonic()
-                    cluster.kill("ps", 0)
+                    if notice:  # SIGTERM; the ps stops once released
+                        os.kill(old_pid, signal.SIGTERM)
+                    else:
+                        cluster.kill("ps", 0)
                     event["killed"] = time.monotonic()
 
                     def restart():
+                        if notice:  # waits for its exit (no second signal)
+                            cluster.stop("ps", 0, timeout=120)
+                            event["exited"] = time.monotonic()
                         cluster.restart("ps", 0)
                         event["ps_answering"] = time.monotonic()
                         event["new_pid"] = cluster.pid("ps", 0)
@@ -304,7 +316,8 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
                     event["thread"] = thread
 
         backup_cb = TimedBackup(backup_dir, save_freq=SAVE_FREQ,
-                                incremental=incremental)
+                                incremental=incremental,
+                                save_before_preemption=notice)
         killer = KillAndRestart()
         b_start = time.monotonic()
         history = model.fit(data, epochs=plan["first_kill_epoch"] + kills,
@@ -357,6 +370,8 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
                 "ps_answering_s": event["ps_answering"] - kill,
                 "detected_s": event["detected"] - kill,
                 "recovered_s": event["recovered"] - kill,
+                "ps_exited_s": event["exited"] - kill
+                if "exited" in event else None,
                 "first_execution_after_restore_s":
                     event["first_step_done"] - event["recovered"],
                 "breakdown": event.get("breakdown"),
@@ -401,7 +416,7 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
             recoveries.append(rec)
         table_bytes = rows * DIM * 4 * 3 + rows * 8
         result = {
-            "rows": rows, "kills": kills, "build_s": build_s,
+            "rows": rows, "kills": kills, "build_s": build_s, "notice": notice,
             "table_and_slots_gb": table_bytes / gb,
             "plain": plain,
             "plan": plan_name,
@@ -444,13 +459,14 @@ def run_one(rows, kills, plan_name="full", incremental="auto"):
         shutil.rmtree(backup_dir, ignore_errors=True)
 
 
-def run_child(rows, kills, plan, incremental, timeout=5400):
+def run_child(rows, kills, plan, incremental, notice=False, timeout=5400):
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     start = time.monotonic()
     try:
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--_child", str(rows),
-             str(kills), plan, incremental], capture_output=True, text=True,
+             str(kills), plan, incremental, str(int(notice))],
+            capture_output=True, text=True,
             env=env,
             timeout=timeout)
     except subprocess.TimeoutExpired as error:
@@ -652,7 +668,10 @@ def main():
                         " auto (incremental backups from 256 MiB of "
                         "tables: 1M and up here), true, or false (Keras "
                         "weights files through the chief)")
-    parser.add_argument("--_child", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument("--notice", action="store_true",
+                        help="SIGTERM ps 0 (a preemption notice) instead of "
+                        "SIGKILL, with save_before_preemption=True")
+    parser.add_argument("--_child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     command = "python " + " ".join(
         ["benchmarks/ps_recovery.py"] + sys.argv[1:])
@@ -660,7 +679,7 @@ def main():
         incremental = {"auto": "auto", "true": True,
                        "false": False}[args._child[3]]
         result = run_one(int(args._child[0]), int(args._child[1]),
-                         args._child[2], incremental)
+                         args._child[2], incremental, args._child[4] == "1")
         print("RESULT " + json.dumps(result), flush=True)
         os._exit(0)
     if args.from_json:
@@ -677,7 +696,8 @@ def main():
     runs = []
     for repeat in range(args.repeats):
         for rows in [int(r) for r in args.rows.split(",")]:
-            result = run_child(rows, args.kills, args.plan, args.incremental)
+            result = run_child(rows, args.kills, args.plan, args.incremental,
+                               args.notice)
             result["repeat"] = repeat
             runs.append(result)
             describe(result, log)

@@ -11,8 +11,8 @@ would have lost. Python runs signal handlers in the main thread only, so
 
 A ps' own SIGTERM is heard through `PsNotices` (keras_ps.cluster.ps_notices):
 the ps serves on while a backup is written at the next step boundary, then
-it is released and stops; the recovery of the lost ps restores that backup,
-so only the steps run between the backup and the ps' exit are trained again.
+it is released and stops; `fit` waits for it to be gone and recovers it from
+that backup before it schedules another step, so no step is trained twice.
 """
 
 import logging

@@ -67,8 +67,8 @@ class BackupAndRestore(ResumableCallback):
             kept, so a restart finds training done. A ps' own SIGTERM (a ps
             of `python -m keras_ps.server`) is heard too: the ps serves on
             while a backup is written at the next step boundary, then
-            stops, and the recovery (`recover_ps`) trains again only the
-            steps since that backup. See docs/model_fit.md.
+            stops, and `fit` recovers it from that backup (`recover_ps`)
+            with no step trained twice. See docs/ps_recovery.md.
         incremental: `"auto"` (default), True or False. True: backups are
             those of `keras_ps.IncrementalBackup`: a full backup, then at
             each `save_freq` a delta holding only the table rows the

@@ -1,5 +1,9 @@
 """`python -m keras_ps.server`: run one ps or worker task until SIGTERM.
 
+A ps that a coordinator watches for preemption notices serves on after
+SIGTERM until that coordinator has written its backup and releases it (at
+most --preemption_grace seconds; see keras_ps.cluster.ps_notices).
+
 The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index
 (which win over TF_CONFIG; --job_name or --task_index alone is refused).
 Bad configuration ends the process with a one-line error and exit code 2; an

@@ -6,9 +6,11 @@ Cloud by default, 10 s for `docker stop`). A ps that exits at once on it is
 lost as if SIGKILLed, and the recovery rolls training back to the last
 backup. `python -m keras_ps.server` instead serves on after SIGTERM while a
 coordinator watches its notices, so that the coordinator can write a backup
-first; it stops once that coordinator releases it, or `grace` seconds after
-the signal, whichever comes first (a second SIGTERM, or SIGINT, stops it at
-once). A ps no coordinator watches stops at once, as before.
+first. It stops at the first of: that coordinator releases it; `grace`
+seconds pass after the signal (`--preemption_grace`,
+`KERAS_PS_PREEMPTION_GRACE`, DEFAULT_GRACE_S); a second SIGTERM, or SIGINT;
+no coordinator has asked for WATCHED_WITHIN_S (its `fit` ended, or it
+died). A ps no coordinator watches stops at once, as before.
 
 TF's server gives a task's own process no channel to its clients, so the
 notice passes through keras_ps' C++ library (keras_ps/_native/notices.cc):
