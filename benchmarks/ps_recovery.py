@@ -37,6 +37,9 @@ BackupAndRestore has save_before_preemption=True: the ps serves on until the
 chief has written a backup and released it; it is started again once it has
 exited. The timeline starts at the SIGTERM.
 
+--plan notice: as short, but the epoch is 600 steps, so that a notice
+(--notice) is heard and answered within it.
+
 --plan short (for tables whose backup takes minutes): phase B is one epoch
 of 180 steps per kill, ps 0 killed at the end of step 150 (50 steps after
 the only backup, at step 100), no throughput window (the slowdown is only
@@ -54,7 +57,6 @@ import logging
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -78,6 +80,10 @@ PLANS = {
              "window": (100, 500), "backups_after_recovery": True},
     "short": {"steps": 180, "kill_batch": 149, "first_kill_epoch": 0,
               "window": None, "backups_after_recovery": False},
+    # short, with the epoch going on long enough after the SIGTERM of
+    # --notice for the notice to be heard (about a second) within it.
+    "notice": {"steps": 600, "kill_batch": 149, "first_kill_epoch": 0,
+               "window": None, "backups_after_recovery": False},
 }
 SAMPLE_S = 0.02
 
@@ -298,14 +304,12 @@ def run_one(rows, kills, plan_name="full", incremental="auto", notice=False):
                              "backups_before": len(backups)}
                     events.append(event)
                     event["kill"] = time.monotonic()
-                    if notice:  # SIGTERM; the ps stops once released
-                        os.kill(old_pid, signal.SIGTERM)
-                    else:
+                    if not notice:
                         cluster.kill("ps", 0)
                     event["killed"] = time.monotonic()
 
                     def restart():
-                        if notice:  # waits for its exit (no second signal)
+                        if notice:  # SIGTERM, then its exit once released
                             cluster.stop("ps", 0, timeout=120)
                             event["exited"] = time.monotonic()
                         cluster.restart("ps", 0)

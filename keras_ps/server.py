@@ -171,6 +171,8 @@ def _serve_until_signal(server, job, index, address, threads, signals,
         if (notices is not None and grace > 0 and received[:1] ==
                 [signal.SIGTERM] and len(received) == 1 and notices.watched()):
             stop.clear()
+            if len(received) > 1:  # a second signal came before the clear
+                stop.set()
             why = ps_notices.serve_out_notice(
                 notices, grace, stop, lambda line: print(
                     f"keras_ps.server: {job}:{index} {line}", flush=True))
