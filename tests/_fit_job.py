@@ -567,7 +567,7 @@ def ps_notice(backup_dir, incremental, notice):
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         # 800 steps of 32 at Adam's 0.02 end 0.97-0.99 accurate with the
         # load of the machine (async steps' staleness); at 0.005,
-        # 0.983-0.991; in batches of 128 at 0.005, 0.994-0.995.
+        # 0.983-0.991; in batches of 128 at 0.005, 0.991-0.997.
         model = build(strategy, learning_rate=0.005)
         notifier = _NoticePs(cluster)
         backup = keras_ps.callbacks.BackupAndRestore(
