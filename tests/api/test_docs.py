@@ -45,6 +45,13 @@ BLOCKS = {
         "tests/_fault_job.py",
         ["recover_parameter_servers", "ParameterServerUnavailableError",
          "tf.train.Checkpoint"]),
+    ("docs/ps_recovery.md", "from keras_ps.cluster.ps_notices import PsNoticeWatch"): (
+        "tests/_notice_job.py",
+        ["PsNoticeWatch(strategy)", "watch.start()", "watch.noticed()",
+         "coordinator.join()", "watch.release(noticed)",
+         "coordinator.lost_parameter_servers()",
+         "coordinator.recover_parameter_servers()", "checkpoint.read(",
+         "watch.stop()"]),
 }
 
 
