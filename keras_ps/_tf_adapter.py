@@ -208,8 +208,8 @@ def new_executor(asynchronous=True):
     """A new eager executor (no public API for executors). Asynchronous: ops
     run under it (see `executor_scope`) return at once and run in order on
     its own thread, so a slow or hung remote task never blocks the caller.
-    Synchronous: ops run on the caller's thread, each sent alone (an op sent
-    on TF's streaming enqueue to a ps restarted since waits forever)."""
+    Synchronous: ops run on the caller's thread, each sent alone (one to a
+    ps restarted since raises; an asynchronous one was seen to hang)."""
     return _internals().executor.new_executor(
         enable_async=asynchronous, enable_streaming_enqueue=asynchronous)
 
