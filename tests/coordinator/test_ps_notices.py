@@ -28,11 +28,10 @@ def test_a_noticed_ps_stops_at_its_grace_a_second_signal_or_when_unwatched(
         tmp_path):
     result = _job("ways_to_stop", tmp_path)
     assert result["started"] is True
-    # Each SIGTERM of a watched ps was heard by the coordinator ...
-    assert result["heard"] == {"grace": True, "second_signal": True,
-                               "unwatched_while_noticed": True}
+    # Each SIGTERM of a watched ps was heard by the coordinator (the job
+    # waits for that), and the ps served on until one of these, which its
+    # stop line names.
     lines = result["lines"]
-    # ... and the ps served on until one of these, which its stop line names.
     assert "ps:0 stopping 3 s after SIGTERM, not released" in lines["grace"]
     assert "ps:1 stopping on a second signal" in lines["second_signal"]
     assert "ps:2 stopping on SIGTERM, no coordinator watching any more" in \
