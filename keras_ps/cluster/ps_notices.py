@@ -107,7 +107,7 @@ class PsNoticeWatch:
         self._devices = list(strategy.extended.parameter_devices)
         self._addresses = list(strategy.cluster_spec["ps"])
         self._library = None
-        self._noticed = {}  # ps index -> seconds it has left, when heard
+        self._noticed = set()  # ps indices: a notice, not released yet
         self._released = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -169,17 +169,14 @@ class PsNoticeWatch:
             with self._lock:
                 if left is None or left < 0:
                     # Gone (a notice is not answered for), or a new process.
-                    self._noticed.pop(index, None)
+                    self._noticed.discard(index)
                     if left is not None:
                         self._released.discard(index)
-                elif index not in self._released:
-                    if index not in self._noticed:
-                        logger.warning(
-                            "[chief] ps %d got a preemption notice "
-                            "(SIGTERM); it serves on at most %.0f s: a "
-                            "backup is written at the next step, then "
-                            "it is released", index, left)
-                    self._noticed[index] = left
+                elif index not in self._released | self._noticed:
+                    logger.warning("[chief] ps %d got a preemption notice "
+                                   "(SIGTERM); it serves on until released, "
+                                   "at most %.0f s", index, left)
+                    self._noticed.add(index)
             self._stop.wait(ASK_EVERY_S)
 
     def noticed(self):
@@ -196,7 +193,7 @@ class PsNoticeWatch:
                 logger.info("[chief] ps %d did not answer its release: gone "
                             "already", index)
             with self._lock:
-                self._noticed.pop(index, None)
+                self._noticed.discard(index)
                 self._released.add(index)
 
     def stop(self):
