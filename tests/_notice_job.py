@@ -9,6 +9,10 @@ Usage:
       notice is heard; ps 0, started again and never asked, gets SIGTERM.
       Each notice must be heard within 30 s (else the job fails). Reports
       each ps' stop line.
+  python tests/_notice_job.py no_kernels
+      a LocalCluster whose ps runs without keras_ps' C++ kernels
+      (KERAS_PS_NATIVE=0): the watch does not start; the ps gets SIGTERM.
+      Reports whether the watch started and the ps' stop line.
   python tests/_notice_job.py custom_loop
       a custom loop (2 ps, 2 workers) that adds 1 to a variable on each ps
       per step, watching notices: ps 0 gets SIGTERM mid-loop (and is started
@@ -83,6 +87,17 @@ def ways_to_stop():
         say(started=started, lines=lines)
 
 
+def no_kernels():
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1, env={
+            "KERAS_PS_NATIVE": "0"}) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        watch = PsNoticeWatch(strategy)
+        started = watch.start()
+        pid = cluster.pid("ps", 0)
+        os.kill(pid, signal.SIGTERM)
+        say(started=started, line=_stop_line(cluster, 0, pid))
+
+
 def custom_loop(steps=300, notice_at=60):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
@@ -133,4 +148,5 @@ def custom_loop(steps=300, notice_at=60):
 
 
 if __name__ == "__main__":
-    {"ways_to_stop": ways_to_stop, "custom_loop": custom_loop}[sys.argv[1]]()
+    {"ways_to_stop": ways_to_stop, "custom_loop": custom_loop,
+     "no_kernels": no_kernels}[sys.argv[1]]()

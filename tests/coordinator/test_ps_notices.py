@@ -14,13 +14,14 @@ from _results import last_report
 from _results import run_child
 
 
-def _job(mode, tmp_path):
+def _job(mode, tmp_path, output_too=False):
     code, output = run_child(
         [sys.executable, os.path.join(TESTS, "_notice_job.py"), mode,
          str(tmp_path)], 200,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1"))
     assert code == 0, output[-4000:]
-    return last_report(output)
+    return (last_report(output), output) if output_too else \
+        last_report(output)
 
 
 @pytest.mark.timeout(240)
@@ -49,3 +50,12 @@ def test_a_custom_loop_backs_up_on_a_notice_and_loses_no_step(tmp_path):
     assert result["recovered"] == 1
     assert result["saved_at"] == result["notice_at"]
     assert result["values"] == [result["steps"]] * 2, result
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_without_the_kernels_is_not_watched_and_stops_at_once(tmp_path):
+    result, output = _job("no_kernels", tmp_path, output_too=True)
+    assert result["started"] is False
+    assert "the ps' preemption notices are not watched" in output
+    assert "start every ps with `python -m keras_ps.server`" in output
+    assert "ps:0 stopping on signal" in result["line"]
