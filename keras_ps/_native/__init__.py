@@ -1,4 +1,5 @@
-"""keras_ps' C++ kernels (row_updates.cc, row_files.cc, notices.cc): built
+"""keras_ps' C++ kernels (row_updates.cc, row_files.cc, row_restore.cc,
+notices.cc): built
 once per machine, loaded by every process of a cluster.
 
 TF has no kernel for LazyAdam's row update: made of TF's ops it is three
@@ -8,8 +9,10 @@ pass over each row. Keras' Adagrad has no TF kernel either (TF's sparse
 Adagrad puts epsilon outside the square root): `KerasPsAdagradRows` replaces
 its scatter-add, gather and scatter-sub. `KerasPsWriteTensors` writes a
 backup's row file with one copy of its bytes (TF's ops make three);
-`KerasPsReadFile` reads one back for a restore, with a thread reading the
-next file of the restore into the page cache meanwhile.
+`KerasPsApplyRowFile` restores one: it checks the file and copies each row
+from its bytes into the variable holding it (TF's ops make three copies
+more), with a thread reading the restore's next file into the page cache
+meanwhile.
 `KerasPsPreemptionNotice` and `KerasPsReleasePreempted` carry a ps' SIGTERM
 to the coordinator and its release back (keras_ps.cluster.ps_notices).
 `KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
@@ -56,9 +59,10 @@ from keras_ps import _constants
 logger = logging.getLogger(__name__)
 
 SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-           for name in ("row_updates.cc", "row_files.cc", "notices.cc")]
+           for name in ("row_updates.cc", "row_files.cc", "row_restore.cc",
+                        "notices.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
-VERSION = 7
+VERSION = 8
 # Optimized, and free to vectorize sqrt (errno is never read); no
 # -march=native, so a cache on a shared home directory serves every machine
 # (row_updates.cc compiles its row functions once per vector width and picks
@@ -236,6 +240,12 @@ def load_in_server():
         return "native kernels off (KERAS_PS_NATIVE=0)"
     check_direct_io()
     global _server_library
+    if _server_library is not None:
+        # A task forked from LocalCluster's fork server has them already. The
+        # library's sources may have changed since it was loaded (keras_ps
+        # updated in place): loading another build would register the same
+        # ops twice, which TF answers by aborting the process.
+        return "native kernels loaded"
     try:
         path = build()
         # Loading registers the ops and kernels with TF's registries (the

@@ -1,5 +1,5 @@
 // keras_ps' row-file writer, built with row_updates.cc into one library by
-// keras_ps/_native/__init__.py.
+// keras_ps/_native/__init__.py. Its reader is row_restore.cc.
 //
 // KerasPsWriteTensors: writes a backup's row file (keras_ps.backups._row_files)
 // in one copy of its bytes. The file is the concatenation of each tensor
@@ -276,109 +276,5 @@ class WriteTensorsOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("KerasPsWriteTensors").Device(tensorflow::DEVICE_CPU),
                         WriteTensorsOp);
-
-REGISTER_OP("KerasPsReadFile")
-    .Input("filename: string")
-    .Input("next: string")
-    .Output("content: string")
-    .Output("length: int64")
-    .Output("fingerprint: int64")
-    .SetIsStateful()
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
-      return absl::OkStatus();
-    });
-
-// Reads the local file `path` into the page cache on a thread of its own
-// (nothing is waited for; a file that cannot be opened is left to its own
-// read to report). A thread reads it: posix_fadvise(WILLNEED) and
-// readahead(2) left a cold file as slow to read as before here.
-void Prefetch(tensorflow::Env* env, const std::string& path) {
-  env->SchedClosure([path]() {
-    const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return;
-    constexpr size_t kBlock = size_t{1} << 20;
-    std::unique_ptr<char[]> block(new char[kBlock]);
-    off_t offset = 0;
-    while (true) {
-      const ssize_t count = pread(fd, block.get(), kBlock, offset);
-      if (count < 0 && errno == EINTR) continue;
-      if (count <= 0) break;
-      offset += count;
-    }
-    close(fd);
-  });
-}
-
-// Reads the local file `path` whole into `text`.
-absl::Status ReadLocal(const std::string& path, tensorflow::tstring* text) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return tensorflow::errors::IOError(path, errno);
-  struct stat info;
-  if (fstat(fd, &info) != 0) {
-    const int error = errno;
-    close(fd);
-    return tensorflow::errors::IOError(path, error);
-  }
-  const size_t bytes = static_cast<size_t>(info.st_size);
-  text->resize_uninitialized(bytes);
-  size_t done = 0;
-  while (done < bytes) {
-    const ssize_t count = pread(fd, text->mdata() + done, bytes - done,
-                                static_cast<off_t>(done));
-    if (count < 0 && errno == EINTR) continue;
-    if (count <= 0) {
-      const int error = count < 0 ? errno : 0;
-      close(fd);
-      if (error != 0) return tensorflow::errors::IOError(path, error);
-      return tensorflow::errors::DataLoss(path, ": read ", done, " of ",
-                                          bytes, " bytes");
-    }
-    done += static_cast<size_t>(count);
-  }
-  close(fd);
-  return absl::OkStatus();
-}
-
-class ReadFileOp : public OpKernel {
- public:
-  explicit ReadFileOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
-
-  void Compute(OpKernelContext* ctx) override {
-    for (int i = 0; i < 2; ++i) {
-      OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(
-                           ctx->input(i).shape()),
-                  tensorflow::errors::InvalidArgument(
-                      "filename and next must be scalars. Received: ",
-                      ctx->input(i).shape().DebugString()));
-    }
-    const std::string path(ctx->input(0).scalar<tensorflow::tstring>()());
-    const std::string next(ctx->input(1).scalar<tensorflow::tstring>()());
-    if (!next.empty() && next.find("://") == std::string::npos) {
-      Prefetch(ctx->env(), next);
-    }
-    Tensor* content = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, {}, &content));
-    tensorflow::tstring& text = content->scalar<tensorflow::tstring>()();
-    if (path.find("://") != std::string::npos) {
-      // Not a local path: TF's filesystems read it.
-      std::string read;
-      OP_REQUIRES_OK(ctx, tensorflow::ReadFileToString(ctx->env(), path,
-                                                        &read));
-      text = read;
-    } else {
-      OP_REQUIRES_OK(ctx, ReadLocal(path, &text));
-    }
-    Tensor* length = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, {}, &length));
-    length->scalar<int64_t>()() = static_cast<int64_t>(text.size());
-    Tensor* fingerprint = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, {}, &fingerprint));
-    fingerprint->scalar<int64_t>()() =
-        static_cast<int64_t>(farmhashna::Hash64(text.data(), text.size()));
-  }
-};
-REGISTER_KERNEL_BUILDER(Name("KerasPsReadFile").Device(tensorflow::DEVICE_CPU),
-                        ReadFileOp);
 
 }  // namespace keras_ps

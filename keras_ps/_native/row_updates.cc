@@ -43,7 +43,7 @@ using tensorflow::Tensor;
 using tensorflow::Var;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-constexpr int kVersion = 7;
+constexpr int kVersion = 8;
 
 // The checks both row kernels make before writing a row: `grad` holds one
 // row of `dim` values per index, and every index names a row of the table.

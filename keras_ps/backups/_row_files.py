@@ -14,10 +14,11 @@ global row ids, then of the rows of each variable of the group, in order
 whole) is the same without the ids. The manifest records each part's size,
 and the file's length and farmhash fingerprint, checked before it is parsed.
 Written with keras_ps' C++ writer (`KerasPsWriteTensors`, one copy of the
-bytes; past the page cache if asked, see `write_rows`) and read with
-its reader (`KerasPsReadFile`, which reads the next file ahead) where the ps
-has loaded them, else with TF's ops (three copies to write): the same bytes
-either way.
+bytes; past the page cache if asked, see `write_rows`) where the ps has
+loaded it, else with TF's ops (three copies to write): the same bytes either
+way. A restore applies a file with keras_ps' C++ op (`KerasPsApplyRowFile`,
+keras_ps.backups._apply) where the ps has loaded it, else with `read_file`,
+`part` and `assign_rows` here.
 """
 
 import math
@@ -153,16 +154,10 @@ def _write(path, tensors, kernels, direct=False):
             tf.stack([_length(part) for part in parts]))
 
 
-def read_file(path, kernels=None, next_path=""):
-    """(content, length, fingerprint) of a row file, read on the device in
-    scope; only the two int64 scalars need to be fetched to check it.
-
-    `kernels`: keras_ps' C++ kernels, whose reader first has the kernel read
-    `next_path` (the file read after this one; "": none) into the page cache
-    in the background, so that the disk reads it while this one is applied;
-    or None: TF's ops (no read ahead)."""
-    if kernels is not None:
-        return tuple(kernels.keras_ps_read_file(path, next_path))
+def read_file(path):
+    """(content, length, fingerprint) of a row file, read with TF's ops on
+    the device in scope; only the two int64 scalars need to be fetched to
+    check it."""
     content = tf.io.read_file(path)
     return (content, tf.cast(tf.strings.length(content), tf.int64),
             fingerprint(content))

@@ -1,6 +1,6 @@
 """keras_ps' C++ kernels (keras_ps/_native): LazyAdam's row update in one
-pass, the backups' row-file writer and reader, and what happens where they
-cannot be used.
+pass, the backups' row-file writer (its restore: test_row_restore.py), and
+what happens where they cannot be used.
 
 The kernel's results are checked against a numpy reference, beside the same
 update made of TF's ops, in tests/sharding/test_rowwise_updates.py
@@ -10,8 +10,8 @@ compiler, and tasks that did not load them, train with TF's ops and say why.
 """
 
 import os
+import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -20,8 +20,7 @@ import tensorflow as tf
 import keras_ps
 from keras_ps import _native
 from keras_ps.tables import _sharded_weights
-from _page_cache import (cached_pages, drop_from_cache, filesystem,
-                         skip_unless_written_direct)
+from _page_cache import cached_pages, skip_unless_written_direct
 from _paths import TESTS
 from _results import last_report, run_child
 
@@ -317,64 +316,6 @@ def test_the_row_file_writer_bypasses_the_page_cache_on_a_local_disk(
             assert resident >= pages // 2, seen  # the check sees cached pages
 
 
-@pytest.mark.parametrize("size", [0, 1, 4097, 3 * 2**20 + 5])
-@pytest.mark.parametrize("cold", [False, True], ids=["cached", "cold"])
-def test_the_row_file_reader_reads_what_tf_ops_read(size, cold, tmp_path):
-    # KerasPsReadFile gives the file's bytes, length and fingerprint as
-    # tf.io.read_file and tf.fingerprint do, from the page cache or not.
-    from keras_ps.backups import _row_files
-
-    lib = _native.library()
-    assert lib is not None, "the kernels could not be built on this machine"
-    path = str(tmp_path / "rows.0")
-    data = np.random.default_rng(size).integers(
-        0, 256, size, dtype=np.uint8).tobytes()
-    with open(path, "wb") as f:
-        f.write(data)
-    if cold:
-        drop_from_cache(path)
-    content, length, fingerprint = _row_files.read_file(path, lib)
-    expected = _row_files.read_file(path)  # TF's ops
-    assert content.numpy() == data == expected[0].numpy()
-    assert int(length) == size == int(expected[1])
-    assert int(fingerprint) == int(expected[2])
-
-
-def test_the_row_file_reader_reads_the_next_file_ahead(tmp_path):
-    # A restore reads its files one by one; reading one starts a thread
-    # that reads the next into the page cache, so the disk reads it while
-    # this one is applied.
-    lib = _native.library()
-    assert lib is not None, "the kernels could not be built on this machine"
-    first, after = str(tmp_path / "rows.0"), str(tmp_path / "rows.1")
-    for path in (first, after):
-        with open(path, "wb") as f:
-            f.write(os.urandom(4 * 2**20))
-    drop_from_cache(after)
-    resident, pages = cached_pages(after)
-    if resident:
-        pytest.skip(f"{tmp_path} ({filesystem(tmp_path)}) kept the pages")
-    lib.keras_ps_read_file(first, after)
-    deadline = time.monotonic() + 60
-    while cached_pages(after)[0] < pages and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert cached_pages(after) == (pages, pages)
-
-
-def test_the_row_file_reader_names_a_missing_file(tmp_path):
-    # The error names the file (a restore names it as a corrupt backup's);
-    # a next file that is missing costs the read nothing.
-    lib = _native.library()
-    assert lib is not None, "the kernels could not be built on this machine"
-    missing = str(tmp_path / "rows.0")
-    with pytest.raises(tf.errors.NotFoundError, match=missing):
-        lib.keras_ps_read_file(missing, "")
-    present = tmp_path / "rows.1"
-    present.write_bytes(b"abc")
-    content, _, _ = lib.keras_ps_read_file(str(present), missing)
-    assert content.numpy() == b"abc"
-
-
 @pytest.mark.parametrize("direct_io", ["1", "0"], ids=["direct", "buffered"])
 def test_the_row_file_writer_names_a_path_that_is_a_folder(
         direct_io, tmp_path, monkeypatch):
@@ -449,3 +390,30 @@ def test_an_unwritable_cache_directory_is_named_with_the_fix(tmp_path,
         _native.build()
     assert "native kernels not loaded: cannot write to the cache directory" \
         in _native.load_in_server()
+
+
+def test_a_task_that_has_the_kernels_loads_no_other_build(tmp_path):
+    # A task forked from LocalCluster's fork server inherits the library it
+    # loaded. When keras_ps' sources changed on disk since (updated in
+    # place), build() names another file; loading that one too would
+    # register every op again, which TF answers by aborting the process (a
+    # restarted ps that never served: fit waited for it for minutes).
+    script = "\n".join([
+        "import shutil",
+        "from keras_ps import _native",
+        "print(_native.load_in_server(), flush=True)",
+        f"copy = {str(tmp_path / 'another-build.so')!r}",
+        "shutil.copy(_native.build(), copy)",
+        "_native.build = lambda: copy",
+        # TF checks a registration against its registry once it has run
+        # an op (a fork server's task has).
+        "import tensorflow as tf",
+        "tf.add(1, 1)",
+        "print(_native.load_in_server(), flush=True)",
+        "print('still running', flush=True)"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True,
+                          text=True, timeout=240, cwd=TESTS,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines() == [
+        "native kernels loaded", "native kernels loaded", "still running"]
