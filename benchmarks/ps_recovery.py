@@ -90,7 +90,8 @@ SAMPLE_S = 0.02
 _RECOVERED = re.compile(
     r"recovered in (?P<total>[\d.]+)s \((?P<waiting>[\d.]+)s waiting for calls "
     r"and the ps, (?P<reconnecting>[\d.]+)s reconnecting, (?P<recreating>"
-    r"[\d.]+)s re-creating (?P<variables>\d+) variables, (?P<reading>[\d.]+)s "
+    r"[\d.]+)s re-creating (?P<variables>\d+) variables, (?:(?P<restarting>"
+    r"[\d.]+)s restarting functions and iterators, )?(?P<reading>[\d.]+)s "
     r"reading the backup\); training again from epoch (?P<epoch>\d+), step "
     r"(?P<step>\d+) \((?P<rolled_back>\d+) steps rolled back\)")
 
@@ -110,6 +111,18 @@ def proc_status(pid):
     if "VmRSS" not in values:
         return None  # a zombie
     return values["VmRSS"], values["VmHWM"]
+
+
+def meminfo():
+    """The machine's Dirty, Writeback, MemFree and Cached, in GB: page
+    cache not yet written back when a ps is lost and made again."""
+    values = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("Dirty", "Writeback", "MemFree", "Cached"):
+                values[key] = int(rest.split()[0]) / 2**20
+    return values
 
 
 class Sampler(threading.Thread):
@@ -254,15 +267,18 @@ def run_one(rows, kills, plan_name="full", incremental="auto", notice=False):
                     ") lost (" in message and "recovering" in message)
                 if lost and "detected" not in event:
                     event["detected"] = now
+                    event["meminfo_detected"] = meminfo()
                 elif "recovered in" in message:
                     event["recovered"] = now
+                    event["meminfo_recovered"] = meminfo()
                     event["log_line"] = message
                     match = _RECOVERED.search(message)
                     if match:
                         event["breakdown"] = {
                             k: (int(v) if k in ("variables", "epoch", "step",
                                                 "rolled_back") else float(v))
-                            for k, v in match.groupdict().items()}
+                            for k, v in match.groupdict().items()
+                            if v is not None}
                     # Peaks up to the end of the restore, read right here.
                     event["hwm_at_recovered"] = {
                         name: proc_status(pid)
@@ -303,6 +319,7 @@ def run_one(rows, kills, plan_name="full", incremental="auto", notice=False):
                     event = {"at": key, "old_pid": old_pid, "before": before,
                              "backups_before": len(backups)}
                     events.append(event)
+                    event["meminfo_kill"] = meminfo()
                     event["kill"] = time.monotonic()
                     if not notice:
                         cluster.kill("ps", 0)
@@ -380,6 +397,8 @@ def run_one(rows, kills, plan_name="full", incremental="auto", notice=False):
                     event["first_step_done"] - event["recovered"],
                 "breakdown": event.get("breakdown"),
                 "log_line": event["log_line"],
+                "meminfo_gb": {when: event.get("meminfo_" + when) for when in
+                               ("kill", "detected", "recovered")},
                 "restore_latest_s": (restore[0]["end"] - restore[0]["start"])
                 if restore else None,
             })

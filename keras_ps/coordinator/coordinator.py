@@ -296,6 +296,7 @@ class ClusterCoordinator:
             connected = time.monotonic()
             count = sum(self.strategy.recreate_ps_variables(
                 i, restore_follows=restore_follows) for i in sorted(lost))
+            recreated = time.monotonic()
             self._packing.clear()
             # Under the gate: a worker's re-admission traces its datasets.
             retraced = _tf_adapter.retrace_all_functions()
@@ -308,7 +309,8 @@ class ClusterCoordinator:
             lost=tuple(sorted(lost)), variables=count,
             waiting_seconds=answered - started,
             reconnect_seconds=connected - answered,
-            recreate_seconds=time.monotonic() - connected)
+            recreate_seconds=recreated - connected,
+            restart_seconds=time.monotonic() - recreated)
         logger.info("[chief] ps %s given %d variables back; %d functions to "
                     "retrace", list(recovery.lost), count, retraced)
         return recovery

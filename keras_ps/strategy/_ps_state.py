@@ -50,7 +50,9 @@ class PsRecovery:
         waiting_seconds: waiting for calls in flight and for the lost ps
             to answer.
         reconnect_seconds: pushing the cluster to every task again.
-        recreate_seconds: making the variables again.
+        recreate_seconds: making the variables and other resources again.
+        restart_seconds: retracing the functions that captured the old
+            variables and restarting the workers' iterators.
     """
 
     lost: tuple
@@ -58,6 +60,7 @@ class PsRecovery:
     waiting_seconds: float = 0.0
     reconnect_seconds: float = 0.0
     recreate_seconds: float = 0.0
+    restart_seconds: float = 0.0
 
 
 class PsMarkers:

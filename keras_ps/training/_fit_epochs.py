@@ -255,11 +255,12 @@ def _recover(coordinator, backup, progress):
     logger.warning(
         "[chief] ps %s recovered in %.2fs (%.2fs waiting for calls and the "
         "ps, %.2fs reconnecting, %.2fs re-creating %d variables, %.2fs "
-        "reading the backup); training again from epoch %d, %s %d (%d %s "
-        "rolled back)", list(recovery.lost), time.monotonic() - started,
+        "restarting functions and iterators, %.2fs reading the backup); "
+        "training again from epoch %d, %s %d (%d %s rolled back)",
+        list(recovery.lost), time.monotonic() - started,
         recovery.waiting_seconds, recovery.reconnect_seconds,
         recovery.recreate_seconds, recovery.variables,
-        time.monotonic() - restored_at, position[0], progress.unit[:-1],
+        recovery.restart_seconds, time.monotonic() - restored_at, position[0], progress.unit[:-1],
         position[1], rolled_back, progress.unit)
     return position
 
