@@ -202,6 +202,24 @@ def made_before():
     say(refused=refused, late=float(result.fetch()))
 
 
+class _LinesMadeAgain(logging.Handler):
+    """The worker indices whose iterator release line is made again after
+    a cluster push (logged at INFO), from its installation on."""
+
+    def __init__(self):
+        super().__init__()
+        self.workers = []
+        release_logger = logging.getLogger(
+            "keras_ps.coordinator.iterator_release")
+        release_logger.setLevel(logging.INFO)
+        release_logger.addHandler(self)
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "release line is made again" in message:  # "[worker:N] its ..."
+            self.workers.append(int(message.split("]")[0].split(":")[1]))
+
+
 def release_after_restart():
     """Iterators released (ClusterCoordinator.release_iterators) before and
     after a worker is killed, restarted and re-admitted."""
@@ -222,6 +240,7 @@ def release_after_restart():
             iterator = reading_iterator(coordinator, path)
             coordinator.release_iterators(iterator)
 
+        made_again = _LinesMadeAgain()
         iterator = reading_iterator(coordinator, paths[0])
         first = open_on(pids(), paths[0])
         coordinator.release_iterators(iterator)
@@ -239,7 +258,7 @@ def release_after_restart():
         wait_until(lambda: open_on(pids(), paths[3]) == [0, 0], 60,
                    "the released iterators' files to be closed")
         say(readmitted=readmitted, first=first, held=held, reading=reading,
-            freed=open_on(pids(), paths[3]))
+            freed=open_on(pids(), paths[3]), made_again=made_again.workers)
 
 
 def release_after_ps_recovery():
@@ -259,8 +278,14 @@ def release_after_ps_recovery():
             tf.Variable(1.0)  # what the ps loses
         coordinator = keras_ps.ClusterCoordinator(strategy)
         pids = lambda: [cluster.pid("worker", i) for i in range(2)]
+        made_again = _LinesMadeAgain()
+        # Released before the loss: held by each worker's line.
+        before = reading_iterator(coordinator, second)
+        coordinator.release_iterators(before)
+        del before
         iterator = reading_iterator(coordinator, first)
         reading = open_on(pids(), first)
+        held_before = open_on(pids(), second)
         cluster.kill("ps", 0)
         cluster.restart("ps", 0)
         recovery = coordinator.recover_parameter_servers(timeout=120)
@@ -274,7 +299,8 @@ def release_after_ps_recovery():
                    "the replaced iterators' files to be closed")
         del iterator
         say(lost=list(recovery.lost), reading=reading, held=held,
-            freed=open_on(pids(), first))
+            freed=open_on(pids(), first), held_before=held_before,
+            made_again=made_again.workers)
 
 
 def release_after_hang():

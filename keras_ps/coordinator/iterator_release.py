@@ -25,9 +25,12 @@ worker thus keeps one released iterator (its buffers and threads) until the
 next release. The hand-over runs on an asynchronous executor and is waited for
 at most a few seconds, so a hung worker cannot hold the caller longer. A
 hand-over that fails (the worker died) is seen at the next one, which then
-drops its iterator the plain way and makes the line again; after the cluster is
-pushed to the tasks again (a worker re-admitted, a ps recovered) every line is
-made again.
+drops its iterator the plain way and makes the line again. After the cluster
+is pushed to the tasks again (a worker re-admitted, a ps recovered) each line
+is checked first (an iterator of nothing handed over): a worker that kept its
+process keeps its line, since dropping it would destroy what it holds on the
+thread serving the worker (a ps recovery was seen to wait 5-36 s on it);
+another gets a new line.
 """
 
 import atexit
@@ -80,6 +83,14 @@ def _keep_executors_at_exit():
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(executor))
 
 
+def _nothing():
+    """A dataset of no element, without a tuning thread: what a line holds
+    after a check that it was kept."""
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return tf.data.Dataset.range(0).with_options(options)
+
+
 @tf.function
 def _holding_dataset(queue):
     def hold(previous, unused_index):
@@ -127,21 +138,46 @@ class _ReleaseLine:
         with _tf_adapter.executor_scope(self._executor), tf.device(self._device):
             yield
 
-    def wait(self, timeout):
+    def wait(self, timeout, errors=None):
         """Whether the calls made on the line finished within `timeout`
-        seconds (an error of theirs surfaces at the next hand-over)."""
+        seconds (an error of theirs surfaces at the next hand-over, and is
+        appended to `errors` if given)."""
         done = threading.Event()
 
         def wait():
             try:
                 self._executor.wait()
-            except Exception:  # noqa: BLE001  raised again by the next call
-                pass
+            except Exception as error:  # noqa: BLE001  raised again next call
+                if errors is not None:
+                    errors.append(error)
             finally:
                 done.set()
         threading.Thread(target=wait, daemon=True,
                          name=f"release-wait-{self.worker}").start()
         return done.wait(max(0.0, timeout))
+
+    def kept(self, timeout):
+        """Whether the line still works after the cluster was pushed to the
+        tasks again: an iterator of nothing handed over without an error
+        within `timeout` seconds (the worker kept its process, and the line
+        its queue). The iterator the line held is dropped meanwhile, on
+        tf.data's thread. A line that was not kept is dropped by the
+        caller; what it held goes with the worker's old process, or, on a
+        worker that hung, is destroyed when that worker answers."""
+        errors = []
+        try:
+            with self._on_worker():
+                nothing = iter(_nothing())
+            self.hand_over(nothing)
+        except Exception as error:  # noqa: BLE001  the worker's process changed
+            errors.append(error)
+        else:
+            if not self.wait(timeout, errors):
+                return False
+        if errors:
+            _tf_adapter.clear_executor_error(self._executor)
+            return False
+        return True
 
     def hand_over(self, iterator):
         (handle,) = tf.nest.flatten(iterator, expand_composites=True)
@@ -154,9 +190,9 @@ class IteratorRelease:
     (none with KERAS_PS_RELEASE_ITERATORS=0).
 
     Args:
-        generation: () -> the coordinator's re-admission count; a line made
-            before a worker was re-admitted may be on a process that is gone,
-            so it is made again.
+        generation: () -> the coordinator's count of cluster pushes; a
+            line made before one may be on a process that is gone, so it is
+            checked before its next use (`_ReleaseLine.kept`).
     """
 
     def __init__(self, generation):
@@ -208,8 +244,19 @@ class IteratorRelease:
     def _line(self, index, generation):
         line = self._lines.get(index)
         if line is not None and line.generation != generation:
-            self._discard(index)
-            line = None
+            # The cluster was pushed again (a worker re-admitted, a ps
+            # recovered). A line dropped now would have its held iterator
+            # destroyed on the thread serving the worker's requests, the
+            # stall lines are for (seen: 5-36 s in a ps recovery): a worker
+            # that kept its process keeps its line.
+            if line.kept(_HAND_OVER_WAIT):
+                line.generation = generation
+            else:
+                logger.info("[worker:%d] its iterator release line is made "
+                            "again: the worker's process changed, or it did "
+                            "not answer within %gs", index, _HAND_OVER_WAIT)
+                self._discard(index)
+                line = None
         if line is None:
             line = self._lines[index] = _ReleaseLine(index, generation)
         return line
