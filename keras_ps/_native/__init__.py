@@ -1,6 +1,5 @@
 """keras_ps' C++ kernels (row_updates.cc, row_files.cc, row_restore.cc,
-notices.cc): built
-once per machine, loaded by every process of a cluster.
+notices.cc): built once per machine, loaded by every process of a cluster.
 
 TF has no kernel for LazyAdam's row update: made of TF's ops it is three
 gathers, sixteen elementwise ops and four scatters, each a pass over all the

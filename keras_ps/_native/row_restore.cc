@@ -38,6 +38,7 @@
 #include "tensorflow/core/platform/env.h"
 #include "tensorflow/core/platform/errors.h"
 
+// FarmHash's Fingerprint64, what tf.fingerprint gives (see row_files.cc).
 namespace farmhashna {
 uint64_t Hash64(const char* s, size_t len);
 }  // namespace farmhashna
@@ -238,6 +239,14 @@ class ApplyRowFileOp : public OpKernel {
   explicit ApplyRowFileOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
+    for (int i = 0; i < 4; ++i) {
+      OP_REQUIRES(ctx, tensorflow::TensorShapeUtils::IsScalar(
+                           ctx->input(i).shape()),
+                  tensorflow::errors::InvalidArgument(
+                      "filename, next, length and fingerprint must be "
+                      "scalars. Received input ", i, " of shape ",
+                      ctx->input(i).shape().DebugString()));
+    }
     const std::string path(ctx->input(0).scalar<tensorflow::tstring>()());
     const std::string next(ctx->input(1).scalar<tensorflow::tstring>()());
     const int64_t length = ctx->input(2).scalar<int64_t>()();

@@ -181,6 +181,20 @@ def test_a_damaged_file_is_named_and_nothing_is_written(tmp_path):
                     [1, 2, 3], _kernels())
 
 
+def test_a_path_that_is_no_scalar_is_named(tmp_path):
+    case, parts, starts = _case("consecutive")
+    path = tmp_path / "rows.0"
+    record = _write(path, case["ids"], parts, native=True)
+    variable = tf.Variable(starts[0])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"must be scalars. Received input 0 of shape \[2\]"):
+        _kernels().keras_ps_apply_row_file(
+            [str(path), str(path)], "", record["bytes"],
+            record["fingerprint"], record["sizes"], [1], [100],
+            [variable.handle])
+    assert variable.numpy().tobytes() == starts[0].tobytes()
+
+
 def test_rows_that_do_not_fit_the_variable_are_refused_whole(tmp_path):
     # The second variable's rows are 64 wide, the variable's 32: an error
     # naming the file before any row is written, the first variable's too.
