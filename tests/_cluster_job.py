@@ -202,22 +202,21 @@ def made_before():
     say(refused=refused, late=float(result.fetch()))
 
 
-class _LinesMadeAgain(logging.Handler):
-    """The worker indices whose iterator release line is made again after
-    a cluster push (logged at INFO), from its installation on."""
+def _lines_made_again():
+    """A _Seen of the iterator release lines made again after a cluster
+    push (logged at INFO, "[worker:N] its iterator release line is made
+    again: ..."), from now on."""
+    seen = _Seen("release line is made again")
+    release_logger = logging.getLogger("keras_ps.coordinator.iterator_release")
+    release_logger.setLevel(logging.INFO)
+    release_logger.addHandler(seen)
+    return seen
 
-    def __init__(self):
-        super().__init__()
-        self.workers = []
-        release_logger = logging.getLogger(
-            "keras_ps.coordinator.iterator_release")
-        release_logger.setLevel(logging.INFO)
-        release_logger.addHandler(self)
 
-    def emit(self, record):
-        message = record.getMessage()
-        if "release line is made again" in message:  # "[worker:N] its ..."
-            self.workers.append(int(message.split("]")[0].split(":")[1]))
+def _workers_of(seen):
+    """The worker indices of the lines `seen` (_lines_made_again)."""
+    return [int(message.split("]")[0].split(":")[1])
+            for _, message in seen.messages]
 
 
 def release_after_restart():
@@ -240,7 +239,7 @@ def release_after_restart():
             iterator = reading_iterator(coordinator, path)
             coordinator.release_iterators(iterator)
 
-        made_again = _LinesMadeAgain()
+        made_again = _lines_made_again()
         iterator = reading_iterator(coordinator, paths[0])
         first = open_on(pids(), paths[0])
         coordinator.release_iterators(iterator)
@@ -258,7 +257,8 @@ def release_after_restart():
         wait_until(lambda: open_on(pids(), paths[3]) == [0, 0], 60,
                    "the released iterators' files to be closed")
         say(readmitted=readmitted, first=first, held=held, reading=reading,
-            freed=open_on(pids(), paths[3]), made_again=made_again.workers)
+            freed=open_on(pids(), paths[3]),
+            made_again=_workers_of(made_again))
 
 
 def release_after_ps_recovery():
@@ -278,7 +278,7 @@ def release_after_ps_recovery():
             tf.Variable(1.0)  # what the ps loses
         coordinator = keras_ps.ClusterCoordinator(strategy)
         pids = lambda: [cluster.pid("worker", i) for i in range(2)]
-        made_again = _LinesMadeAgain()
+        made_again = _lines_made_again()
         # Released before the loss: held by each worker's line.
         before = reading_iterator(coordinator, second)
         coordinator.release_iterators(before)
@@ -300,7 +300,7 @@ def release_after_ps_recovery():
         del iterator
         say(lost=list(recovery.lost), reading=reading, held=held,
             freed=open_on(pids(), first), held_before=held_before,
-            made_again=made_again.workers)
+            made_again=_workers_of(made_again))
 
 
 def release_after_hang():
