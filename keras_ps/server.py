@@ -1,5 +1,9 @@
 """`python -m keras_ps.server`: run one ps or worker task until SIGTERM.
 
+Stopped by SIGTERM or SIGINT, the task ends by that signal (exit status 143
+or 130), so a restart policy starts it again; it exits 0 only when the
+process that started it with --exit_with_parent ended.
+
 A ps that a coordinator watches for preemption notices serves on after
 SIGTERM until that coordinator has written its backup and releases it (at
 most --preemption_grace seconds; see keras_ps.cluster.ps_notices).
@@ -181,7 +185,23 @@ def _serve_until_signal(server, job, index, address, threads, signals,
     sys.stdout.flush()
     # TF's server has no clean shutdown in 2.x; leave without running its
     # destructors (which can block on in-flight RPCs).
+    if received:
+        _end_by(received[0])
     os._exit(0)
+
+
+def _end_by(signum):
+    """Ends the process as the signal's default action does (exit status 128
+    + signum: 143 for SIGTERM), not with 0. A task stopped by a signal has
+    not finished its work: restart policies that start again only what
+    failed (Docker's on-failure, Kubernetes' OnFailure, a TFJob's ExitCode
+    policy, which retries 128-255) bring it back, and the job's coordinator
+    gives a ps back its variables. The kernel drops a signal whose action is
+    the default when it is sent to the first process of a PID namespace (a
+    container's command): that process leaves with the same status."""
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
+    os._exit(128 + signum)
 
 
 def main(argv=None):

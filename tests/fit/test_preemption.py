@@ -6,9 +6,7 @@ the job's, or by the job to itself."""
 import json
 import logging
 import os
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 
@@ -22,6 +20,7 @@ from keras_ps.coordinator.values import RemoteValueStatus
 from keras_ps.training._fit_epochs import SHORT_LEAD_PER_WORKER
 from _backups import read_backup_state
 from _paths import TESTS
+from _pid_namespace import pid_1_prefix
 from _results import last_report
 from _results import run_child
 from _results import start_child
@@ -48,18 +47,6 @@ def _again(cluster, backup_dir):
     return last_report(output)
 
 
-def _pid_1_prefix():
-    """A command prefix that runs the job as the first process of a new PID
-    namespace (as a container's command runs), or a reason it cannot."""
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        return None, "a new PID namespace needs root and unshare(1)"
-    probe = subprocess.run(["unshare", "--fork", "--pid", "true"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        return None, f"unshare --pid fails here: {probe.stderr.strip()}"
-    return ["unshare", "--fork", "--pid"], None
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("as_pid_1", [False, True], ids=["process", "pid_1"])
 def test_sigterm_mid_epoch_backs_up_then_ends_and_the_job_resumes_there(
@@ -70,7 +57,7 @@ def test_sigterm_mid_epoch_backs_up_then_ends_and_the_job_resumes_there(
     # itself, instead of training on until the container's SIGKILL.
     prefix = []
     if as_pid_1:
-        prefix, why_not = _pid_1_prefix()
+        prefix, why_not = pid_1_prefix()
         if prefix is None:
             pytest.skip(why_not)
     backup_dir = str(tmp_path / "backup")

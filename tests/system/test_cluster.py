@@ -8,11 +8,13 @@ import sys
 import threading
 
 import portpicker
+import psutil
 import pytest
 
 from keras_ps import cluster as cluster_lib
 from keras_ps.errors import ClusterConfigError
 
+from _pid_namespace import pid_1_prefix
 from _polling import wait_until
 
 pytestmark = pytest.mark.timeout(120)
@@ -98,19 +100,38 @@ def test_server_cli_port_in_use():
     assert "already in use" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_server_exits_cleanly_on_sigterm():
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT],
+                         ids=["sigterm", "sigint"])
+@pytest.mark.parametrize("as_pid_1", [False, True], ids=["process", "pid_1"])
+def test_a_server_stopped_by_a_signal_ends_by_it(signum, as_pid_1):
+    # Not exit 0: a task stopped by a signal has not finished its work, and
+    # restart policies that start again only what failed (Docker's
+    # on-failure, a TFJob's ExitCode policy) must bring it back. As the
+    # first process of a PID namespace (a container's command), where the
+    # kernel drops the signal raised again, it exits with the same status.
+    prefix = []
+    if as_pid_1:
+        prefix, why_not = pid_1_prefix()
+        if prefix is None:
+            pytest.skip(why_not)
     port = portpicker.pick_unused_port()
     spec = {"ps": [f"localhost:{port}"], "worker": [f"localhost:{portpicker.pick_unused_port()}"]}
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "keras_ps.server", "--cluster_spec", json.dumps(spec),
-         "--job_name", "ps", "--task_index", "0"],
+        prefix + [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
+                  json.dumps(spec), "--job_name", "ps", "--task_index", "0"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert cluster_lib.wait_for_port(f"localhost:{port}", 60, proc)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
-        assert "stopping on signal" in proc.stdout.read()
+        target = psutil.Process(proc.pid)
+        if as_pid_1:  # unshare's one child: the server
+            [target] = target.children()
+        target.send_signal(signum)
+        code = proc.wait(timeout=20)
+        out = proc.stdout.read()
+        assert code == (128 + signum if as_pid_1 else -signum), (
+            code, out, proc.stderr.read()[-2000:])
+        assert "ps:0 stopping on signal" in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
