@@ -55,18 +55,13 @@ def _internals():
 
 
 def server_modules():
-    """TF's server module and its ConfigProto, for a process that only serves.
-
-    Missing public API: `tf.distribute.Server` is reachable only through
-    `import tensorflow`, which loads TF's whole Python API and Keras (2.3 s
-    here); TF's server runs in C++. When TF is not imported yet, its package
-    `__init__` is skipped for this one import (a bare `tensorflow` package
-    stands in, then is removed, so a later `import tensorflow` loads the
-    real one): a task serves 0.4 s after it starts instead of 2.2 s, and a
-    joining or restarted worker takes steps that much sooner. Falls back to
-    `import tensorflow`. Returns (server_lib, config_pb2): `server_lib.Server`
-    is `tf.distribute.Server`, `config_pb2.ConfigProto` TF's ConfigProto.
-    """
+    """(server_lib, config_pb2): `tf.distribute.Server`'s module and TF's
+    ConfigProto's, for a process that only serves. Missing public API: only
+    `import tensorflow` reaches them, loading TF's whole Python API and Keras
+    (2.3 s here). When TF is not imported yet, its package `__init__` is
+    skipped for this import (a bare package stands in, then is removed): a
+    task serves 0.4 s after it starts instead of 2.2 s, a joining or
+    restarted worker steps that much sooner. Falls back to the full import."""
     stub = None
     if "tensorflow" not in sys.modules:
         spec = importlib.util.find_spec("tensorflow")
@@ -111,15 +106,12 @@ def update_server_def(server_def):
 
 
 def eager_ops_as_plain_ops():
-    """Has this process run its eager ops as plain ops. TF 2.21 wraps each
-    eager op of a new kind (op, attributes, shapes) in a function and, when
-    connected to a cluster, registers that function on every task with a
-    synchronous RPC while holding the GIL: the first `tf.unstack` of a new
-    size, or a metric of a new shape, froze the whole coordinator while a
-    worker was stopped (SIGSTOP, a hung host) until it continued. Plain ops
-    are not registered anywhere. Called after each connection (the context
-    is made then). Missing public API: TF's Python turns the wrapping on
-    when it makes the context, with no switch."""
+    """Has this process run its eager ops as plain ops, called after each
+    connection. TF 2.21 wraps each eager op of a new kind in a function and
+    registers it on every task with a synchronous RPC holding the GIL: a new
+    `tf.unstack` size or metric shape froze the whole coordinator while a
+    worker was stopped (SIGSTOP, a hung host). Plain ops are registered
+    nowhere. Missing public API: no switch for the wrapping."""
     internals = _internals()
     context = internals.context.context()
     context.ensure_initialized()
@@ -128,15 +120,13 @@ def eager_ops_as_plain_ops():
 
 
 def register_functions_without_the_gil(section):
-    """Has TF register each new function on the tasks without holding the
-    GIL. TF 2.21 registers a new function on every task with a synchronous
-    RPC in a C++ call holding the GIL: a worker stopped (SIGSTOP, a hung
-    host) during a trace froze every thread (the hang watchdog, the other
-    workers' dispatch, a thread that would continue the worker). The same
-    C function called through ctypes, which releases the GIL, holds only
-    the tracing thread. Missing public API: no switch for it. `section()`
-    is entered around each call (the process' exit waits for it). Returns
-    whether it is on (off: TF's C library or wrapper layout is unreadable)."""
+    """Has TF register each new function on the tasks without the GIL. TF
+    2.21 does it with a synchronous RPC holding the GIL: a worker stopped
+    during a trace froze every thread (the watchdog, the other workers'
+    dispatch). The same C function through ctypes holds only the tracing
+    thread. Missing public API: no switch. `section()` is entered around
+    each call (the exit waits for it). Returns whether it is on (off: TF's C
+    library or wrapper layout is unreadable)."""
     context_class, c_api = _internals().context.Context, _c_api()
     if c_api is not None and context_class.add_c_function.__module__ != __name__:
         def add_c_function(context, c_func):
@@ -299,16 +289,12 @@ def restore_waiting(trackable, name, child):
 
 
 def sleep_dataset(microseconds):
-    """A dataset transformation that waits `microseconds` before each element
-    (TF's non-public test op; for benchmarks and tests of slow input).
-
-    Apply it only to input that runs no function (`map`, or a record
-    dataset of a filename tensor, runs one; see `sleep_ticks`): it holds
-    its lock while its input makes an element, and its cancel callback
-    takes that lock, so a step cancelled meanwhile (a ps lost mid-step)
-    deadlocks the worker's runtime for good: it answers every probe, and
-    each later call of the step waits forever.
-    """
+    """A dataset transformation waiting `microseconds` before each element
+    (TF's non-public test op; for benchmarks and tests of slow input). Only
+    over input that runs no function (`map` or a record dataset of a
+    filename tensor runs one; see `sleep_ticks`): it holds its lock while
+    its input makes an element and its cancel callback takes it, so a step
+    cancelled meanwhile (a ps lost) deadlocks the worker for good."""
     from tensorflow.python.data.experimental.ops import testing
 
     return testing.sleep(microseconds)
@@ -336,9 +322,11 @@ def rebind_variable(variable, donor):
     its variables' resources, and the Python objects (held by layers,
     optimizers, checkpoints) get new ones. No public API: a resource
     variable keeps its resource in `_handle`, a cached read in
-    `_cached_value`. The donor can be dropped: the resource lives on."""
-    variable._handle = donor._handle
+    `_cached_value`. The donor can be dropped: the resource lives on.
+    Returns the handle it had (traced functions captured it)."""
+    old, variable._handle = variable._handle, donor._handle
     variable._cached_value = None
+    return old
 
 
 def traced_once_each(function):
@@ -367,28 +355,49 @@ def keep_traces(function):
     return function
 
 
+def _all_of(kind):
+    """Every live object of class `kind` or a subclass. type(), not
+    isinstance(): some objects refuse __class__ (numpy's NpzFile fields)."""
+    import gc
+    is_kind = {}  # an ABC's subclass check is slow: once per type
+    for obj in gc.get_objects():
+        if is_kind.setdefault(type(obj), issubclass(type(obj), kind)):
+            yield obj
+
+
 def retrace_all_functions():
     """Drops the traced graphs of every `tf.function` of this process (but
-    those given to `keep_traces`), so each traces again at its next call.
-
-    A traced graph holds the resource handles it captured; after
-    `rebind_variable` those are stale, and a step traced before a table was
-    tracked does not mark its rows. No public API clears a function's
-    traces: `tf.function` keeps them in `_function_cache`."""
-    import gc
+    those given to `keep_traces`), so each traces again at its next call
+    (a step traced before a table was tracked does not mark its rows). No
+    public API: `tf.function` keeps its traces in `_function_cache`."""
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
-    cleared = 0
-    # type(), not isinstance(): some objects refuse __class__ (numpy's
-    # NpzFile fields). Function is an ABC: one slow check per type.
-    is_function = {}
-    for obj in gc.get_objects():
-        kind = type(obj)
-        if kind not in is_function:
-            is_function[kind] = issubclass(kind, polymorphic_function.Function)
-        if is_function[kind] and obj not in _captures_nothing:
-            obj._function_cache.clear()
-            cleared += 1
-    return cleared
+    functions = [f for f in _all_of(polymorphic_function.Function)
+                 if f not in _captures_nothing]
+    for function in functions:
+        function._function_cache.clear()
+    return len(functions)
+
+
+def rebind_captures(handles):
+    """Feeds every trace that captured a handle in `handles` ({id(old): (old,
+    new)}, see `rebind_variable`) the new one: a trace captures a variable's
+    handle by value, its graph is the same with the new one, and nothing is
+    traced again. Returns how many traces changed. No public API: a trace's
+    captures and its graph's record of them (read when it is saved)."""
+    from tensorflow.python.eager.polymorphic_function import concrete_function
+    changed = 0
+    for trace in _all_of(concrete_function.ConcreteFunction):
+        new = [handles[id(c)][1] if id(c) in handles else c
+               for c in trace._captured_inputs]
+        if any(n is not c for n, c in zip(new, trace._captured_inputs)):
+            trace.set_external_captures(new)
+            changed += 1
+        pairs = trace.graph.captures
+        if any(id(external) in handles for external, _ in pairs):
+            trace.graph.function_captures.reset_captures(
+                [handles[id(e)][1] if id(e) in handles else e for e, _ in pairs],
+                [internal for _, internal in pairs])
+    return changed
 
 
 # -- The order of one traced step (keras_ps.shards.step_order) -----------------
@@ -396,23 +405,18 @@ def retrace_all_functions():
 # control dependencies see them (a step's order must match theirs), whether
 # they count an op as stateful, an op kept out of their chain of stateful
 # ops, and a control input added to an op already made.
-def _control_deps():
-    from tensorflow.python.framework import auto_control_deps
-
-    return auto_control_deps
-
-
 def resource_inputs(op):
     """[(resource tensor, read_only)] of `op`, as automatic control
     dependencies count them."""
-    acd = _control_deps()
+    from tensorflow.python.framework import auto_control_deps as acd
     return [(tensor, kind == acd.ResourceType.READ_ONLY)
             for tensor, kind in acd._get_resource_inputs(op)]  # pylint: disable=protected-access
 
 
 def op_is_stateful(op):
     """Whether automatic control dependencies chain `op` with other stateful ops."""
-    return _control_deps().op_is_stateful(op)
+    from tensorflow.python.framework import auto_control_deps
+    return auto_control_deps.op_is_stateful(op)
 
 
 def run_independently(op):
@@ -432,19 +436,15 @@ def add_control_input(op, control):
 # IdentityN made where it is called (the worker), so a ps tensor given to it
 # would cross to the worker only to carry the gradient. These record ops on
 # the active gradient tapes directly, as `tf.custom_gradient` does inside.
-def _record():
-    from tensorflow.python.eager import record
-
-    return record
-
-
 def stop_recording():
     """No gradient tape records the ops made inside."""
-    return _record().stop_recording()
+    from tensorflow.python.eager import record
+    return record.stop_recording()
 
 
 def record_operation(op_type, outputs, inputs, backward):
     """Records on every active gradient tape one op from `inputs` to
     `outputs` whose gradient is `backward(*output_gradients)` (one gradient
     per input)."""
-    _record().record_operation(op_type, outputs, inputs, backward)
+    from tensorflow.python.eager import record
+    record.record_operation(op_type, outputs, inputs, backward)

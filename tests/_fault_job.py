@@ -95,8 +95,11 @@ def main(mode):
 
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
 
+        traces = []  # one entry each time step's Python body is traced
+
         @tf.function
         def step(it):
+            traces.append(1)
             total.assign_add(next(it))
 
         if mode == "worker_kill":
@@ -167,6 +170,7 @@ def main(mode):
             except keras_ps.errors.ParameterServerUnavailableError:
                 seen = time.monotonic() - start
             cluster.restart("ps", 0)
+            traced_before = len(traces)
             recovery = coordinator.recover_parameter_servers(timeout=60)
             checkpoint.read(path).assert_consumed()
             restored = float(total.numpy())
@@ -185,7 +189,8 @@ def main(mode):
             say(seen=seen, lost=list(recovery.lost),
                 variables=recovery.variables, restored=restored,
                 total=float(total.numpy()), scheduled=scheduled,
-                states=[w.state.value for w in coordinator.workers])
+                states=[w.state.value for w in coordinator.workers],
+                traced=[traced_before, len(traces)])
         elif mode == "worker_state_lost":
             # Each closure reads a variable the user placed on its worker:
             # a restarted worker has lost it, so its first call after its
@@ -261,8 +266,11 @@ def worker_stop():
             lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
                 testing.sleep(5000))))
 
+        traces = []  # one entry each time step's Python body is traced
+
         @tf.function
         def step(it):
+            traces.append(1)
             total.assign_add(next(it))
 
         steps = 400

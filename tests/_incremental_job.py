@@ -464,8 +464,9 @@ class _KillWhileWriting(keras.callbacks.Callback):
             return snapshot_write(snapshot, prefix)
 
         def recreate_and_tell(variables, **kwargs):
-            recreate(variables, **kwargs)
+            handles = recreate(variables, **kwargs)
             self.recreated.set()
+            return handles
 
         _backup_io.Snapshot.write = held_write
         _ps_state.recreate = recreate_and_tell

@@ -249,8 +249,10 @@ class ClusterCoordinator:
         for every lost ps to answer on its address (a restart policy, a
         replacement machine), pushes the cluster to every task again,
         re-creates each variable the strategy placed on those ps in place
-        (same objects, shapes, dtypes and shards; zeros) and retraces the
-        functions that had captured the old ones. Workers are kept; their
+        (same objects, shapes, dtypes and shards; zeros), and feeds the
+        functions traced before the new ones instead of tracing them again
+        (traced again with a `DynamicEmbedding`, whose key maps are made
+        again as new objects). Workers are kept; their
         iterators start over. The values are not: restore a checkpoint next,
         before scheduling again (an example: docs/ps_recovery.md).
 
@@ -294,12 +296,11 @@ class ClusterCoordinator:
         with self._gate.exclusive():
             self._readmission.reconnect()
             connected = time.monotonic()
-            count = sum(self.strategy.recreate_ps_variables(
-                i, restore_follows=restore_follows) for i in sorted(lost))
+            made = [self.strategy.recreate_ps_variables(
+                i, restore_follows=restore_follows) for i in sorted(lost)]
+            count = sum(m.variables + m.resources for m in made)
             recreated = time.monotonic()
-            self._packing.clear()
-            # Under the gate: a worker's re-admission traces its datasets.
-            retraced = _tf_adapter.retrace_all_functions()
+            retraced = self._reuse_traces(made)
             replaced = self._readmission.restart_iterators([  # the rollback's data
                 w.index for w in self._workers.all()
                 if w.state in worker_lib.RUNNABLE])
@@ -311,9 +312,25 @@ class ClusterCoordinator:
             reconnect_seconds=connected - answered,
             recreate_seconds=recreated - connected,
             restart_seconds=time.monotonic() - recreated)
-        logger.info("[chief] ps %s given %d variables back; %d functions to "
-                    "retrace", list(recovery.lost), count, retraced)
+        logger.info("[chief] ps %s given %d variables back; %s",
+                    list(recovery.lost), count, retraced)
         return recovery
+
+    def _reuse_traces(self, made):
+        """Points the traced functions at the variables a recovery made
+        again (what `made`, `Recreated`s, holds), so that none is traced
+        again: a model's steps take seconds to trace. Resources made again
+        as new objects (a dynamic table's) are captured as such: then
+        every function is traced again. Returns what was done, for the log.
+        Under the gate: a worker's re-admission traces its datasets."""
+        if any(m.resources for m in made):
+            self._packing.clear()
+            return (f"{_tf_adapter.retrace_all_functions()} functions to "
+                    "retrace")
+        handles = {}
+        for m in made:
+            handles.update(m.handles)
+        return f"{_tf_adapter.rebind_captures(handles)} traces fed them"
 
     def _drain_after_loss(self, deadline):
         """Waits for the calls in flight at a ps loss to end (cancelled

@@ -51,8 +51,9 @@ class PsRecovery:
             to answer.
         reconnect_seconds: pushing the cluster to every task again.
         recreate_seconds: making the variables and other resources again.
-        restart_seconds: retracing the functions that captured the old
-            variables and restarting the workers' iterators.
+        restart_seconds: pointing the traced functions at the variables
+            made again (or, with resources made again, clearing their
+            traces) and restarting the workers' iterators.
     """
 
     lost: tuple
@@ -156,6 +157,16 @@ class PlacedVariables:
         return sum(r is not None for r in remakes)
 
 
+@dataclasses.dataclass(frozen=True)
+class Recreated:
+    """What a ps that lost its state was given again: `variables` (in place,
+    `handles` {id(old handle): (old, new)}) and other `resources` (new
+    objects: a dynamic table's hash map and lock)."""
+    variables: int
+    resources: int
+    handles: dict
+
+
 def _zeros(shape, dtype):
     """Zeros of `shape`, made in row blocks on the ps when large."""
     shape = tf.TensorShape(shape)
@@ -174,7 +185,12 @@ def recreate(variables, fill=True):
     blocks, so the ps peaks at the variable plus one block. With `fill`
     False a large variable is left unwritten (its values are undefined, and
     no page of it is touched): for a restore that writes every row next.
+
+    Returns:
+        {id(old handle): (old handle, new handle)} of the variables, for
+        `_tf_adapter.rebind_captures`.
     """
+    handles = {}
     for variable in variables:
         with tf.device(variable.device):
             initial_value = _zeros(variable.shape, variable.dtype)
@@ -186,4 +202,6 @@ def recreate(variables, fill=True):
                 initial_value=initial_value,
                 dtype=variable.dtype, trainable=variable.trainable,
                 name=variable.name.split(":")[0]))
-        _tf_adapter.rebind_variable(variable, donor)
+        old = _tf_adapter.rebind_variable(variable, donor)
+        handles[id(old)] = (old, variable.handle)
+    return handles

@@ -172,13 +172,14 @@ class ParameterServerStrategy(tf.distribute.Strategy):
                 instead of zeroed (their values are undefined until then).
 
         Returns:
-            How many variables and resources were made again.
+            A `_ps_state.Recreated`: how many variables and other resources
+            were made again, and the variables' old and new handles.
         """
         variables = self.variables_on_ps(index)
-        _ps_state.recreate(variables, fill=not restore_follows)
+        handles = _ps_state.recreate(variables, fill=not restore_follows)
         resources = self.extended.placed.remake_resources(index)
         self._ps_markers.renew(index)
-        return len(variables) + resources
+        return _ps_state.Recreated(len(variables), resources, handles)
 
     def on_disconnect(self, callback):
         """Calls `callback()` when another cluster's connection replaces this one."""

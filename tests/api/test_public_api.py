@@ -108,23 +108,40 @@ def test_functions_traced_once_each_do_not_warn_of_retracing(caplog):
 
 def test_tf_internals_of_ps_recovery_still_exist():
     """A variable given a new resource in place, and traced functions that
-    captured the old one traced again: what a ps recovery relies on."""
+    captured the old one fed the new one (without a new trace) or traced
+    again: what a ps recovery relies on."""
     from keras_ps import _tf_adapter
     import tensorflow as tf
 
     with tf.variable_creator_scope(lambda next_creator, **kw: 1 / 0):
         # Past every creator in scope (this one would fail).
         variable = _tf_adapter.plain_variable(initial_value=1.0)
-    read = tf.function(lambda: variable.read_value())
-    assert read().numpy() == 1.0
-    _tf_adapter.rebind_variable(
+    other = _tf_adapter.plain_variable(initial_value=10.0)
+    traces = []
+
+    @tf.function
+    def read():
+        traces.append(1)
+        return variable.read_value() + other.read_value()
+
+    assert read().numpy() == 11.0
+    old = _tf_adapter.rebind_variable(
         variable, _tf_adapter.plain_variable(initial_value=5.0))
     assert variable.numpy() == 5.0
-    assert read().numpy() == 1.0  # the trace still holds the old resource
-    assert _tf_adapter.retrace_all_functions() >= 1
-    assert read().numpy() == 5.0
+    assert read().numpy() == 11.0  # the trace still holds the old resource
+    assert _tf_adapter.rebind_captures({id(old): (old, variable.handle)}) >= 1
+    assert read().numpy() == 15.0 and len(traces) == 1
+    # The graph's record of its captures names the new handle (a SavedModel
+    # of the function maps captures to variables by it).
+    [trace] = read._list_all_concrete_functions()
+    assert [id(e) for e, _ in trace.graph.captures] == [
+        id(variable.handle), id(other.handle)]
     variable.assign_add(1.0)
-    assert read().numpy() == 6.0
+    assert read().numpy() == 16.0
+    _tf_adapter.rebind_variable(
+        variable, _tf_adapter.plain_variable(initial_value=2.0))
+    assert _tf_adapter.retrace_all_functions() >= 1
+    assert read().numpy() == 12.0 and len(traces) == 2
 
 
 def test_tf_internals_of_step_order_still_exist():

@@ -83,7 +83,9 @@ def test_custom_loop_recovers_a_killed_ps_from_its_checkpoint():
     # The ps is SIGKILLed mid-loop and started again on its address; the
     # loop catches the error, recovers the ps in place, restores its
     # checkpoint (total = 20) and goes on with the same coordinator,
-    # workers and iterators: both workers take steps again.
+    # workers and iterators: both workers take steps again, and the step
+    # traced before the loss is not traced again (its trace is fed the
+    # variable made again).
     result = run_job("ps_recover", timeout=160)
     assert result["seen"] < 10
     assert result["lost"] == [0]
@@ -91,6 +93,7 @@ def test_custom_loop_recovers_a_killed_ps_from_its_checkpoint():
     assert result["restored"] == 20.0
     assert result["total"] == 20.0 + result["scheduled"], result
     assert result["states"] == ["healthy", "healthy"], result
+    assert result["traced"] == [1, 1], result
 
 
 @pytest.mark.timeout(240)
