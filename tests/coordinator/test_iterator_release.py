@@ -48,8 +48,24 @@ def _earlier_drops_released(cluster, coordinator, tmp_path):
         iterator = reading_iterator(coordinator, marker)
         del iterator
         gc.collect()
-    wait_until(lambda: _open_on_workers(cluster, markers[0]) == 0, 60,
-               "the iterators dropped before the test to be released")
+    try:
+        wait_until(lambda: _open_on_workers(cluster, markers[0]) == 0, 60,
+                   "the iterators dropped before the test to be released")
+    except AssertionError as error:
+        raise AssertionError(
+            f"{error}: {_release_state(cluster, coordinator, markers)}"
+        ) from None
+
+
+def _release_state(cluster, coordinator, markers):
+    """What a failed wait for a release reports: each marker's open
+    descriptors by worker, the workers' states, and each release line's
+    generation beside the coordinator's."""
+    lines = {index: line.generation
+             for index, line in coordinator._release._lines.items()}
+    return (f"open by worker {[_open_by_worker(cluster, m) for m in markers]}, "
+            f"workers {[(w.state.name, w.closures_run) for w in coordinator.workers]}, "
+            f"lines {lines}, generation {coordinator._readmission.generation}")
 
 
 def _reading_the_first_of_two_files(cluster, coordinator, tmp_path):
