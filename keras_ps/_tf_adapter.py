@@ -97,11 +97,9 @@ def device_attributes(serialized):
 
 
 def update_server_def(server_def):
-    """Pushes a new cluster to every task without restarting anyone.
-
-    Public `tf.config.experimental_connect_to_cluster` only creates contexts;
-    updating membership in place needs `context.update_server_def`.
-    """
+    """Pushes a new cluster to every task without restarting anyone. Public
+    `tf.config.experimental_connect_to_cluster` only creates contexts;
+    updating membership in place needs `context.update_server_def`."""
     _internals().context.context().update_server_def(server_def)
 
 
@@ -359,9 +357,10 @@ def _all_of(kind):
     """Every live object of class `kind` or a subclass. type(), not
     isinstance(): some objects refuse __class__ (numpy's NpzFile fields)."""
     import gc
-    is_kind = {}  # an ABC's subclass check is slow: once per type
+    # An ABC's subclass check is slow: once per type.
+    is_kind = functools.lru_cache(maxsize=None)(lambda c: issubclass(c, kind))
     for obj in gc.get_objects():
-        if is_kind.setdefault(type(obj), issubclass(type(obj), kind)):
+        if is_kind(type(obj)):
             yield obj
 
 
