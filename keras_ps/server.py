@@ -195,8 +195,8 @@ def _end_by(signum):
     + signum: 143 for SIGTERM), not with 0. A task stopped by a signal has
     not finished its work: restart policies that start again only what
     failed (Docker's on-failure, Kubernetes' OnFailure, a TFJob's ExitCode
-    policy, which retries 128-255) bring it back, and the job's coordinator
-    gives a ps back its variables. The kernel drops a signal whose action is
+    policy, which retries 130, 137 and 143) bring it back, and the job's
+    coordinator gives a ps back its variables. The kernel drops a signal whose action is
     the default when it is sent to the first process of a PID namespace (a
     container's command): that process leaves with the same status."""
     signal.signal(signum, signal.SIG_DFL)
