@@ -196,9 +196,10 @@ def _end_by(signum):
     not finished its work: restart policies that start again only what
     failed (Docker's on-failure, Kubernetes' OnFailure, a TFJob's ExitCode
     policy, which retries 130, 137 and 143) bring it back, and the job's
-    coordinator gives a ps back its variables. The kernel drops a signal whose action is
-    the default when it is sent to the first process of a PID namespace (a
-    container's command): that process leaves with the same status."""
+    coordinator gives a ps back its variables. The kernel drops a signal
+    whose action is the default when it is sent to the first process of a
+    PID namespace (a container's command): that process leaves with the
+    same status."""
     signal.signal(signum, signal.SIG_DFL)
     signal.raise_signal(signum)
     os._exit(128 + signum)

@@ -266,11 +266,8 @@ def worker_stop():
             lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
                 testing.sleep(5000))))
 
-        traces = []  # one entry each time step's Python body is traced
-
         @tf.function
         def step(it):
-            traces.append(1)
             total.assign_add(next(it))
 
         steps = 400
