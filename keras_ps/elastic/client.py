@@ -53,10 +53,18 @@ class RendezvousClient:
         self._timeout = timeout
         self._poll_timeout = poll_timeout
         self._metadata = ((api.TOKEN_METADATA_KEY, token),) if token else None
+        # A server back after a restart is reached again within 0.1-2 s.
+        # Not `grpc.min_reconnect_backoff_ms`: gRPC takes it as the time a
+        # connection attempt may take (20 s by default), and at 100 ms an
+        # agent on a busy machine, whose server sent its first HTTP/2 frame
+        # later than that, failed to join with "rendezvous server ... is
+        # unavailable: connection attempt timed out before receiving
+        # SETTINGS frame". A server that is gone refuses the connection, and
+        # is reported at once as before; one that hangs, at the call's
+        # deadline.
         options = [("grpc.max_receive_message_length", -1),
                    ("grpc.max_metadata_size", 256 * 1024),
                    ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
         if tls_root_cert is not None:
             credentials = grpc.ssl_channel_credentials(

@@ -7,6 +7,7 @@ import concurrent.futures
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -331,6 +332,63 @@ def _self_signed_cert(directory):
          "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True, timeout=30)
     return cert, key
+
+
+def _slow_to_answer(endpoint, delay):
+    """A loopback TCP relay to `endpoint` that holds back the server's first
+    bytes of each connection (its HTTP/2 SETTINGS frame) for `delay`
+    seconds, as a server on a busy machine sends them late. Returns
+    (its HOST:PORT, a function that closes it)."""
+    host, port = endpoint.rsplit(":", 1)
+    listener = socket.create_server(("127.0.0.1", 0))
+    sockets = [listener]
+
+    def pump(source, target, hold):
+        time.sleep(hold)
+        try:
+            while data := source.recv(65536):
+                target.sendall(data)
+        except OSError:
+            pass
+        for s in (source, target):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def accept():
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection((host, int(port)))
+            sockets.extend([client, server])
+            for args in ((client, server, 0.0), (server, client, delay)):
+                threading.Thread(target=pump, args=args, daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+
+    def close():
+        for s in sockets:
+            s.close()
+    return f"127.0.0.1:{listener.getsockname()[1]}", close
+
+
+@pytest.mark.timeout(60)
+def test_a_server_slow_to_send_its_first_frame_is_joined(rdzv):
+    # gRPC gives a connection attempt the client's "min reconnect backoff"
+    # as its time limit: set to 0.1 s, a join through a server whose first
+    # frame came 0.5 s late failed with "rendezvous server ... is
+    # unavailable: connection attempt timed out before receiving SETTINGS
+    # frame", as agents on a busy machine did.
+    _, endpoint = rdzv.start()
+    relayed, close = _slow_to_answer(endpoint, 0.5)
+    try:
+        assert rdzv.client(relayed).get_cluster_spec(A, 1, 1, timeout=20) \
+            == api.MembershipView((A,), 0, 1)
+    finally:
+        close()
 
 
 @pytest.mark.timeout(30)
