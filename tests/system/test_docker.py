@@ -657,6 +657,43 @@ def test_chief_ps_and_worker_crashes_recover(make_cluster):
         assert cluster.state(name)["Status"] == "running", name
 
 
+@pytest.mark.slow  # in the suite on a LocalCluster: test_ps_recovery's notice
+@pytest.mark.timeout(1500)  # test, and test_cluster's exit status as PID 1
+def test_a_ps_sigtermed_in_place_is_restarted_by_its_policy_and_recovered(
+        make_cluster):
+    """SIGTERM to a ps container's command (a preempted node's notice to the
+    process, a `kill` in the container; `docker stop` is a manual stop, for
+    which Docker applies no restart policy): the tutorial's
+    BackupAndRestore(save_before_preemption=True) backs up at the next step
+    and releases the ps, which ends by the signal (143, not 0), so `restart:
+    on-failure` brings it back, and the same chief run recovers it with no
+    step rolled back."""
+    epochs, steps_per_epoch, per_execution = 6, 40, 2
+    planned = epochs * steps_per_epoch
+    cluster = make_cluster(chief_command=chief_command(
+        epochs, steps_per_epoch, per_execution, backup_freq="epoch"))
+    cluster.run("up", "-d", timeout=300)
+    poll(lambda: re.search(r"^Epoch 2/", cluster.logs("chief"), re.M), 300,
+         "the chief's second epoch")
+    os.kill(cluster.state("ps1")["Pid"], signal.SIGTERM)
+    poll(lambda: cluster.state("ps1")["RestartCount"] >= 1 and
+         cluster.state("ps1")["Status"] == "running", 120, "ps1's restart")
+    poll(lambda: cluster.state("chief")["Status"] == "exited", 600,
+         "the chief's end")
+    log = cluster.logs("chief")
+    chief = cluster.state("chief")
+    assert chief["ExitCode"] == 0 and chief["RestartCount"] == 0, log[-4000:]
+    assert re.search(r"written after the preemption notice of ps \[1\]: "
+                     r"released", log), log[-4000:]
+    assert re.search(r"ps \[1\] recovered in [\d.]+s", log), log[-4000:]
+    assert re.search(r"\(0 steps rolled back\)", log), log[-4000:]
+    steps = number(r"^Training steps: (\d+)$", log)
+    assert planned <= steps <= planned + 2 * 2 * per_execution, log[-3000:]
+    # The first ps1 process' own last line, before its restart.
+    assert "ps:1 stopping on SIGTERM, released by the coordinator after " \
+        "its backup" in cluster.logs("ps1"), cluster.logs("ps1")[-3000:]
+
+
 @pytest.mark.slow  # the suite has the same in a PID namespace: test_preemption
 @pytest.mark.timeout(1500)
 def test_docker_stop_of_the_chief_backs_up_first_and_start_resumes_there(
