@@ -3,11 +3,15 @@ where they cannot be used; prints RESULT lines the test reads.
 
 Usage: python tests/_native_job.py no_compiler|tasks_without_kernels|
        worker_stopped_when_asked
+       python tests/_native_job.py back_without_kernels ps|worker BACKUP_DIR
 """
 
+import json
 import logging
 import os
+import subprocess
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -98,7 +102,90 @@ def worker_stopped_when_asked():
             not_answered=[w for w in warnings if "did not answer within" in w])
 
 
+class _ReplaceWithoutKernels(keras.callbacks.Callback):
+    """At AT (epoch, batch), SIGKILLs `job`:0 and starts it again on its
+    address as a server without keras_ps' kernels (KERAS_PS_NATIVE=0), as
+    a replacement machine of another keras_ps version would be."""
+
+    AT = (0, 13)
+
+    def __init__(self, cluster, job, warnings):
+        super().__init__()
+        self.cluster, self.job, self.process = cluster, job, None
+        self.warnings = warnings
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if epoch == 1:
+            # A replaced worker is re-admitted when its server answers; the
+            # other worker could end fit first. Epoch 1 waits for it, so
+            # that its steps run on the new server too.
+            deadline = time.monotonic() + 120
+            while not any("came back without" in w for w in self.warnings):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.job}:0 was not taken back "
+                                       "within 120 s")
+                time.sleep(0.1)
+            self.run_before = keras_ps.ClusterCoordinator(
+                self.model.distribute_strategy).workers[0].closures_run
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.process is None and (self._epoch, batch) >= self.AT:
+            self.cluster.kill(self.job, 0)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
+                 json.dumps(self.cluster.spec), "--job_name", self.job,
+                 "--task_index", "0", "--exit_with_parent"],
+                env=dict(os.environ, KERAS_PS_NATIVE="0"))
+
+
+def back_without_kernels(job, backup_dir):
+    """LazyAdam on a table split over 2 ps, incremental backups; `job`:0
+    is replaced mid-fit by a server without the kernels the step functions
+    and the backups' writers were traced with."""
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("keras_ps").addHandler(handler)
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(
+            cluster.resolver,
+            variable_partitioner=keras_ps.partitioners.FixedShardsPartitioner(2))
+        with strategy.scope():
+            model = _model()
+            model.compile(optimizer=keras_ps.optimizers.LazyAdam(0.05),
+                          loss="mse", steps_per_execution=2)
+        traced_with_kernels = _native.kernels_for(strategy) is not None
+        x, y = _data()
+
+        def dataset_fn(context):
+            return tf.data.Dataset.from_tensor_slices((x, y)).shard(
+                context.num_input_pipelines,
+                context.input_pipeline_id).batch(8).repeat()
+
+        replace = _ReplaceWithoutKernels(cluster, job, warnings)
+        try:
+            history = model.fit(
+                keras_ps.DatasetCreator(dataset_fn), epochs=2,
+                steps_per_epoch=40, verbose=0, callbacks=[
+                    replace, keras_ps.callbacks.BackupAndRestore(
+                        backup_dir, save_freq=8, incremental=True)])
+        finally:
+            if replace.process is not None:
+                replace.process.kill()
+                replace.process.wait()
+        say(traced_with_kernels=traced_with_kernels,
+            for_strategy=_native.kernels_for(strategy) is not None,
+            iterations=int(model.optimizer.iterations.numpy()), planned=80,
+            loss=float(history.history["loss"][-1]),
+            recoveries=history.history.get("ps_recoveries"),
+            came_back=[w for w in warnings if "came back without" in w],
+            worker_0_ran_after=keras_ps.ClusterCoordinator(strategy).workers[
+                0].closures_run - replace.run_before)
+
+
 if __name__ == "__main__":
     {"no_compiler": no_compiler,
      "tasks_without_kernels": tasks_without_kernels,
-     "worker_stopped_when_asked": worker_stopped_when_asked}[sys.argv[1]]()
+     "worker_stopped_when_asked": worker_stopped_when_asked,
+     "back_without_kernels": back_without_kernels}[sys.argv[1]](*sys.argv[2:])

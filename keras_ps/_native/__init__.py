@@ -16,13 +16,9 @@ meanwhile.
 to the coordinator and its release back (keras_ps.cluster.ps_notices).
 `KerasPsSumRows` adds up a lookup's gradient rows by distinct id on a worker,
 the same floats in the same order as TF's UnsortedSegmentSum, about ten
-times faster for rows of 64 floats. They
-are compiled into one library
-with the machine's C++ compiler (`$CXX`, else `c++`) against the headers
-that ship in the tensorflow wheel, into a cache directory
-(`$KERAS_PS_CACHE_DIR`, else `~/.cache/keras_ps`), the first time a process
-needs it: about 15 s of one core, once per machine and TF install. Later
-processes load the cached file in milliseconds.
+times faster for rows of 64 floats. They are built into one library, once
+per machine and TF install (keras_ps._native._build: about 15 s of one
+core; later processes load the cached file in milliseconds).
 
 keras_ps' Docker image builds it in its build stage and ships the library
 in the cache directory it names. Where it cannot be built (no compiler; no
@@ -36,49 +32,33 @@ which splits the function between tasks; each ps, which runs the kernel.
 `python -m keras_ps.server` and `LocalCluster` load it, and
 `kernels_for(strategy)` asks every task of the cluster before a graph uses
 it (servers started otherwise, e.g. a plain `tf.distribute.Server`, get the
-update made of TF's ops).
+update made of TF's ops). A task that comes back during the job (a ps
+recovered, a worker re-admitted) is asked again (`recheck`): one that came
+back without them (another keras_ps version, a machine that cannot build
+them) would fail every graph traced with them ("Op type not registered"),
+so the strategy's graphs are then traced again with TF's ops.
 """
 
 import contextlib
 import ctypes
-import fcntl
-import hashlib
-import importlib.util
 import logging
 import os
-import platform
-import shutil
-import subprocess
 import threading
 import time
 import weakref
 
 from keras_ps import _constants
+from keras_ps import _tf_adapter
+from keras_ps._native._build import NativeBuildError
+from keras_ps._native._build import build
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [os.path.join(os.path.dirname(os.path.abspath(__file__)), name)
-           for name in ("row_updates.cc", "row_files.cc", "row_restore.cc",
-                        "notices.cc")]
 # What KerasPsNativeVersion returns (kVersion in row_updates.cc).
 VERSION = 8
-# Optimized, and free to vectorize sqrt (errno is never read); no
-# -march=native, so a cache on a shared home directory serves every machine
-# (row_updates.cc compiles its row functions once per vector width and picks
-# one at load). No fused multiply-adds: a row's arithmetic stays the
-# operations of the update made of TF's ops, one rounding each. On x86-64 the
-# AVX-512 version uses all 16 lanes (GCC's default tuning stops at 8).
-_FLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off", "-shared", "-fPIC",
-          "-w") + (("-mprefer-vector-width=512",)
-                   if platform.machine() in ("x86_64", "AMD64") else ())
-_BUILD_TIMEOUT_S = 900
 # Seconds each task has to say whether it loaded the library (one op run on
 # it; milliseconds on a live task, even a busy one).
 ASK_TIMEOUT_S = 10.0
-
-
-class NativeBuildError(RuntimeError):
-    """keras_ps' C++ kernels cannot be built or loaded on this machine."""
 
 
 def enabled():
@@ -108,124 +88,6 @@ def check_direct_io():
             f"(every row file with O_DIRECT). Received: {name}={raw!r}. "
             "Unset it for the default.")
 
-
-def _tf_dir():
-    # Found without importing TensorFlow: `python -m keras_ps.server` loads
-    # only TF's server (see keras_ps._tf_adapter.server_modules).
-    spec = importlib.util.find_spec("tensorflow")
-    if spec is None or not spec.submodule_search_locations:
-        raise NativeBuildError("tensorflow is not installed")
-    return list(spec.submodule_search_locations)[0]
-
-
-def cache_dir():
-    """Where built libraries are kept."""
-    if os.environ.get(_constants.CACHE_DIR_ENV_VAR):
-        return os.environ[_constants.CACHE_DIR_ENV_VAR]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "keras_ps")
-
-
-def library_path():
-    """The built library's path for this source, compiler flags and TF install
-    (a new TF or a changed source is built again, not loaded stale)."""
-    framework = os.path.join(_tf_dir(), "libtensorflow_framework.so.2")
-    try:
-        stat = os.stat(framework)
-        tf_id = f"{framework}:{stat.st_size}:{int(stat.st_mtime)}"
-    except OSError:
-        tf_id = framework
-    digest = hashlib.sha256()
-    for source in SOURCES:
-        with open(source, "rb") as f:
-            digest.update(f.read())
-    digest.update(" ".join(_FLAGS).encode())
-    digest.update(tf_id.encode())
-    return os.path.join(cache_dir(), f"kernels-{digest.hexdigest()[:16]}.so")
-
-
-def _compile(path, extra_flags=(), sources=None):
-    """Builds the library into `path` from `sources` (default: SOURCES);
-    `extra_flags` go to the compiler after keras_ps' own (a test builds a
-    variant of the row kernels alone with a -D)."""
-    include = os.path.join(_tf_dir(), "include")
-    if not os.path.exists(os.path.join(include, "tensorflow", "core",
-                                       "framework", "op_kernel.h")):
-        raise NativeBuildError(
-            f"TensorFlow's C++ headers are missing from {include}. Reinstall "
-            "tensorflow with them (pip install --force-reinstall tensorflow)")
-    compiler = os.environ.get("CXX") or "c++"
-    if shutil.which(compiler) is None:
-        raise NativeBuildError(
-            f"no C++ compiler {compiler!r} on PATH. Install one (Debian: apt "
-            "install g++) or point $CXX at it")
-    import tensorflow as tf  # the flags TF was built with (C++ ABI, Eigen)
-
-    tmp = f"{path}.{os.getpid()}.tmp"
-    command = [compiler, *_FLAGS, *extra_flags,
-               *tf.sysconfig.get_compile_flags(), *(sources or SOURCES),
-               "-o", tmp, *tf.sysconfig.get_link_flags(),
-               f"-Wl,-rpath,{_tf_dir()}"]
-    logger.warning("[native] building keras_ps' C++ kernels once for this "
-                   "machine (about 15 s) into %s", path)
-    try:
-        result = subprocess.run(command, capture_output=True, text=True,
-                                timeout=_BUILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise NativeBuildError(
-            f"{compiler} took over {_BUILD_TIMEOUT_S} s") from None
-    if result.returncode != 0:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        lines = (result.stderr or result.stdout).strip().splitlines()
-        raise NativeBuildError(
-            f"{compiler} failed (exit code {result.returncode}): "
-            + " | ".join(lines[-5:]))
-    os.replace(tmp, path)
-
-
-def build():
-    """The built library's path, building it first if this machine has none.
-
-    Processes that start at once build it once: the others wait on a lock. A
-    build that failed is not tried again for the same source and TF install:
-    its reason is kept beside the library's path (`.failed`); remove that file
-    to try again.
-
-    Raises:
-        NativeBuildError: it cannot be built here; the message says why.
-    """
-    path = library_path()
-    if os.path.exists(path):
-        return path
-    failed = f"{path}.failed"
-    try:
-        os.makedirs(cache_dir(), exist_ok=True)
-        lock = open(f"{path}.lock", "w")
-    except OSError as error:
-        raise NativeBuildError(
-            f"cannot write to the cache directory {cache_dir()!r} "
-            f"({error.strerror}). Set KERAS_PS_CACHE_DIR to a writable "
-            "directory") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if os.path.exists(path):
-            return path
-        if os.path.exists(failed):
-            with open(failed) as f:
-                raise NativeBuildError(
-                    f"{f.read().strip()} (an earlier build's failure, kept "
-                    f"in {failed}: remove that file to build again, e.g. "
-                    "once a compiler is installed; KERAS_PS_NATIVE=0 turns "
-                    "the kernels off)")
-        try:
-            _compile(path)
-        except NativeBuildError as error:
-            with open(failed, "w") as f:
-                f.write(str(error))
-            raise
-    return path
 
 
 def load_in_server():
@@ -404,13 +266,18 @@ def _answer(lib, device):
     if "/job:" not in (device or ""):
         return True  # this process, which loaded it
     task = _task_of(device)
+    # An executor of its own, whose error is then forgotten: a task without
+    # the op fails the question, and under the shared executor that error
+    # came out of the next op run on another task.
+    executor = _tf_adapter.new_executor(asynchronous=False)
     try:
         # Asked now, also from inside a trace (the first apply of a train
         # function asks): init_scope leaves the graph being traced, and a
         # thread of _answers_of has none.
         # `.numpy()`: AutoGraph, converting a user's tf.function, turns
         # `int(tensor)` into a tensor, and the comparison below into one.
-        with tf.init_scope(), tf.device(device):
+        with tf.init_scope(), _tf_adapter.executor_scope(executor), \
+                tf.device(device):
             version = int(lib.keras_ps_native_version().numpy())
     except tf.errors.UnavailableError as error:
         logger.info("[native] %s did not answer (%s); not counted", task,
@@ -424,6 +291,8 @@ def _answer(lib, device):
             "Start tasks with `python -m keras_ps.server` to use them.", task,
             str(error).splitlines()[0])
         return False
+    finally:
+        _tf_adapter.clear_executor_error(executor)
     if version != VERSION:
         logger.warning(
             "[native] %s has keras_ps' C++ kernels version %d, this process "
@@ -432,3 +301,43 @@ def _answer(lib, device):
             "keras_ps version on every task.", task, version, VERSION)
         return False
     return True
+
+
+_generation = 0
+
+
+def generation():
+    """Bumped each time `recheck` finds a task without the kernels: what
+    asked `kernels_on` before (a backup writer) asks again."""
+    return _generation
+
+
+def recheck(strategy, devices):
+    """Asks the tasks of `devices`, which came back during the job (started
+    again, or new), whether they loaded this library's version.
+
+    Returns:
+        The tasks ("ps:0") that did not, when the strategy's graphs were
+        traced with the kernels: the caller traces them again (those
+        cannot run on those tasks); else []. When one did not,
+        `kernels_for(strategy)` is None from now on, and `generation()`
+        moves on: writers that asked `kernels_on` ask again.
+    """
+    global _generation
+    lib = library()
+    devices = list(devices)
+    with _answers_lock:
+        traced_with = bool(_answers.get(strategy))
+    # A worker runs the kernels only in the strategy's traces, and those use
+    # them only once the tasks said yes; a ps also runs the backups' writers
+    # and readers, which ask apart (kernels_on).
+    if lib is None or not (traced_with or any("/job:ps/" in d
+                                              for d in devices)):
+        return []
+    missing = [_task_of(device) for device, answer
+               in zip(devices, _answers_of(lib, devices)) if answer is False]
+    if missing:
+        with _answers_lock:
+            _answers[strategy] = False
+            _generation += 1
+    return missing if traced_with else []

@@ -8,7 +8,6 @@ fingerprint and row range. Applying a chain of entries is
 keras_ps.backups._apply.
 """
 
-import functools
 import threading
 
 import numpy as np
@@ -33,12 +32,21 @@ class Writer:
     def __init__(self, catalog):
         self._catalog = catalog
         self._functions = {}
+        self._kernels = None
+        self._asked = None  # keras_ps._native.generation() when asked
+        self._asked_lock = threading.Lock()
 
-    @functools.cached_property
-    def _kernels(self):
-        """keras_ps' C++ kernels if every device written on loaded them
-        (asked at the first write), else None."""
-        return _native.kernels_on(self._devices())
+    def _refresh(self):
+        """Asks whether every device written on loaded keras_ps' C++
+        kernels (`_kernels`: the kernels, or None) at the first write, and
+        again once a task came back without them (a ps recovered on a
+        server of another keras_ps version): the functions traced with
+        them are dropped then."""
+        with self._asked_lock:
+            if self._asked != _native.generation():
+                self._asked = _native.generation()
+                self._kernels = _native.kernels_on(self._devices())
+                self._functions = {}
 
     def _groups(self, device):
         return [g for g in self._catalog.groups if g.device == device]
@@ -148,6 +156,7 @@ class Writer:
                 tf.constant(prefix), tf.constant(since, tf.int32))
             return self._groups(device), [r.numpy() for r in records]
 
+        self._refresh()
         return self._describe(per_device(write, self._devices()))
 
     def snapshot(self, since):
@@ -163,6 +172,7 @@ class Writer:
             self._snapshot_functions(device)[0](tf.constant(since, tf.int32))
             return device
 
+        self._refresh()
         return Snapshot(self, per_device(snapshot, self._devices()))
 
     def _write_snapshot(self, prefix, devices):
@@ -240,6 +250,7 @@ class Writer:
         # Deltas merged into one are a delta's files (past the page cache
         # with KERAS_PS_DIRECT_IO=deltas); a full backup's are not.
         direct = since is not None
+        self._refresh()
 
         def write(device):
             groups, records = self._groups(device), []

@@ -111,7 +111,8 @@ class ClusterCoordinator:
         self._workers = membership.Workers(config)
         self._readmission = failure_handling.Readmission(
             self._gate, self._workers.members_by_index, self._workers.count,
-            lambda: list(self._datasets), self._release_replaced)
+            lambda: list(self._datasets), self._release_replaced, strategy,
+            self._packing)
         self._release = iterator_release.IteratorRelease(
             lambda: self._readmission.generation)
         self._dropped = iterator_release.DroppedIterators(
@@ -294,13 +295,14 @@ class ClusterCoordinator:
         self._drain_after_loss(deadline)
         answered = time.monotonic()
         with self._gate.exclusive():
-            self._readmission.reconnect()
+            without_kernels = self._readmission.reconnect(
+                returned=[_ps_state.ps_device(i) for i in sorted(lost)])
             connected = time.monotonic()
             made = [self.strategy.recreate_ps_variables(
                 i, restore_follows=restore_follows) for i in sorted(lost)]
             count = sum(m.variables + m.resources for m in made)
             recreated = time.monotonic()
-            retraced = self._reuse_traces(made)
+            retraced = self._reuse_traces(made, without_kernels)
             replaced = self._readmission.restart_iterators([  # the rollback's data
                 w.index for w in self._workers.all()
                 if w.state in worker_lib.RUNNABLE])
@@ -316,14 +318,15 @@ class ClusterCoordinator:
                     list(recovery.lost), count, retraced)
         return recovery
 
-    def _reuse_traces(self, made):
+    def _reuse_traces(self, made, without_kernels):
         """Points the traced functions at the variables a recovery made
         again (what `made`, `Recreated`s, holds), so that none is traced
         again: a model's steps take seconds to trace. Resources made again
-        as new objects (a dynamic table's) are captured as such: then
-        every function is traced again. Returns what was done, for the log.
+        as new objects (a dynamic table's) are captured as such, and a ps
+        back without keras_ps' kernels runs none of the traces: then every
+        function is traced again. Returns what was done, for the log.
         Under the gate: a worker's re-admission traces its datasets."""
-        if any(m.resources for m in made):
+        if without_kernels or any(m.resources for m in made):
             self._packing.clear()
             return (f"{_tf_adapter.retrace_all_functions()} functions to "
                     "retrace")

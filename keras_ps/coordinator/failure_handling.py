@@ -16,11 +16,13 @@ import time
 
 import tensorflow as tf
 
+from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import incarnation
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import RepeatedFailureError
 from keras_ps.strategy import strategy as strategy_lib
+from keras_ps.strategy._per_worker import worker_device
 
 logger = logging.getLogger(__name__)
 
@@ -195,7 +197,8 @@ class Readmission:
     waits for every listed task when the definition changes.
     """
 
-    def __init__(self, gate, members, num_workers, datasets, release):
+    def __init__(self, gate, members, num_workers, datasets, release,
+                 strategy, packing):
         self._gate = gate
         self._members = members  # () -> {index: address} of workers in the cluster
         self._num_workers = num_workers  # () -> the number of worker places
@@ -203,6 +206,8 @@ class Readmission:
         # (index, iterators) -> None: hands iterators replaced on a worker
         # that kept its process to its release line.
         self._release = release
+        self._strategy = strategy
+        self._packing = packing  # the coordinator's PackedFunctions
         # The cluster as connected; updated copies are pushed.
         self._server_def = _tf_adapter.get_server_def()
         # Bumped by every push: a call that started before a push and failed
@@ -229,7 +234,7 @@ class Readmission:
             self.record_incarnation(index, self._members().get(index))
             kept_its_process = (recorded is not None
                                 and recorded == self._incarnations[index])
-            self.reconnect()
+            self.reconnect(returned=[worker_device(index)])
             connected = time.monotonic()
             replaced = self.restart_iterators([index])
         logger.info(
@@ -300,12 +305,37 @@ class Readmission:
                 for old in dataset.rebuild(index, self._num_workers())]
         return replaced
 
-    def reconnect(self):
+    def reconnect(self, returned=()):
         """Pushes the cluster to every task again, under the caller's
         exclusive gate: a restarted ps gets this job's context back (its
-        variables are not). The other tasks keep theirs."""
+        variables are not). The other tasks keep theirs.
+
+        Args:
+            returned: devices of the tasks that came back (started again,
+                or new). One without keras_ps' C++ kernels that this job's
+                functions were traced with could run none of them ("Op
+                type not registered"): every function is then traced again
+                with TF's ops (slower, same results).
+
+        Returns:
+            The number of functions to trace again for that, or 0.
+        """
         _tf_adapter.update_server_def(self.membership_def())
         self.generation += 1
+        missing = _native.recheck(self._strategy, returned) if returned else []
+        if not missing:
+            return 0
+        self._packing.clear()
+        count = _tf_adapter.retrace_all_functions()
+        logger.warning(
+            "[chief] %s came back without keras_ps' C++ kernels (another "
+            "keras_ps version, or none loaded), which this job's steps were "
+            "traced with: every function (%d) is traced again with TF's ops, "
+            "slower per step, with the same results. Start every task with "
+            "`python -m keras_ps.server` of this keras_ps version to keep "
+            "them.",
+            ", ".join(missing), count)
+        return count
 
     def membership_def(self):
         """The connected server def with the worker job reduced to the

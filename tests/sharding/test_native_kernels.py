@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import keras_ps
 from keras_ps import _native
+from keras_ps._native import _build
 from keras_ps.tables import _sharded_weights
 from _page_cache import cached_pages, skip_unless_written_direct
 from _paths import TESTS
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.timeout(300)
 JOB = os.path.join(TESTS, "_native_job.py")
 
 
-def run_job(mode, env):
-    code, output = run_child([sys.executable, JOB, mode], 240,
+def run_job(mode, env, *args):
+    code, output = run_child([sys.executable, JOB, mode, *args], 240,
                              env=dict(os.environ, **env), cwd=TESTS)
     assert code == 0, output[-6000:]
     return output, last_report(output, code)
@@ -220,10 +221,10 @@ def test_every_vector_width_of_the_row_kernels_gives_the_baselines_bits(
     # in the widest this CPU has; against a build of the baseline alone,
     # every float is the same.
     baseline = str(tmp_path / "baseline.so")
-    _native._compile(baseline,
-                     extra_flags=("-DKERAS_PS_VECTOR_VERSIONS=inline",),
-                     sources=[s for s in _native.SOURCES
-                              if s.endswith("row_updates.cc")])
+    _build._compile(baseline,
+                    extra_flags=("-DKERAS_PS_VECTOR_VERSIONS=inline",),
+                    sources=[s for s in _build.SOURCES
+                             if s.endswith("row_updates.cc")])
     results = {}
     for name, library in (("baseline", baseline), ("versions", _native.build())):
         out = str(tmp_path / f"{name}.npz")
@@ -364,6 +365,33 @@ def test_tasks_without_the_kernels_get_lazy_adam_made_of_tf_ops():
     assert "native kernels off (KERAS_PS_NATIVE=0)" in result["ps_log"]
     assert "ps:0 has not loaded keras_ps' C++ kernels" in output
     assert result["iterations"] == 4 and np.isfinite(result["loss"])
+
+
+@pytest.mark.parametrize("job", ["ps", "worker"])
+def test_a_task_back_without_the_kernels_gets_the_steps_traced_again(
+        job, tmp_path):
+    # A ps recovered, or a worker re-admitted, on a server without keras_ps'
+    # kernels (another keras_ps version, a machine that cannot build them):
+    # the traces that use them would fail there at every call ("Op type not
+    # registered 'KerasPsLazyAdamRows'", which ended fit). They are traced
+    # again with TF's ops, and the same fit call finishes.
+    output, result = run_job("back_without_kernels", {}, job,
+                             str(tmp_path / "backup"))
+    assert result["traced_with_kernels"] is True
+    assert result["for_strategy"] is False
+    assert result["came_back"] and result["came_back"][0].startswith(
+        f"[chief] {job}:0 came back without keras_ps' C++ kernels"), \
+        result["came_back"]
+    assert "python -m keras_ps.server` of this keras_ps version" in \
+        result["came_back"][0]
+    # A ps loss rolls back to the last backup, so the optimizer's count ends
+    # at the plan; a worker's may run one packed execution twice.
+    assert result["planned"] <= result["iterations"] <= result["planned"] + 2
+    assert sum(result["recoveries"]) == (1 if job == "ps" else 0)
+    assert result["worker_0_ran_after"] > 0  # on the new server, for a worker
+    # The backups after it (every 8 steps: fit raises when one fails) are
+    # written on that ps with TF's ops too.
+    assert np.isfinite(result["loss"])
 
 
 def test_a_stopped_task_asked_for_the_kernels_is_named_not_waited_for():
