@@ -105,7 +105,7 @@ class PsNoticeWatch:
 
     def __init__(self, strategy):
         self._devices = list(strategy.extended.parameter_devices)
-        self._addresses = list(strategy.cluster_spec["ps"])
+        self._strategy = strategy  # its ps' addresses (a ps may move)
         self._library = None
         self._noticed = set()  # ps indices: a notice, not released yet
         self._released = set()
@@ -163,7 +163,8 @@ class PsNoticeWatch:
             # A ps that does not answer a probe (stopped, hung) is not asked:
             # the question would wait for it, with no deadline.
             left = (self._on_ps(index, ask, True)
-                    if _network.probe(self._addresses[index], ASK_EVERY_S)
+                    if _network.probe(self._strategy.cluster_spec["ps"][index],
+                                      ASK_EVERY_S)
                     else None)
             asked.set()
             with self._lock:

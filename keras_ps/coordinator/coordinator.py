@@ -14,6 +14,7 @@ from keras_ps.cluster import _network
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import iterator_release
 from keras_ps.coordinator import membership
+from keras_ps.coordinator import ps_addresses
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator import worker as worker_lib
 from keras_ps.coordinator import worker_services
@@ -102,7 +103,6 @@ class ClusterCoordinator:
         self.strategy = strategy
         self.config = config
         spec = strategy.cluster_spec
-        self._ps_addresses = list(spec["ps"])
         self._queue = ClosureQueue()
         self._packing = PackedFunctions(strategy)
         self._gate = SharedExclusiveLock()
@@ -247,8 +247,9 @@ class ClusterCoordinator:
         back, and makes the coordinator take work again.
 
         For a custom loop after `ParameterServerUnavailableError`: this waits
-        for every lost ps to answer on its address (a restart policy, a
-        replacement machine), pushes the cluster to every task again,
+        for every lost ps to answer on its address (a restart policy), or
+        where the strategy's cluster resolver names it now (a replacement
+        machine; see ps_addresses.py), pushes the cluster to every task again,
         re-creates each variable the strategy placed on those ps in place
         (same objects, shapes, dtypes and shards; zeros), and feeds the
         functions traced before the new ones instead of tracing them again
@@ -282,19 +283,22 @@ class ClusterCoordinator:
             return _ps_state.PsRecovery(lost=())
         logger.info("[chief] ps %s lost; waiting for them", sorted(lost))
         for index, address in sorted(lost.items()):
-            remaining = max(0.0, deadline - time.monotonic())
-            if not _network.wait_until_answers(address, remaining):
+            lost[index] = ps_addresses.wait_for_ps(
+                self.strategy.cluster_resolver, index, address, deadline)
+            if lost[index] is None:
                 raise errors.ParameterServerRecoveryError(
                     f"Parameter server {index} at {address} was lost (it "
                     "did not answer, or answered without this job's "
                     "variables) and has not answered again within "
                     f"{timeout:g}s. Bring it back on the same address (a "
-                    "restart policy does; kill a process that is hung), or "
-                    "restart the job and resume from the last checkpoint; "
-                    "raise KERAS_PS_PS_RECOVERY_TIMEOUT to wait longer.")
+                    "restart policy does; kill a process that is hung) or "
+                    "where the cluster resolver names it, or restart the "
+                    "job and resume from the last checkpoint; raise "
+                    "KERAS_PS_PS_RECOVERY_TIMEOUT to wait longer.")
         self._drain_after_loss(deadline)
         answered = time.monotonic()
         with self._gate.exclusive():
+            ps_addresses.follow(self.strategy, self._readmission, lost)
             without_kernels = self._readmission.reconnect(
                 returned=[_ps_state.ps_device(i) for i in sorted(lost)])
             connected = time.monotonic()
@@ -407,12 +411,14 @@ class ClusterCoordinator:
         restart policy can bring a ps back before any probe sees it gone):
         the marker variable the strategy keeps on each ps cannot be read."""
         silent = self._silent_ps()
-        return {i: address for i, address in enumerate(self._ps_addresses)
+        return {i: address
+                for i, address in enumerate(self.strategy.cluster_spec["ps"])
                 if i in silent or not self._ps_holds_state(i)}
 
     def _silent_ps(self):
         """{index: address} of the ps that do not answer a probe."""
-        return {i: address for i, address in enumerate(self._ps_addresses)
+        return {i: address
+                for i, address in enumerate(self.strategy.cluster_spec["ps"])
                 if not _network.probe(address, self.config.probe_timeout)}
 
     def _ps_holds_state(self, index):

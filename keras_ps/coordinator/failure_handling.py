@@ -337,6 +337,13 @@ class Readmission:
             ", ".join(missing), count)
         return count
 
+    def move_ps(self, index, address):
+        """Ps `index` serves at `address` now: pushed from the next
+        `reconnect` on."""
+        for job in self._server_def.cluster.job:
+            if job.name == "ps":
+                job.tasks[index] = address
+
     def membership_def(self):
         """The connected server def with the worker job reduced to the
         workers that are in the cluster now."""

@@ -122,6 +122,12 @@ class ParameterServerStrategy(tf.distribute.Strategy):
         logger.info("[chief] connected to %d ps and %d workers",
                     len(spec["ps"]), len(spec["worker"]))
 
+    def move_ps(self, index, address):
+        """Ps `index` serves at `address` now (a replacement machine), in
+        the cluster spec and the connection's (the coordinator pushes it)."""
+        self._cluster_spec["ps"][index] = address
+        self._connection.jobs["ps"][index] = address
+
     def check_connected(self):
         """Raises if a strategy for another cluster replaced this one's connection.
 
@@ -161,15 +167,11 @@ class ParameterServerStrategy(tf.distribute.Strategy):
 
     def recreate_ps_variables(self, index, restore_follows=False):
         """Gives ps `index`, restarted and empty, every variable this strategy
-        placed there again (same shapes, dtypes and shards; zeros), in place,
-        and its other tracked resources (empty). The caller restores their
-        values from a checkpoint next.
-
-        Args:
-            index: the ps.
-            restore_follows: True when a restore of every large variable
-                (a table, its slots) follows: those are left unwritten
-                instead of zeroed (their values are undefined until then).
+        placed there again (same shapes, dtypes and shards), in place, and
+        its other tracked resources (empty); the caller restores their
+        values from a checkpoint next. Variables start as zeros, but large
+        ones with `restore_follows` (a restore of every table and its slots
+        follows): those are left unwritten, undefined until the restore.
 
         Returns:
             A `_ps_state.Recreated`: how many variables and other resources

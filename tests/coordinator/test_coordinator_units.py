@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from keras_ps import errors
 from keras_ps.coordinator import failure_handling
+from keras_ps.coordinator import ps_addresses
 from keras_ps.coordinator import watchdog
 from keras_ps.coordinator.closures import Closure, ClosureQueue
 from keras_ps.coordinator.failure_handling import Decision
@@ -940,3 +941,64 @@ def test_a_closure_stuck_on_two_workers_fails_the_job_naming_it():
     assert isinstance(raised.value, tf.errors.DeadlineExceededError)
     with pytest.raises(StuckCallError):
         closures[1].remote_value.fetch(timeout=1)
+
+
+# -- where a lost ps answers again (ps_addresses) -------------------------------
+class _Resolver(tf.distribute.cluster_resolver.ClusterResolver):
+    def __init__(self, spec=None, error=None):
+        self.spec, self.error = spec, error
+
+    def cluster_spec(self):
+        if self.error is not None:
+            raise self.error
+        return tf.train.ClusterSpec(self.spec)
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        return ""
+
+
+@pytest.fixture
+def grpc_server():
+    import grpc
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(1))
+    server.add_insecure_port(f"localhost:{port}")
+    server.start()
+    yield f"localhost:{port}"
+    server.stop(None)
+
+
+def test_a_lost_ps_is_waited_for_where_the_resolver_names_it(grpc_server):
+    import portpicker
+
+    gone = f"localhost:{portpicker.pick_unused_port()}"  # nothing listens
+    spec = {"ps": [grpc_server], "worker": ["localhost:1"]}
+    deadline = time.monotonic() + 5
+    assert ps_addresses.wait_for_ps(_Resolver(spec), 0, gone,
+                                    deadline) == grpc_server
+    # A resolver that fails, or names the lost address, leaves its address.
+    for resolver in (_Resolver(error=RuntimeError("platform API down")),
+                     _Resolver({"ps": [gone], "worker": ["localhost:1"]})):
+        assert ps_addresses.wait_for_ps(resolver, 0, grpc_server,
+                                        deadline) == grpc_server
+        assert ps_addresses.wait_for_ps(
+            resolver, 0, gone, time.monotonic() + 0.5) is None
+
+
+def test_a_resolver_that_fails_or_watches_membership_names_no_ps(caplog):
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    with caplog.at_level("INFO", logger="keras_ps.coordinator.ps_addresses"):
+        assert ps_addresses.resolved_address(
+            _Resolver(error=RuntimeError("platform API down")), 0) is None
+    assert "named no address for ps 0 (RuntimeError: platform API down)" \
+        in caplog.text
+    # Its ps are the ones it was given; asking it waits for workers. (This
+    # one, never set up, would raise if asked: that would be logged.)
+    caplog.clear()
+    watcher = ElasticClusterResolver.__new__(ElasticClusterResolver)
+    with caplog.at_level("INFO", logger="keras_ps.coordinator.ps_addresses"):
+        assert ps_addresses.resolved_address(watcher, 0) is None
+    assert caplog.text == ""

@@ -140,6 +140,36 @@ def test_a_ps_preemption_notice_is_backed_up_first_and_costs_no_step(
         (result["accuracy"], undisturbed_notice_job["accuracy"])
 
 
+@pytest.mark.timeout(300)
+def test_a_ps_back_on_another_address_is_followed_there(tmp_path,
+                                                        undisturbed):
+    # A replacement machine with another address (a pod rescheduled and
+    # addressed by its IP, a new VM): the cluster resolver names it, as
+    # TF's Kubernetes and GCE resolvers do, and the same fit call recovers
+    # the ps there. Waiting on the old address, fit failed after
+    # KERAS_PS_PS_RECOVERY_TIMEOUT (60 s here).
+    code, output = run_child(
+        [sys.executable, os.path.join(TESTS, "_moved_ps_job.py"),
+         str(tmp_path / "backup")], 240, env=dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1",
+            KERAS_PS_PS_RECOVERY_TIMEOUT="60"))
+    assert code == 0, output[-4000:]
+    result = last_report(output, code)
+    assert result["new"] != result["old"]
+    assert result["ps_now"] == result["new"]
+    assert result["moved"] == [
+        f"[chief] ps 0 answers at {result['new']} now, not at "
+        f"{result['old']} (where the cluster resolver names it): the "
+        "cluster follows it there"], result["moved"]
+    assert result["epochs"] == [0, 1, 2]
+    assert result["recoveries"] == [0, 1, 0]
+    assert 0 < result["rolled_back"][1] <= BACKUP_EVERY + 2 * PER_EXECUTION
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + 2 * PER_EXECUTION, output[-3000:]
+    assert result["accuracy"] >= undisturbed["accuracy"] - 0.005, \
+        (result["accuracy"], undisturbed["accuracy"])
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("restart", ["on_fits_thread", "beside"])
 def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(restart,

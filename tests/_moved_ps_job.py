@@ -1,0 +1,101 @@
+"""A coordinator process whose ps 0 comes back on another address: fit with
+BackupAndRestore(save_freq=4) on its own LocalCluster, the model and data of
+tests/_fit_job.py, under a cluster resolver that names the cluster as a
+platform's does (asked at each call). At the end of batch 21 of epoch 1,
+ps 0 is SIGKILLed and a new ps 0 started on a new port; the resolver then
+names that address. Prints a RESULT line.
+
+Usage: python tests/_moved_ps_job.py BACKUP_DIR
+"""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import keras
+import portpicker
+import tensorflow as tf
+
+import keras_ps
+from _fit_job import EPOCHS, STEPS, build, data, dataset_creator
+from _results import say
+
+AT = (1, 21)
+
+
+class _PlatformResolver(tf.distribute.cluster_resolver.ClusterResolver):
+    """The cluster as `spec` says at each call, as TF's Kubernetes and GCE
+    resolvers ask their platform."""
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    def cluster_spec(self):
+        return tf.train.ClusterSpec(self.spec)
+
+    def master(self, task_type=None, task_id=None, rpc_layer=None):
+        return ""
+
+
+class _MovePs(keras.callbacks.Callback):
+    def __init__(self, cluster, resolver):
+        super().__init__()
+        self.cluster, self.resolver = cluster, resolver
+        self.process = self.old = self.new = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.process is not None or (self._epoch, batch) < AT:
+            return
+        self.cluster.kill("ps", 0)
+        self.old = self.cluster.address("ps", 0)
+        self.new = f"localhost:{portpicker.pick_unused_port()}"
+        spec = {job: list(tasks) for job, tasks in self.cluster.spec.items()}
+        spec["ps"][0] = self.new
+        with open(os.path.join(self.cluster.log_dir, "moved-ps-0.log"),
+                  "w") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
+                 json.dumps(spec), "--job_name", "ps", "--task_index", "0",
+                 "--exit_with_parent"], stdout=log, stderr=subprocess.STDOUT)
+        self.resolver.spec = spec
+        print(f"KILLED ps 0 at {self.old}, STARTED it at {self.new}",
+              flush=True)
+
+
+def main(backup_dir):
+    warnings = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("keras_ps").addHandler(handler)
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        resolver = _PlatformResolver(
+            {job: list(tasks) for job, tasks in cluster.spec.items()})
+        strategy = keras_ps.ParameterServerStrategy(resolver)
+        model = build(strategy)
+        move = _MovePs(cluster, resolver)
+        try:
+            history = model.fit(
+                dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
+                verbose=0, callbacks=[move, keras_ps.callbacks.BackupAndRestore(
+                    backup_dir, save_freq=4)])
+            x, y = data(seed=1, n=1024)
+            _, accuracy = model.evaluate(x, y, batch_size=128, verbose=0)
+            say(iterations=int(model.optimizer.iterations.numpy()),
+                planned=EPOCHS * STEPS, epochs=history.epoch,
+                accuracy=float(accuracy), old=move.old, new=move.new,
+                ps_now=strategy.cluster_spec["ps"][0],
+                recoveries=history.history.get("ps_recoveries"),
+                rolled_back=history.history.get("steps_rolled_back"),
+                moved=[w for w in warnings if "answers at" in w])
+        finally:  # the moved ps, before the cluster's tasks
+            if move.process is not None:
+                move.process.kill()
+                move.process.wait()
+
+if __name__ == "__main__":
+    main(sys.argv[1])
