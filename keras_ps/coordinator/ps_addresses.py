@@ -18,8 +18,10 @@ from keras_ps.cluster import _network
 
 logger = logging.getLogger(__name__)
 
-# Seconds between two rounds of probes (and of questions to the resolver).
+# Seconds between two rounds of probes, and between two questions to the
+# resolver (a platform's resolver calls the platform's API).
 _POLL_S = 0.2
+_ASK_EVERY_S = 1.0
 
 
 def resolved_address(resolver, index):
@@ -41,13 +43,15 @@ def wait_for_ps(resolver, index, address, deadline):
     """The address on which ps `index`, lost at `address`, answers again:
     `address`, or the one `resolver` names for it now, whichever answers
     first; None when neither has by `deadline` (time.monotonic())."""
-    named = None
+    named, asked_at = None, None
     while True:
-        now_at = resolved_address(resolver, index)
-        if now_at is not None and now_at != address and now_at != named:
-            logger.info("[chief] the cluster resolver names %s for ps %d "
-                        "(lost at %s)", now_at, index, address)
-        named = now_at
+        if asked_at is None or time.monotonic() - asked_at >= _ASK_EVERY_S:
+            asked_at = time.monotonic()
+            now_at = resolved_address(resolver, index)
+            if now_at not in (None, address, named):
+                logger.info("[chief] the cluster resolver names %s for ps "
+                            "%d (lost at %s)", now_at, index, address)
+            named = now_at
         for candidate in dict.fromkeys([named or address, address]):
             left = deadline - time.monotonic()
             if _network.probe(candidate, min(1.0, max(0.05, left))):
