@@ -324,7 +324,9 @@ def recheck(strategy, devices):
         moves on: writers that asked `kernels_on` ask again.
     """
     global _generation
-    lib = library()
+    # Loaded in this process already, or nothing here used them yet: what
+    # uses them first asks the tasks then (and a build is not started here).
+    lib = _library
     devices = list(devices)
     with _answers_lock:
         traced_with = bool(_answers.get(strategy))
