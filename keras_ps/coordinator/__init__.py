@@ -5,7 +5,8 @@ queue), `packing` (several calls in one remote call), `worker` (one thread
 per worker task), `worker_states` (its states and moves), `worker_services`
 (all a worker uses of the coordinator), `membership` (the workers by index:
 who joins, leaves, is healthy), `failure_handling` (the failure policy,
-re-admission), `watchdog` (calls that never return: hung and stuck ones),
+re-admission), `ps_addresses` (where a lost ps answers again),
+`watchdog` (calls that never return: hung and stuck ones),
 `datasets` (per-worker datasets), `iterator_release` (the iterators of
 earlier calls), `worker_context` (the worker's index inside a function),
 `values` (RemoteValue), `config` (settings), `gate` (calls vs cluster
