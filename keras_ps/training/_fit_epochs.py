@@ -81,6 +81,8 @@ class Progress:
         # (first, end, RemoteValue) of each execution scheduled since the
         # last join, for a recovery that goes on from where training was.
         self._executions = []
+        # (epoch, its metrics as read at its end), see epoch_metrics.
+        self._metrics = None
 
     def at(self, epoch, step):
         return epoch * self.steps_per_epoch + step
@@ -110,6 +112,18 @@ class Progress:
                     if first >= resume
                     and remote.status is RemoteValueStatus.READY)
         return resume, again
+
+    def epoch_metrics(self, epoch, read, trained):
+        """The epoch's metrics: `read()` when this pass of the epoch
+        trained something. A recovery that resumes at the end of an epoch
+        (a ps lost in its validation or its end's callbacks, after its last
+        backup) trains nothing of it again, on metrics reset at the epoch's
+        begin: its metrics are then those read at its end before the loss,
+        not zeros that callbacks (EarlyStopping, ModelCheckpoint) would take
+        for the epoch's."""
+        if trained or self._metrics is None or self._metrics[0] != epoch:
+            self._metrics = (epoch, read())
+        return dict(self._metrics[1])
 
     def epoch_logs(self):
         """The epoch's `ps_recoveries` and `steps_rolled_back` (or

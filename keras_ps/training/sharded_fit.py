@@ -106,13 +106,15 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             model.reset_metrics()
             callback_list.on_epoch_begin(epoch_index)
             try:
-                _run_epoch(model, coordinator, train_shard, epoch,
-                           callback_list, progress)
+                trained = _run_epoch(model, coordinator, train_shard, epoch,
+                                     callback_list, progress)
                 coordinator.join()
             except BaseException:
                 epoch.abandon()
                 raise
-            epoch_logs = python_logs(model.get_metrics_result())
+            epoch_logs = progress.epoch_metrics(
+                epoch_index, lambda: python_logs(model.get_metrics_result()),
+                trained)
             summary = epoch.summary()
             epoch_logs.update(summary)
             epoch_logs.update(progress.epoch_logs())
@@ -146,11 +148,12 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
 def _run_epoch(model, coordinator, train_shard, epoch, callback_list,
                progress):
     """Schedules the epoch's shards a window ahead; runs the batch-level
-    callbacks as shards finish (batch index = shards done - 1)."""
+    callbacks as shards finish (batch index = shards done - 1). Returns
+    whether it scheduled any shard."""
     ledger = epoch.ledger
     todo = collections.deque(epoch)
     reported = ledger.count(ShardState.DONE)
-    scheduled = reported
+    scheduled = first = reported
     seen = ledger.changes()
     while True:
         window = max(2, 2 * coordinator.num_healthy())
@@ -165,9 +168,9 @@ def _run_epoch(model, coordinator, train_shard, epoch, callback_list,
             callback_list.on_train_batch_end(reported, logs)
             reported += 1
             if model.stop_training:
-                return
+                return scheduled > first
         if not todo and ledger.complete():
-            return
+            return scheduled > first
         coordinator.done()  # raises a shard's error (and a ps failure)
         coordinator.raise_if_no_workers()
         seen = ledger.wait_for_change(seen, _POLL_SECONDS)

@@ -154,9 +154,11 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
             model.reset_metrics()
             callback_list.on_epoch_begin(epoch)
             first_step = start_step if epoch == start_epoch else 0
+            trained = False
             for begin, count in _executions(steps_per_epoch, per_execution):
                 if begin + count <= first_step:
                     continue
+                trained = True
                 callback_list.on_train_batch_begin(begin)
                 remote = coordinator.schedule(
                     steps_fn.get(count, coordinator.trace_is_safe),
@@ -172,7 +174,8 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                     break
             coordinator.join()
             progress.joined()
-            epoch_logs = python_logs(model.get_metrics_result())
+            epoch_logs = progress.epoch_metrics(
+                epoch, lambda: python_logs(model.get_metrics_result()), trained)
             epoch_logs.update(progress.epoch_logs())
             training_logs = epoch_logs
             if _fit_epochs.finish_epoch(

@@ -18,6 +18,7 @@ from _results import last_report
 from _results import run_child
 
 JOB = os.path.join(TESTS, "_fit_job.py")
+LOST_JOB = os.path.join(TESTS, "_ps_lost_job.py")
 PER_EXECUTION = 2  # the job's steps_per_execution
 BACKUP_EVERY = 4  # the job's save_freq
 
@@ -149,8 +150,8 @@ def test_a_ps_back_on_another_address_is_followed_there(tmp_path,
     # the ps there. Waiting on the old address, fit failed after
     # KERAS_PS_PS_RECOVERY_TIMEOUT (60 s here).
     code, output = run_child(
-        [sys.executable, os.path.join(TESTS, "_moved_ps_job.py"),
-         str(tmp_path / "backup")], 240, env=dict(
+        [sys.executable, LOST_JOB, "moved", str(tmp_path / "backup")], 240,
+        env=dict(
             os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1",
             KERAS_PS_PS_RECOVERY_TIMEOUT="60"))
     assert code == 0, output[-4000:]
@@ -168,6 +169,34 @@ def test_a_ps_back_on_another_address_is_followed_there(tmp_path,
         result["planned"] + 2 * PER_EXECUTION, output[-3000:]
     assert result["accuracy"] >= undisturbed["accuracy"] - 0.005, \
         (result["accuracy"], undisturbed["accuracy"])
+
+
+@pytest.mark.timeout(240)
+def test_a_ps_lost_in_validation_keeps_the_epochs_metrics(tmp_path):
+    # Lost after the epoch's last backup, as its validation begins: the
+    # recovery resumes at the epoch's end with nothing to train again. Its
+    # callbacks got zeros for the epoch's loss and accuracy (the metrics
+    # reset at its begin, no step run since), which EarlyStopping or
+    # ModelCheckpoint on "loss" take for a best epoch.
+    code, output = run_child(
+        [sys.executable, LOST_JOB, "in_validation", str(tmp_path / "backup")],
+        200, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                      PYTHONFAULTHANDLER="1"))
+    assert code == 0, output[-4000:]
+    result = last_report(output, code)
+    assert "KILLED AND RESTARTED ps 0" in output
+    assert result["epochs"] == [0, 1, 2]
+    assert result["planned"] == result["iterations"]
+    assert result["history"]["ps_recoveries"] == [0, 1, 0]
+    assert result["history"]["steps_rolled_back"] == [0, 0, 0]
+    assert [e for e, _ in result["ends"]] == [0, 1, 2]
+    epoch_1 = result["ends"][1][1]
+    assert result["before"]["loss"] > 0
+    for name in ("loss", "accuracy"):
+        assert epoch_1[name] == pytest.approx(result["before"][name]), \
+            (result["before"], epoch_1)
+        assert result["history"][name][1] == epoch_1[name]
+    assert {"val_loss", "val_accuracy"} <= set(epoch_1)
 
 
 @pytest.mark.timeout(200)

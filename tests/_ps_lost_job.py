@@ -1,11 +1,18 @@
-"""A coordinator process whose ps 0 comes back on another address: fit with
-BackupAndRestore(save_freq=4) on its own LocalCluster, the model and data of
-tests/_fit_job.py, under a cluster resolver that names the cluster as a
-platform's does (asked at each call). At the end of batch 21 of epoch 1,
-ps 0 is SIGKILLed and a new ps 0 started on a new port; the resolver then
-names that address. Prints a RESULT line.
+"""Coordinator processes that lose ps 0 in ways tests/_fit_job.py does not:
+fit with BackupAndRestore(save_freq=4) on its own LocalCluster, the model
+and data of tests/_fit_job.py. Prints a RESULT line.
 
-Usage: python tests/_moved_ps_job.py BACKUP_DIR
+Usage:
+  python tests/_ps_lost_job.py moved BACKUP_DIR
+      under a cluster resolver that names the cluster as a platform's does
+      (asked at each call): at the end of batch 21 of epoch 1, ps 0 is
+      SIGKILLed and a new ps 0 started on a new port, which the resolver
+      then names.
+  python tests/_ps_lost_job.py in_validation BACKUP_DIR
+      with validation_data: ps 0 is SIGKILLed and started again on its
+      address as epoch 1's validation begins (after the epoch's last
+      backup, before its end's callbacks). Reports the metrics of epoch 1
+      before the loss and the logs each epoch end got.
 """
 
 import json
@@ -67,7 +74,7 @@ class _MovePs(keras.callbacks.Callback):
               flush=True)
 
 
-def main(backup_dir):
+def moved(backup_dir):
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -97,5 +104,43 @@ def main(backup_dir):
                 move.process.kill()
                 move.process.wait()
 
+class _EpochEnds(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ends.append([epoch, {k: float(v) for k, v in logs.items()}])
+
+
+def in_validation(backup_dir):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        evaluate, before = model.evaluate, {}
+        ends = _EpochEnds()
+
+        def evaluate_after_a_loss(*args, **kwargs):
+            if len(ends.ends) == 1 and not before:  # epoch 1's validation
+                before.update({k: float(v) for k, v in
+                               model.get_metrics_result().items()})
+                cluster.kill("ps", 0)
+                cluster.restart("ps", 0)
+                print("KILLED AND RESTARTED ps 0 in epoch 1's validation",
+                      flush=True)
+            return evaluate(*args, **kwargs)
+
+        model.evaluate = evaluate_after_a_loss
+        history = model.fit(
+            dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
+            validation_data=data(seed=2, n=512), verbose=0, callbacks=[
+                ends, keras_ps.callbacks.BackupAndRestore(backup_dir,
+                                                          save_freq=4)])
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch, before=before,
+            ends=ends.ends, history=history.history)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    {"moved": moved, "in_validation": in_validation}[sys.argv[1]](
+        sys.argv[2])
