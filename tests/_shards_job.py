@@ -27,11 +27,12 @@ Usage:
              leaves (SIGTERM to its agent) once it trained 2 shards
     backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
              the test SIGKILLs this process mid-epoch 1 and runs it again
-    ps_recover
+    ps_recover [in_validation]
              1 ps, 3 workers, BackupAndRestore(save_freq=2): the ps (which
              holds the model, the counts and the shards' progress) is
-             SIGKILLed and started again at once mid-epoch 0; the same fit
-             recovers it from the newest backup
+             SIGKILLed and started again at once mid-epoch 0 (in_validation:
+             as epoch 0's validation begins, after its last backup); the
+             same fit recovers it from the newest backup
 """
 
 import json
@@ -363,7 +364,7 @@ def on_local_cluster(mode, data_dir):
         fit_and_report(model, data, coordinator, callbacks, events=events)
 
 
-def ps_recover(data_dir, backup_dir):
+def ps_recover(data_dir, backup_dir, when="mid_epoch"):
     paths = write_files(data_dir)
     with keras_ps.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
@@ -374,7 +375,7 @@ def ps_recover(data_dir, backup_dir):
         _blockwise_init.BLOCKWISE_MIN_BYTES = 0
         coordinator = keras_ps.ClusterCoordinator(strategy)
         data = sharded_input(paths)
-        events = {}
+        events, before = {}, {}
 
         def kill_and_restart():
             cluster.kill("ps", 0)
@@ -382,14 +383,35 @@ def ps_recover(data_dir, backup_dir):
             events["killed_and_restarted"] = True
 
         counts = Counts(data, coordinator)
-        history = model.fit(
-            data, epochs=EPOCHS, verbose=0, callbacks=[
-                counts, AtShard(9, kill_and_restart),
-                keras_ps.callbacks.BackupAndRestore(backup_dir, save_freq=2)])
+        callbacks = [counts,
+                     keras_ps.callbacks.BackupAndRestore(backup_dir,
+                                                         save_freq=2)]
+        validation = None
+        if when == "mid_epoch":
+            callbacks.insert(1, AtShard(9, kill_and_restart))
+        else:  # as epoch 0's validation begins, after its last backup
+            evaluate = model.evaluate
+
+            def evaluate_after_a_loss(*args, **kwargs):
+                if not before:
+                    before.update({k: float(v) for k, v in
+                                   model.get_metrics_result().items()})
+                    kill_and_restart()
+                return evaluate(*args, **kwargs)
+
+            model.evaluate = evaluate_after_a_loss
+            rng = np.random.default_rng(3)
+            validation = (np.concatenate([np.zeros((64, 1)), rng.normal(
+                size=(64, 8))], axis=1).astype("float32"),
+                rng.integers(0, 2, (64, 1)).astype("float32"))
+        history = model.fit(data, epochs=EPOCHS, verbose=0,
+                            callbacks=callbacks, validation_data=validation)
         say(epochs=counts.epochs, history_epochs=history.epoch,
             recoveries=history.history["ps_recoveries"],
             rolled_back=history.history["shards_rolled_back"], events=events,
-            states=[w.state.value for w in coordinator.workers])
+            states=[w.state.value for w in coordinator.workers],
+            before=before, loss=history.history["loss"],
+            accuracy=history.history["accuracy"])
 
 
 def elastic(data_dir):
@@ -516,6 +538,6 @@ if __name__ == "__main__":
     elif mode == "elastic":
         elastic(sys.argv[2])
     elif mode == "ps_recover":
-        ps_recover(sys.argv[2], sys.argv[3])
+        ps_recover(*sys.argv[2:5])
     else:
         on_local_cluster(mode, sys.argv[2])

@@ -407,6 +407,26 @@ def test_fit_recovers_a_lost_ps_and_trains_every_id_once(tmp_path):
     assert result["states"] == ["healthy"] * 3, result
 
 
+@pytest.mark.timeout(280)
+def test_a_ps_lost_in_validation_keeps_the_epochs_metrics(tmp_path):
+    # Lost as epoch 0's validation begins, after its last backup (every
+    # shard done): the recovery resumes at the epoch's end with no shard to
+    # train again, and the epoch reports the metrics read before the loss,
+    # not the zeros of metrics reset at its begin.
+    result = _run("ps_recover", tmp_path / "data", 260,
+                  str(tmp_path / "backup"), "in_validation")
+    assert result["events"] == {"killed_and_restarted": True}, result
+    assert result["history_epochs"] == [0, 1]
+    assert result["recoveries"] == [1, 0], result
+    assert result["rolled_back"] == [0, 0], result
+    assert result["before"]["loss"] > 0
+    assert result["loss"][0] == pytest.approx(result["before"]["loss"])
+    assert result["accuracy"][0] == pytest.approx(
+        result["before"]["accuracy"])
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=True)
+
+
 # -m slow: a worker joining through the rendezvous and leaving, with every
 # record counted, is in the suite as
 # tests/elastic/test_elastic.py::test_elastic_tutorial_with_dynamic_shards.
