@@ -38,7 +38,6 @@ class NativeBuildError(RuntimeError):
     """keras_ps' C++ kernels cannot be built or loaded on this machine."""
 
 
-
 def _tf_dir():
     # Found without importing TensorFlow: `python -m keras_ps.server` loads
     # only TF's server (see keras_ps._tf_adapter.server_modules).
