@@ -254,16 +254,16 @@ class ClusterCoordinator:
         (same objects, shapes, dtypes and shards; zeros), and feeds the
         functions traced before the new ones instead of tracing them again
         (traced again with a `DynamicEmbedding`, whose key maps are made
-        again as new objects). Workers are kept; their
-        iterators start over. The values are not: restore a checkpoint next,
-        before scheduling again (an example: docs/ps_recovery.md).
+        again as new objects). Workers are kept, their iterators start
+        over; values are not: restore a checkpoint before scheduling
+        again (an example: docs/ps_recovery.md).
 
         Args:
             timeout: seconds to wait for a lost ps to answer (default from
                 `KERAS_PS_PS_RECOVERY_TIMEOUT`, 300).
             restore_follows: True when the checkpoint restored next holds
-                every table and its optimizer slots: those are not zeroed
-                first (seconds per GB saved; undefined until the restore).
+                every table and its optimizer slots: not zeroed first
+                (seconds per GB saved), undefined until the restore.
 
         Returns:
             A `PsRecovery` (`lost` empty when no ps was lost).
@@ -324,13 +324,15 @@ class ClusterCoordinator:
 
     def _reuse_traces(self, made, without_kernels):
         """Points the traced functions at the variables a recovery made
-        again (what `made`, `Recreated`s, holds), so that none is traced
-        again: a model's steps take seconds to trace. Resources made again
-        as new objects (a dynamic table's) are captured as such, and a ps
-        back without keras_ps' kernels runs none of the traces: then every
-        function is traced again. Returns what was done, for the log.
-        Under the gate: a worker's re-admission traces its datasets."""
-        if without_kernels or any(m.resources for m in made):
+        again (`made`, `Recreated`s), so that none is traced again: a
+        model's steps take seconds to trace. Resources made again as new
+        objects (a dynamic table's) are captured as such: then every
+        function is traced again, as the push did for a ps back without
+        keras_ps' kernels (`without_kernels` functions). Returns what was
+        done, for the log. Under the gate: a re-admission traces datasets."""
+        if without_kernels:
+            return f"{without_kernels} functions to retrace without kernels"
+        if any(m.resources for m in made):
             self._packing.clear()
             return (f"{_tf_adapter.retrace_all_functions()} functions to "
                     "retrace")
@@ -411,15 +413,13 @@ class ClusterCoordinator:
         restart policy can bring a ps back before any probe sees it gone):
         the marker variable the strategy keeps on each ps cannot be read."""
         silent = self._silent_ps()
-        return {i: address
-                for i, address in enumerate(self.strategy.cluster_spec["ps"])
+        return {i: a for i, a in enumerate(self.strategy.cluster_spec["ps"])
                 if i in silent or not self._ps_holds_state(i)}
 
     def _silent_ps(self):
         """{index: address} of the ps that do not answer a probe."""
-        return {i: address
-                for i, address in enumerate(self.strategy.cluster_spec["ps"])
-                if not _network.probe(address, self.config.probe_timeout)}
+        return {i: a for i, a in enumerate(self.strategy.cluster_spec["ps"])
+                if not _network.probe(a, self.config.probe_timeout)}
 
     def _ps_holds_state(self, index):
         with self._gate.shared():
