@@ -6,10 +6,8 @@ Usage: python tests/_native_job.py no_compiler|tasks_without_kernels|
        python tests/_native_job.py back_without_kernels ps|worker BACKUP_DIR
 """
 
-import json
 import logging
 import os
-import subprocess
 import sys
 import time
 
@@ -19,6 +17,7 @@ import tensorflow as tf
 import keras
 import keras_ps
 from keras_ps import _native
+from _kills import start_task
 from _results import say
 
 
@@ -132,11 +131,8 @@ class _ReplaceWithoutKernels(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.process is None and (self._epoch, batch) >= self.AT:
             self.cluster.kill(self.job, 0)
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
-                 json.dumps(self.cluster.spec), "--job_name", self.job,
-                 "--task_index", "0", "--exit_with_parent"],
-                env=dict(os.environ, KERAS_PS_NATIVE="0"))
+            self.process = start_task(self.cluster.spec, self.job, 0,
+                                      KERAS_PS_NATIVE="0")
 
 
 def back_without_kernels(job, backup_dir):

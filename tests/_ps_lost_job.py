@@ -15,10 +15,8 @@ Usage:
       before the loss and the logs each epoch end got.
 """
 
-import json
 import logging
 import os
-import subprocess
 import sys
 
 import keras
@@ -27,6 +25,7 @@ import tensorflow as tf
 
 import keras_ps
 from _fit_job import EPOCHS, STEPS, build, data, dataset_creator
+from _kills import start_task
 from _results import say
 
 AT = (1, 21)
@@ -65,10 +64,7 @@ class _MovePs(keras.callbacks.Callback):
         spec["ps"][0] = self.new
         with open(os.path.join(self.cluster.log_dir, "moved-ps-0.log"),
                   "w") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
-                 json.dumps(spec), "--job_name", "ps", "--task_index", "0",
-                 "--exit_with_parent"], stdout=log, stderr=subprocess.STDOUT)
+            self.process = start_task(spec, "ps", 0, log)
         self.resolver.spec = spec
         print(f"KILLED ps 0 at {self.old}, STARTED it at {self.new}",
               flush=True)
