@@ -31,6 +31,8 @@ from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps import cluster as cluster_lib
 from keras_ps._base_errors import ClusterConfigError
+from keras_ps.elastic._announce import PsAnnouncer
+from keras_ps.elastic.api import RendezvousConfig
 
 
 def _fail(message, code=2):
@@ -63,6 +65,11 @@ def _parser():
     parser.add_argument("--exit_with_parent", action="store_true",
                         help="stop when the process that started this one "
                              "ends, even by SIGKILL (LocalCluster sets it)")
+    parser.add_argument("--rdzv_endpoint", metavar="HOST:PORT",
+                        help="a ps announces its address to this keras_ps "
+                             "rendezvous while it runs, so that a coordinator "
+                             "using ElasticClusterResolver finds it there "
+                             "after a move (token: $KERAS_PS_RDZV_TOKEN)")
     # LocalCluster's: serve no task, fork each of its tasks from this
     # process (keras_ps.cluster._forks).
     parser.add_argument("--fork_server", action="store_true",
@@ -135,6 +142,32 @@ def _task(args):
     cluster, job, index = cluster_lib.parse_tf_config(config)
     _check_job(job)
     return cluster, job, index
+
+
+def _announcer(endpoint, job, index, address):
+    """The ps' announcement of its address to the rendezvous at
+    `endpoint`, or None without one.
+
+    Raises:
+        ValueError: a worker given an endpoint, or a bad endpoint.
+    """
+    if endpoint is None:
+        return None
+    if job != "ps":
+        raise ValueError(
+            f"--rdzv_endpoint {endpoint} is for ps tasks, not {job}:{index}: "
+            "a worker joins the rendezvous through its agent (python -m "
+            "keras_ps.elastic.launch --rdzv_endpoint ... -- python -m "
+            "keras_ps.server ...). Drop --rdzv_endpoint here.")
+    try:
+        return PsAnnouncer(
+            endpoint, index, address, token=os.environ.get(
+                RendezvousConfig.env_var("token")) or None,
+            say=lambda line: print(f"keras_ps.server: {job}:{index} {line}",
+                                   flush=True))
+    except ValueError as e:
+        raise ValueError(f"--rdzv_endpoint {endpoint!r}: {e}. Pass the "
+                         "rendezvous' HOST:PORT.") from None
 
 
 def _stop_on_signals():
@@ -242,6 +275,10 @@ def main(argv=None):
         return _fail(str(e))
 
     address = cluster[job][index]
+    try:
+        announcer = _announcer(args.rdzv_endpoint, job, index, address)
+    except ValueError as e:
+        return _fail(str(e))
     port = _network.split_address(address)[1]
     if not _network.port_is_free(port):
         return _fail(_network.address_taken(job, index, address),
@@ -279,6 +316,8 @@ def main(argv=None):
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")
                + f"; {native}")
+    if announcer is not None:
+        announcer.start()
     library = _native.server_library()
     notices = (ps_notices.ServerNotices(library)
                if job == "ps" and library is not None else None)

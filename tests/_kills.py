@@ -8,15 +8,15 @@ import sys
 import keras
 
 
-def start_task(spec, job, index, log=None, **env):
+def start_task(spec, job, index, log=None, flags=(), **env):
     """Starts task `job`:`index` of `spec` ({job: [address, ...]}) with
-    `python -m keras_ps.server`, outside any LocalCluster (as a replacement
-    machine would), its output into `log` (a file) and with `env` added to
-    this process' environment; it ends with this process."""
+    `python -m keras_ps.server` and its `flags`, outside any LocalCluster (as
+    a replacement machine would), its output into `log` (a file) and with
+    `env` added to this process' environment; it ends with this process."""
     return subprocess.Popen(
         [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
          json.dumps(spec), "--job_name", job, "--task_index", str(index),
-         "--exit_with_parent"], stdout=log,
+         "--exit_with_parent", *flags], stdout=log,
         stderr=None if log is None else subprocess.STDOUT,
         env=dict(os.environ, **env))
 

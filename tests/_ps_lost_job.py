@@ -8,6 +8,10 @@ Usage:
       (asked at each call): at the end of batch 21 of epoch 1, ps 0 is
       SIGKILLed and a new ps 0 started on a new port, which the resolver
       then names.
+  python tests/_ps_lost_job.py moved_elastic BACKUP_DIR
+      the same under ElasticClusterResolver, the workers admitted by a
+      rendezvous: the new ps 0 announces its address to the rendezvous
+      (python -m keras_ps.server --rdzv_endpoint).
   python tests/_ps_lost_job.py in_validation BACKUP_DIR
       with validation_data: ps 0 is SIGKILLed and started again on its
       address as epoch 1's validation begins (after the epoch's last
@@ -15,6 +19,7 @@ Usage:
       before the loss and the logs each epoch end got.
 """
 
+import concurrent.futures
 import logging
 import os
 import sys
@@ -24,6 +29,9 @@ import portpicker
 import tensorflow as tf
 
 import keras_ps
+from keras_ps.elastic import RendezvousClient
+from keras_ps.elastic import RendezvousConfig
+from keras_ps.elastic import RendezvousServer
 from _fit_job import EPOCHS, STEPS, build, data, dataset_creator
 from _kills import start_task
 from _results import say
@@ -46,9 +54,10 @@ class _PlatformResolver(tf.distribute.cluster_resolver.ClusterResolver):
 
 
 class _MovePs(keras.callbacks.Callback):
-    def __init__(self, cluster, resolver):
+    def __init__(self, cluster, resolver, rendezvous=None):
         super().__init__()
         self.cluster, self.resolver = cluster, resolver
+        self.rendezvous = rendezvous
         self.process = self.old = self.new = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -64,23 +73,54 @@ class _MovePs(keras.callbacks.Callback):
         spec["ps"][0] = self.new
         with open(os.path.join(self.cluster.log_dir, "moved-ps-0.log"),
                   "w") as log:
-            self.process = start_task(spec, "ps", 0, log)
-        self.resolver.spec = spec
+            self.process = start_task(
+                spec, "ps", 0, log, flags=() if self.rendezvous is None else
+                ("--rdzv_endpoint", self.rendezvous))
+        if self.rendezvous is None:
+            self.resolver.spec = spec
         print(f"KILLED ps 0 at {self.old}, STARTED it at {self.new}",
               flush=True)
 
 
-def moved(backup_dir):
+def _admitted(endpoint, workers):
+    """Registers `workers` with the rendezvous at `endpoint`, as their
+    agents would, and waits until they are admitted."""
+    client = RendezvousClient(endpoint)
+    with concurrent.futures.ThreadPoolExecutor(len(workers)) as pool:
+        for view in pool.map(lambda w: client.get_cluster_spec(
+                w, len(workers), len(workers), timeout=60), workers):
+            assert view.size == len(workers), view
+    client.close()
+
+
+def _lines(cluster, needle):
+    """The lines of the moved ps' output that hold `needle`."""
+    with open(os.path.join(cluster.log_dir, "moved-ps-0.log")) as log:
+        return [line.strip() for line in log if needle in line]
+
+
+def moved(backup_dir, elastic=False):
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("keras_ps").addHandler(handler)
+    rendezvous = None
+    if elastic:  # a long lease: no agent renews the workers' here
+        rendezvous = RendezvousServer(RendezvousConfig(
+            gather_timeout=0.1, keepalive_timeout=300))
+        rendezvous = f"127.0.0.1:{rendezvous.start()}"
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
-        resolver = _PlatformResolver(
-            {job: list(tasks) for job, tasks in cluster.spec.items()})
+        if elastic:
+            _admitted(rendezvous, cluster.spec["worker"])
+            resolver = keras_ps.elastic.ElasticClusterResolver(
+                rendezvous, ps=cluster.spec["ps"], min_workers=2,
+                startup_timeout=60)
+        else:
+            resolver = _PlatformResolver(
+                {job: list(tasks) for job, tasks in cluster.spec.items()})
         strategy = keras_ps.ParameterServerStrategy(resolver)
         model = build(strategy)
-        move = _MovePs(cluster, resolver)
+        move = _MovePs(cluster, resolver, rendezvous)
         try:
             history = model.fit(
                 dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
@@ -94,7 +134,8 @@ def moved(backup_dir):
                 ps_now=strategy.cluster_spec["ps"][0],
                 recoveries=history.history.get("ps_recoveries"),
                 rolled_back=history.history.get("steps_rolled_back"),
-                moved=[w for w in warnings if "answers at" in w])
+                moved=[w for w in warnings if "answers at" in w],
+                announced=_lines(cluster, "announced"))
         finally:  # the moved ps, before the cluster's tasks
             if move.process is not None:
                 move.process.kill()
@@ -138,5 +179,6 @@ def in_validation(backup_dir):
 
 
 if __name__ == "__main__":
-    {"moved": moved, "in_validation": in_validation}[sys.argv[1]](
-        sys.argv[2])
+    {"moved": moved, "in_validation": in_validation,
+     "moved_elastic": lambda backup: moved(backup, elastic=True)}[
+        sys.argv[1]](sys.argv[2])

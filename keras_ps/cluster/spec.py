@@ -46,6 +46,13 @@ class MembershipWatcher(abc.ABC):
             A handle whose `stop()` ends the watch.
         """
 
+    def ps_address(self, index):
+        """Where ps `index` serves now, asked without waiting for workers
+        (`cluster_spec()` may wait for them): a coordinator waiting for a
+        lost ps follows it there. None (the default): this resolver does
+        not learn of ps moves."""
+        return None
+
 
 def _check_address(job, index, address):
     if not isinstance(address, str) or ":" not in address:

@@ -292,8 +292,9 @@ class ClusterCoordinator:
                     "variables) and has not answered again within "
                     f"{timeout:g}s. Bring it back on the same address (a "
                     "restart policy does; kill a process that is hung) or "
-                    "where the cluster resolver names it, or restart the "
-                    "job and resume from the last checkpoint; raise "
+                    "where the cluster resolver names it (a ps announces "
+                    "it with --rdzv_endpoint), or restart the job and "
+                    "resume from the last checkpoint; raise "
                     "KERAS_PS_PS_RECOVERY_TIMEOUT to wait longer.")
         self._drain_after_loss(deadline)
         answered = time.monotonic()

@@ -6,8 +6,9 @@ rescheduled and addressed by its IP, a new VM) is found through the
 strategy's cluster resolver, asked again while the coordinator waits:
 resolvers that ask the platform at each call (TF's KubernetesClusterResolver
 and GCEClusterResolver, or one of your own) name the ps' new address.
-`keras_ps.elastic.ElasticClusterResolver` keeps the ps addresses it was
-given (its rendezvous holds the workers), and is not asked.
+`keras_ps.elastic.ElasticClusterResolver` is asked for the address the ps
+announced to its rendezvous (`ps_address`), never for its `cluster_spec()`,
+which waits for workers.
 """
 
 import logging
@@ -26,10 +27,11 @@ _ASK_EVERY_S = 1.0
 
 def resolved_address(resolver, index):
     """The address `resolver` names for ps `index` now; None when it names
-    none (an error, fewer ps: logged) or is a membership watcher."""
-    if isinstance(resolver, cluster_lib.MembershipWatcher):
-        return None
+    none (an error, fewer ps: logged). A membership watcher is asked its
+    `ps_address`, not its `cluster_spec()` (which may wait for workers)."""
     try:
+        if isinstance(resolver, cluster_lib.MembershipWatcher):
+            return resolver.ps_address(index)
         return cluster_lib.training_cluster(resolver.cluster_spec())["ps"][index]
     except Exception as error:  # a resolver's own failure is not the job's
         logger.info("[chief] the cluster resolver named no address for ps "

@@ -185,11 +185,16 @@ class MembershipView:
             node takes it (trailing free places are dropped).
         index: This node's index in `workers`.
         version: Membership version; grows with every membership change.
+        ps: Where each ps announced it serves, by index (None: no ps
+            announced it, or its announcement lapsed); filled by
+            `RendezvousClient.list_members` only. A ps announcing itself
+            does not change `version`.
     """
 
     workers: Tuple[Optional[str], ...]
     index: int
     version: int
+    ps: Tuple[Optional[str], ...] = ()
 
     @property
     def addresses(self) -> Tuple[str, ...]:

@@ -199,7 +199,8 @@ class RendezvousClient:
                 `long_poll_timeout`); 0 answers at once.
 
         Returns:
-            The cluster spec with `index == -1` (the caller is no node).
+            The cluster spec with `index == -1` (the caller is no node),
+            and in `ps` the addresses the ps announced (`announce_ps`).
 
         Raises:
             RendezvousAuthError: Missing or wrong token.
@@ -217,7 +218,24 @@ class RendezvousClient:
                 f"rendezvous server {self._endpoint} did not answer within "
                 f"{timeout + self._timeout:.3g}s") from None
         return api.MembershipView(tuple(a or None for a in response.workers),
-                               -1, response.version)
+                                  -1, response.version,
+                                  tuple(a or None for a in response.ps))
+
+    def announce_ps(self, index: int, address: str,
+                    incarnation: str) -> float:
+        """Says that ps `index` serves at `address` (see `list_members`'
+        `ps`); call again within the returned lease (seconds) to keep it.
+
+        Args:
+            incarnation: Names the calling ps process; a newer process
+                announcing the same index replaces it.
+
+        Raises:
+            RendezvousStateError: A newer ps process announced `index`.
+            RendezvousInvalidArgumentError: A bad index or address.
+        """
+        return self._unary(self._stub.AnnouncePs, pb.AnnouncePsRequest(
+            index=index, address=address, incarnation=incarnation)).lease
 
     def close(self):
         """Closes the channel; later calls raise RendezvousClosedError."""

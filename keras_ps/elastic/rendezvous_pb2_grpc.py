@@ -64,6 +64,11 @@ class RendezvousStub:
                 request_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.SerializeToString,
                 response_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.FromString,
                 _registered_method=True)
+        self.AnnouncePs = channel.unary_unary(
+                '/keras_ps.elastic.Rendezvous/AnnouncePs',
+                request_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsRequest.SerializeToString,
+                response_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsResponse.FromString,
+                _registered_method=True)
 
 
 class RendezvousServicer:
@@ -111,6 +116,13 @@ class RendezvousServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AnnouncePs(self, request, context):
+        """Records (or renews) where a ps serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RendezvousServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +155,11 @@ def add_RendezvousServicer_to_server(servicer, server):
                     servicer.ListMembers,
                     request_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.FromString,
                     response_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.SerializeToString,
+            ),
+            'AnnouncePs': grpc.unary_unary_rpc_method_handler(
+                    servicer.AnnouncePs,
+                    request_deserializer=keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsRequest.FromString,
+                    response_serializer=keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +324,33 @@ class Rendezvous:
             '/keras_ps.elastic.Rendezvous/ListMembers',
             keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersRequest.SerializeToString,
             keras__ps_dot_elastic_dot_rendezvous__pb2.ListMembersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AnnouncePs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/keras_ps.elastic.Rendezvous/AnnouncePs',
+            keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsRequest.SerializeToString,
+            keras__ps_dot_elastic_dot_rendezvous__pb2.AnnouncePsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,11 +24,13 @@ from typing import Optional, Union
 
 import grpc
 
+from keras_ps.elastic import _requests as checks
 from keras_ps.elastic import api
 from keras_ps.elastic import rendezvous_pb2 as pb
 from keras_ps.elastic import rendezvous_pb2_grpc as pb_grpc
 from keras_ps.elastic._membership import MembershipSnapshot
 from keras_ps.elastic._membership import MembershipState
+from keras_ps.elastic._ps_registry import PsRegistry
 from keras_ps.elastic.api import MeetingKind
 from keras_ps.elastic.api import NodeState
 
@@ -55,43 +57,6 @@ def read_pem(source: Optional[PemSource]) -> Optional[bytes]:
         return source
     with open(source, "rb") as f:
         return f.read()
-
-
-# ------------------------------------------------------------- validation
-
-
-def _invalid(message):
-    return api.RendezvousInvalidArgumentError(message)
-
-
-def _check_address(address: str) -> str:
-    try:
-        api.parse_address(address)
-    except ValueError as error:
-        raise _invalid(str(error)) from None
-    return address
-
-
-def _check_timeout(value: float, field: str = "timeout") -> float:
-    if not math.isfinite(value) or value < 0:
-        raise _invalid(f"{field} must be a finite number of seconds >= 0, "
-                       f"got {value!r}")
-    return value
-
-
-def _check_tag(tag: str) -> str:
-    if not tag:
-        raise _invalid(f"tag must be a non-empty string, got {tag!r}")
-    if len(tag) > api.MAX_TAG_LENGTH:
-        raise _invalid(f"tag must be at most {api.MAX_TAG_LENGTH} characters, "
-                       f"got {len(tag)} ({tag[:32]!r}...)")
-    return tag
-
-
-def _check_generation(generation: int) -> int:
-    if generation < 0:
-        raise _invalid(f"generation must be >= 0, got {generation}")
-    return generation
 
 
 def _abort(context, error: api.RendezvousError):
@@ -171,6 +136,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     def __init__(self, state: MembershipState, config: api.RendezvousConfig):
         self._state = state
         self._config = config
+        self._ps = PsRegistry(config.keepalive_timeout)
         self._slots = threading.BoundedSemaphore(config.blocking_slots)
         self._refused = 0
         self._refusal_logged = -math.inf
@@ -211,13 +177,14 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @_rpc
     def GetClusterSpec(self, request, context):
-        address = _check_address(request.address)
+        address = checks.address(request.address)
         if request.min_nodes < 1:
-            raise _invalid(f"min_nodes must be >= 1, got {request.min_nodes}")
+            raise checks.invalid(
+                f"min_nodes must be >= 1, got {request.min_nodes}")
         if request.max_nodes < request.min_nodes:
-            raise _invalid(f"max_nodes must be >= min_nodes "
+            raise checks.invalid(f"max_nodes must be >= min_nodes "
                            f"({request.min_nodes}), got {request.max_nodes}")
-        timeout = _check_timeout(request.timeout)
+        timeout = checks.timeout(request.timeout)
         started = time.monotonic()
         try:
             self._state.join(address, request.min_nodes, request.max_nodes)
@@ -241,21 +208,21 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
 
     @_rpc
     def GetWaitingNodes(self, request, context):
-        waiting = self._state.keep_alive(_check_address(request.address))
+        waiting = self._state.keep_alive(checks.address(request.address))
         return pb.GetWaitingNodesResponse(
             count=waiting.count, joined=waiting.joined, lost=waiting.lost,
             version=waiting.version, status=_NODE_STATUS[waiting.state])
 
     @_rpc
     def Leave(self, request, context):
-        removed = self._state.leave(_check_address(request.address))
+        removed = self._state.leave(checks.address(request.address))
         return pb.LeaveResponse(removed=removed)
 
     def _meet(self, kind, request, context, data):
-        address = _check_address(request.address)
-        tag = _check_tag(request.tag)
-        timeout = _check_timeout(request.timeout)
-        generation = _check_generation(request.generation)
+        address = checks.address(request.address)
+        tag = checks.tag(request.tag)
+        timeout = checks.timeout(request.timeout)
+        generation = checks.generation(request.generation)
         if generation == 0:
             generation = self._state.arrive(
                 kind, address, tag, data,
@@ -275,8 +242,9 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
     @_rpc
     def Synchronize(self, request, context):
         if len(request.data) > api.MAX_DATA_BYTES:
-            raise _invalid(f"data must be at most {api.MAX_DATA_BYTES} bytes "
-                           f"(1 MiB), got {len(request.data)} bytes")
+            raise checks.invalid(
+                f"data must be at most {api.MAX_DATA_BYTES} bytes (1 MiB), "
+                f"got {len(request.data)} bytes")
         result, generation, retry = self._meet(MeetingKind.SYNCHRONIZE,
                                                request, context, request.data)
         return pb.SynchronizeResponse(done=result is not None,
@@ -288,7 +256,7 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         # An observer (the coordinator's cluster resolver) reads the
         # membership without registering; the token check applies as to
         # every RPC. Held until the version moves or `timeout` passes.
-        timeout = _check_timeout(request.timeout)
+        timeout = checks.timeout(request.timeout)
         known = request.known_version
 
         def attempt():
@@ -311,7 +279,15 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
         snapshot = snapshot or self._state.snapshot()
         return pb.ListMembersResponse(
             workers=[a or "" for a in snapshot.workers],
-            version=snapshot.version, waiting=snapshot.waiting)
+            version=snapshot.version, waiting=snapshot.waiting,
+            ps=self._ps.addresses())
+
+    @_rpc
+    def AnnouncePs(self, request, context):
+        lease = self._ps.announce(checks.ps_index(request.index),
+                                  checks.address(request.address),
+                                  checks.incarnation(request.incarnation))
+        return pb.AnnouncePsResponse(lease=lease)
 
 
 class RendezvousServer:

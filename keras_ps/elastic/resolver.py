@@ -1,7 +1,8 @@
 """A cluster resolver whose worker list follows the rendezvous membership.
 
-The chief and ps addresses are fixed; the workers are whoever the rendezvous
-admitted. The resolver only observes (`RendezvousClient.list_members`): it is
+The chief's address is fixed; the workers are whoever the rendezvous
+admitted; a ps is where it last announced itself to the rendezvous
+(`python -m keras_ps.server --rdzv_endpoint`), else where it was given. The resolver only observes (`RendezvousClient.list_members`): it is
 no node of the rendezvous. This module imports TensorFlow, so
 `keras_ps.elastic` exports `ElasticClusterResolver` lazily (see its
 `__init__`), keeping the rendezvous server and agent free of TensorFlow.
@@ -30,9 +31,15 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                              cluster_lib.MembershipWatcher):
     """Chief and ps given; workers as the rendezvous admits them.
 
+    A ps started with `python -m keras_ps.server --rdzv_endpoint` announces
+    its address to the rendezvous while it runs; the announced address wins
+    over the one given here, so a lost ps that comes back on another address
+    (a rescheduled pod, a new VM) is followed there (see `ps_address`).
+
     Args:
         rdzv_endpoint: The rendezvous server's HOST:PORT.
-        ps: The parameter-server addresses.
+        ps: The parameter-server addresses (their number is the job's;
+            each one is replaced by the address that ps announces).
         chief: The coordinator's address, or None (the coordinator is then
             the process that builds the strategy, as with LocalCluster).
         min_workers: `cluster_spec()` waits until this many workers are
@@ -102,7 +109,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                 `startup_timeout` seconds.
         """
         members = self.wait_for_workers(self.min_workers, self.startup_timeout)
-        spec = {"ps": list(self._ps),
+        spec = {"ps": self._known_ps(members),
                 "worker": {i: a for i, a in enumerate(members.workers)
                            if a is not None}}
         if self._chief is not None:
@@ -119,6 +126,32 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
     def num_accelerators(self, task_type=None, task_id=None,
                          config_proto=None):
         return {}
+
+    # -- ps ---------------------------------------------------------------------
+    def ps_address(self, index: int) -> str:
+        """Where ps `index` serves now: the address it announced to the
+        rendezvous, else the last one known. Asks the rendezvous at once
+        (it does not wait for workers).
+
+        Raises:
+            RendezvousError: The rendezvous did not answer.
+        """
+        members = self._client.list_members()
+        with self._lock:
+            self._members = members
+        return self._known_ps(members)[index]
+
+    def _known_ps(self, members: api.MembershipView) -> List[str]:
+        """The ps addresses, those announced in `members` replacing the
+        ones known before (kept once an announcement lapses)."""
+        with self._lock:
+            for index, address in enumerate(members.ps[:len(self._ps)]):
+                if address and address != self._ps[index]:
+                    logger.info("[chief] ps %d announced %s to the "
+                                "rendezvous (was %s)", index, address,
+                                self._ps[index])
+                    self._ps[index] = address
+            return list(self._ps)
 
     # -- membership ------------------------------------------------------------
     @property

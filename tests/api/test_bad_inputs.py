@@ -1596,6 +1596,25 @@ def rendezvous_data_too_large(env):
                              b"x" * (1024 * 1024 + 1), timeout=5)
 
 
+@case("rendezvous_ps_index_out_of_range",
+      elastic.RendezvousInvalidArgumentError,
+      "index must be a ps index from 0 to 1023", "got -1")
+def rendezvous_ps_index_out_of_range(env):
+    env.client().announce_ps(-1, "127.0.0.1:21006", "ps-process-1")
+
+
+@case("rendezvous_ps_bad_address", elastic.RendezvousInvalidArgumentError,
+      "'ps-0' is not HOST:PORT")
+def rendezvous_ps_bad_address(env):
+    env.client().announce_ps(0, "ps-0", "ps-process-1")
+
+
+@case("rendezvous_ps_no_incarnation", elastic.RendezvousInvalidArgumentError,
+      "incarnation must be a string of 1 to 128 characters", "got ''")
+def rendezvous_ps_no_incarnation(env):
+    env.client().announce_ps(0, "127.0.0.1:21006", "")
+
+
 @case("rendezvous_client_bad_endpoint", ValueError,
       "endpoint 'rdzv.local'", "is not HOST:PORT")
 def rendezvous_client_bad_endpoint(env):
@@ -1678,6 +1697,17 @@ SERVER_CASES = [
                  ["--preemption_grace -5.0 is not a number of seconds",
                   "Pass 0 to stop at once on SIGTERM"],
                  id="server_negative_preemption_grace"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "worker", "--rdzv_endpoint", "localhost:2003"],
+                 ["--rdzv_endpoint localhost:2003 is for ps tasks, not worker:0",
+                  "joins the rendezvous through its agent",
+                  "Drop --rdzv_endpoint here"],
+                 id="server_worker_with_rdzv_endpoint"),
+    pytest.param(["--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "ps", "--rdzv_endpoint", "localhost"],
+                 ["--rdzv_endpoint 'localhost': endpoint 'localhost' is not "
+                  "HOST:PORT", "Pass the rendezvous' HOST:PORT"],
+                 id="server_rdzv_endpoint_without_port"),
     # A first item {"env": {...}} adds to the process' environment.
     pytest.param([{"env": {"KERAS_PS_PREEMPTION_GRACE": "30s"}},
                   "--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),

@@ -8,6 +8,8 @@ import types
 import pytest
 import tensorflow as tf
 
+from _polling import wait_until  # tests/_polling.py
+from keras_ps import cluster as cluster_lib
 from keras_ps import errors
 from keras_ps.coordinator import failure_handling
 from keras_ps.coordinator import ps_addresses
@@ -988,17 +990,55 @@ def test_a_lost_ps_is_waited_for_where_the_resolver_names_it(grpc_server):
 
 
 def test_a_resolver_that_fails_or_watches_membership_names_no_ps(caplog):
-    from keras_ps.elastic.resolver import ElasticClusterResolver
-
     with caplog.at_level("INFO", logger="keras_ps.coordinator.ps_addresses"):
         assert ps_addresses.resolved_address(
             _Resolver(error=RuntimeError("platform API down")), 0) is None
     assert "named no address for ps 0 (RuntimeError: platform API down)" \
         in caplog.text
-    # Its ps are the ones it was given; asking it waits for workers. (This
-    # one, never set up, would raise if asked: that would be logged.)
+    # A membership watcher's cluster_spec() may wait for workers: it is
+    # not asked. (This one would raise if asked: that would be logged.) It
+    # names no ps unless it learns of ps moves (ps_address).
     caplog.clear()
-    watcher = ElasticClusterResolver.__new__(ElasticClusterResolver)
+
+    class Watcher(cluster_lib.MembershipWatcher, _Resolver):
+        def watch(self, callback):
+            raise AssertionError("not to be watched")
+
+    watcher = Watcher(error=AssertionError("cluster_spec() asked"))
     with caplog.at_level("INFO", logger="keras_ps.coordinator.ps_addresses"):
         assert ps_addresses.resolved_address(watcher, 0) is None
     assert caplog.text == ""
+
+
+def test_an_elastic_resolver_names_the_address_a_ps_announced(grpc_server):
+    # ElasticClusterResolver is asked for the ps' announcements only: no
+    # worker ever joins its rendezvous, so its cluster_spec() would fail.
+    import portpicker
+    from keras_ps.elastic import RendezvousClient
+    from keras_ps.elastic import RendezvousConfig
+    from keras_ps.elastic import RendezvousServer
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    gone = f"localhost:{portpicker.pick_unused_port()}"  # nothing listens
+    rendezvous = RendezvousServer(RendezvousConfig(keepalive_timeout=3))
+    endpoint = f"127.0.0.1:{rendezvous.start()}"
+    resolver = ElasticClusterResolver(endpoint, ps=[gone, "localhost:2"],
+                                      startup_timeout=0.5)
+    ps = RendezvousClient(endpoint)
+    try:
+        assert ps_addresses.resolved_address(resolver, 0) == gone
+        assert ps_addresses.wait_for_ps(
+            resolver, 0, gone, time.monotonic() + 0.5) is None
+        ps.announce_ps(0, grpc_server, "the-new-ps-0")
+        assert ps_addresses.wait_for_ps(
+            resolver, 0, gone, time.monotonic() + 5) == grpc_server
+        assert resolver.ps_address(1) == "localhost:2"
+        # Unrenewed, the announcement lapses; the resolver keeps the
+        # address it learnt.
+        wait_until(lambda: ps.list_members().ps == (), 30,
+                   "the announcement to lapse")
+        assert resolver.ps_address(0) == grpc_server
+    finally:
+        ps.close()
+        resolver.close()
+        rendezvous.stop(0)

@@ -142,15 +142,19 @@ def test_a_ps_preemption_notice_is_backed_up_first_and_costs_no_step(
 
 
 @pytest.mark.timeout(300)
-def test_a_ps_back_on_another_address_is_followed_there(tmp_path,
+@pytest.mark.parametrize("named_by", ["platform_resolver", "rendezvous"])
+def test_a_ps_back_on_another_address_is_followed_there(named_by, tmp_path,
                                                         undisturbed):
     # A replacement machine with another address (a pod rescheduled and
-    # addressed by its IP, a new VM): the cluster resolver names it, as
-    # TF's Kubernetes and GCE resolvers do, and the same fit call recovers
-    # the ps there. Waiting on the old address, fit failed after
+    # addressed by its IP, a new VM), named by the cluster resolver as TF's
+    # Kubernetes and GCE resolvers do, or announced by the new ps to the
+    # rendezvous of ElasticClusterResolver: the same fit call recovers the
+    # ps there. Waiting on the old address, fit failed after
     # KERAS_PS_PS_RECOVERY_TIMEOUT (60 s here).
+    mode = {"platform_resolver": "moved", "rendezvous": "moved_elastic"}
     code, output = run_child(
-        [sys.executable, LOST_JOB, "moved", str(tmp_path / "backup")], 240,
+        [sys.executable, LOST_JOB, mode[named_by], str(tmp_path / "backup")],
+        240,
         env=dict(
             os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1",
             KERAS_PS_PS_RECOVERY_TIMEOUT="60"))
@@ -162,6 +166,10 @@ def test_a_ps_back_on_another_address_is_followed_there(tmp_path,
         f"[chief] ps 0 answers at {result['new']} now, not at "
         f"{result['old']} (where the cluster resolver names it): the "
         "cluster follows it there"], result["moved"]
+    if named_by == "rendezvous":
+        assert len(result["announced"]) == 1, result["announced"]
+        assert f"ps:0 announced {result['new']} to the rendezvous 127.0.0.1:" \
+            in result["announced"][0], result["announced"]
     assert result["epochs"] == [0, 1, 2]
     assert result["recoveries"] == [0, 1, 0]
     assert 0 < result["rolled_back"][1] <= BACKUP_EVERY + 2 * PER_EXECUTION
