@@ -17,6 +17,12 @@ Usage:
       address as epoch 1's validation begins (after the epoch's last
       backup, before its end's callbacks). Reports the metrics of epoch 1
       before the loss and the logs each epoch end got.
+  python tests/_ps_lost_job.py lr_schedule BACKUP_DIR [kill|exit|none]
+      with LearningRateScheduler(lambda epoch, lr: lr * 0.5) before a
+      callback that records the rate each epoch begins with: at the end of
+      batch 21 of epoch 1, ps 0 is SIGKILLed and started again on its
+      address (kill), or this process leaves at once (exit, exit status 3:
+      run it again, it resumes from the backup), or nothing happens (none).
 """
 
 import concurrent.futures
@@ -33,7 +39,7 @@ from keras_ps.elastic import RendezvousClient
 from keras_ps.elastic import RendezvousConfig
 from keras_ps.elastic import RendezvousServer
 from _fit_job import EPOCHS, STEPS, build, data, dataset_creator
-from _kills import start_task
+from _kills import KillAndRestartPs, start_task
 from _results import say
 
 AT = (1, 21)
@@ -178,7 +184,49 @@ def in_validation(backup_dir):
             ends=ends.ends, history=history.history)
 
 
+class _Rates(keras.callbacks.Callback):
+    """The learning rate each epoch begins with (after the scheduler), and
+    leaves this process at `exit_at` (epoch, batch) when given."""
+
+    def __init__(self, exit_at=None):
+        super().__init__()
+        self.begins, self.exit_at = [], exit_at
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        self.begins.append(
+            [epoch, float(keras.ops.convert_to_numpy(
+                self.model.optimizer.learning_rate))])
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.exit_at:
+            print(f"LEAVING at epoch {self._epoch}, batch {batch}",
+                  flush=True)
+            os._exit(3)
+
+
+def lr_schedule(backup_dir, fault="kill"):
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        rates = _Rates(AT if fault == "exit" else None)
+        callbacks = [
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5),
+            rates, keras_ps.callbacks.BackupAndRestore(backup_dir,
+                                                       save_freq=4)]
+        if fault == "kill":
+            callbacks.insert(0, KillAndRestartPs(cluster, AT))
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, verbose=0,
+                            callbacks=callbacks)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch,
+            begins=rates.begins, recoveries=history.history.get(
+                "ps_recoveries"), final=float(keras.ops.convert_to_numpy(
+                    model.optimizer.learning_rate)))
+
+
 if __name__ == "__main__":
     {"moved": moved, "in_validation": in_validation,
-     "moved_elastic": lambda backup: moved(backup, elastic=True)}[
-        sys.argv[1]](sys.argv[2])
+     "moved_elastic": lambda backup: moved(backup, elastic=True),
+     "lr_schedule": lr_schedule}[sys.argv[1]](*sys.argv[2:])

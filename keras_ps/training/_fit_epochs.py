@@ -14,6 +14,7 @@ import tensorflow as tf
 from keras_ps.coordinator.values import RemoteValueStatus
 from keras_ps.errors import ParameterServerRecoveryError
 from keras_ps.errors import ParameterServerUnavailableError
+from keras_ps.training._epoch_rates import EpochRates
 from keras_ps.training.inputs import should_validate
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,8 @@ class Progress:
         self._executions = []
         # (epoch, its metrics as read at its end), see epoch_metrics.
         self._metrics = None
+        # The learning rate each epoch began with.
+        self.rates = EpochRates()
 
     def at(self, epoch, step):
         return epoch * self.steps_per_epoch + step
@@ -156,6 +159,15 @@ def cancelled_on_error(coordinator):
                            "%s", "; ".join(coordinator.calls_in_flight())
                            or "they ended just now")
         raise
+
+
+def resumable_callback(callback_list):
+    """The callback that keeps backups (keras_ps' BackupAndRestore), or
+    None."""
+    for callback in callback_list.callbacks:
+        if isinstance(callback, ResumableCallback):
+            return callback
+    return None
 
 
 def recovering_callback(callback_list):
@@ -263,6 +275,7 @@ def _recover(coordinator, backup, progress):
         position = backup.restore_latest()
         rolled_back = max(0, progress.reached - progress.at(*position))
     progress.joined()
+    progress.rates.resuming = True
     progress.recoveries += 1
     progress.rolled_back += rolled_back
     progress.reached = progress.at(*position)

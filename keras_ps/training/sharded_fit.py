@@ -16,7 +16,6 @@ import numpy as np
 
 from keras_ps.training import _fit_epochs
 from keras_ps._keras import fit_routing
-from keras_ps.training._fit_epochs import ResumableCallback
 from keras_ps.training.logs import python_logs
 from keras_ps.shards.ledger import ShardLedger, ShardState
 
@@ -24,14 +23,6 @@ logger = logging.getLogger(__name__)
 
 LEDGER_KEY = "shard_ledger"  # in BackupAndRestore's state file
 _POLL_SECONDS = 0.5
-
-
-def _backup_callback(callback_list):
-    """The callback that keeps backups (keras_ps' BackupAndRestore), or None."""
-    for callback in callback_list.callbacks:
-        if isinstance(callback, ResumableCallback):
-            return callback
-    return None
 
 
 def _restored_ledger(backup, data, epoch):
@@ -87,7 +78,7 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             "restored to the newest backup, its ledger with it).")
     model.stop_training = False
     callback_list.on_train_begin()
-    backup = _backup_callback(callback_list)
+    backup = _fit_epochs.resumable_callback(callback_list)
     start_epoch = initial_epoch
     resume = backup.resume_position() if backup is not None else None
     if resume is not None:
@@ -95,6 +86,7 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
         logger.info("[chief] resuming at epoch %d", start_epoch)
     progress = _fit_epochs.Progress(data.num_shards, recovering is not None,
                                     unit="shards")
+    progress.rates.keep_with(backup)
 
     def train_from(position):
         training_logs = None
@@ -104,6 +96,7 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             if backup is not None:
                 backup.state_providers[LEDGER_KEY] = epoch.snapshot
             model.reset_metrics()
+            progress.rates.begin(epoch_index, model.optimizer)
             callback_list.on_epoch_begin(epoch_index)
             try:
                 trained = _run_epoch(model, coordinator, train_shard, epoch,

@@ -144,6 +144,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                     start_step)
     progress = _fit_epochs.Progress(
         steps_per_epoch, _fit_epochs.recovering_callback(callback_list) is not None)
+    progress.rates.keep_with(_fit_epochs.resumable_callback(callback_list))
     lead = _fit_epochs.Lead(callback_list, coordinator)
 
     def train_from(position):
@@ -152,6 +153,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
         for epoch in range(start_epoch, epochs):
             tracker = StepLogsTracker()
             model.reset_metrics()
+            progress.rates.begin(epoch, model.optimizer)
             callback_list.on_epoch_begin(epoch)
             first_step = start_step if epoch == start_epoch else 0
             trained = False

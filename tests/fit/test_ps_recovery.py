@@ -207,6 +207,86 @@ def test_a_ps_lost_in_validation_keeps_the_epochs_metrics(tmp_path):
     assert {"val_loss", "val_accuracy"} <= set(epoch_1)
 
 
+def test_epoch_rates_set_a_resumed_epoch_back_to_its_first_rate():
+    import types
+
+    import keras
+
+    from keras_ps.training._epoch_rates import RATE_KEY, EpochRates
+
+    def rate(optimizer):
+        return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+    adam = keras.optimizers.Adam(0.02)
+    backup = types.SimpleNamespace(state_providers={}, restored_state=None)
+    rates = EpochRates()
+    rates.keep_with(backup)  # no backup restored: nothing resumes
+    assert not rates.resuming and backup.state_providers[RATE_KEY]() is None
+    rates.begin(0, adam)
+    adam.learning_rate = 0.01  # the epoch's callbacks change it
+    assert backup.state_providers[RATE_KEY]() == [0, pytest.approx(0.02)]
+    rates.resuming = True  # a recovery resumes epoch 0
+    rates.begin(0, adam)
+    assert rate(adam) == pytest.approx(0.02)
+    rates.begin(1, adam)  # a new epoch begins as it is
+    assert rate(adam) == pytest.approx(0.02)
+    # A fit started from a backup of epoch 1: its record is the backup's.
+    restarted = EpochRates()
+    restarted.keep_with(types.SimpleNamespace(
+        state_providers={}, restored_state={RATE_KEY: [1, 0.005]}))
+    assert restarted.resuming
+    restarted.begin(1, adam)
+    assert rate(adam) == pytest.approx(0.005)
+    # A schedule follows the iterations: left alone, nothing recorded.
+    scheduled = keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, 10, 0.5))
+    other = EpochRates()
+    other.keep_with(types.SimpleNamespace(
+        state_providers={}, restored_state={RATE_KEY: [1, 0.005]}))
+    other.begin(1, scheduled)
+    assert other.state() is None
+    assert rate(scheduled) == pytest.approx(0.02)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("resumed_by", ["ps_recovery", "restarted_fit"])
+def test_a_resumed_epoch_begins_again_on_the_rate_it_began_with(resumed_by,
+                                                               tmp_path):
+    # LearningRateScheduler(lambda epoch, lr: lr * 0.5) from 0.02. Epoch 1
+    # is resumed at step 20 (the backup before batch 21): by a ps recovery
+    # in the same fit, or by a fit run again after its process left. Its
+    # callbacks see it begin again; the scheduler halved the restored rate,
+    # already halved for epoch 1, a second time (0.0025 at epoch 1, 0.00125
+    # at the end instead of 0.0025).
+    def job(fault):
+        return run_child([sys.executable, LOST_JOB, "lr_schedule",
+                          str(tmp_path / "backup"), fault], 240, env=dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1"))
+
+    rate = [0.02 * 0.5 ** (epoch + 1) for epoch in range(3)]
+    if resumed_by == "ps_recovery":
+        code, output = job("kill")
+        assert code == 0, output[-4000:]
+        assert "KILLED AND RESTARTED ps 0" in output
+        result = last_report(output, code)
+        assert result["recoveries"] == [0, 1, 0]
+        expected = [[0, rate[0]], [1, rate[1]], [1, rate[1]], [2, rate[2]]]
+    else:
+        code, output = job("exit")
+        assert code == 3 and "LEAVING at epoch 1, batch 21" in output, \
+            output[-4000:]
+        code, output = job("none")
+        assert code == 0, output[-4000:]
+        result = last_report(output, code)
+        assert result["epochs"] == [1, 2]  # resumed in epoch 1
+        expected = [[1, rate[1]], [2, rate[2]]]
+    assert result["iterations"] == result["planned"]
+    assert [e for e, _ in result["begins"]] == [e for e, _ in expected]
+    assert [r for _, r in result["begins"]] == pytest.approx(
+        [r for _, r in expected], rel=1e-6), result["begins"]
+    assert result["final"] == pytest.approx(rate[2], rel=1e-6)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("restart", ["on_fits_thread", "beside"])
 def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(restart,
