@@ -12,11 +12,13 @@ Usage:
       the same under ElasticClusterResolver, the workers admitted by a
       rendezvous: the new ps 0 announces its address to the rendezvous
       (python -m keras_ps.server --rdzv_endpoint).
-  python tests/_ps_lost_job.py in_validation BACKUP_DIR
+  python tests/_ps_lost_job.py in_validation BACKUP_DIR [kill|exit|none]
       with validation_data: ps 0 is SIGKILLed and started again on its
       address as epoch 1's validation begins (after the epoch's last
       backup, before its end's callbacks). Reports the metrics of epoch 1
-      before the loss and the logs each epoch end got.
+      before the loss and the logs each epoch end got. With exit, this
+      process leaves there instead (exit status 3) after reporting those
+      metrics; run it again with none, and it resumes from the backup.
   python tests/_ps_lost_job.py lr_schedule BACKUP_DIR [kill|exit|none]
       with LearningRateScheduler(lambda epoch, lr: lr * 0.5) before a
       callback that records the rate each epoch begins with: at the end of
@@ -156,7 +158,7 @@ class _EpochEnds(keras.callbacks.Callback):
         self.ends.append([epoch, {k: float(v) for k, v in logs.items()}])
 
 
-def in_validation(backup_dir):
+def in_validation(backup_dir, fault="kill"):
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         model = build(strategy)
@@ -164,9 +166,13 @@ def in_validation(backup_dir):
         ends = _EpochEnds()
 
         def evaluate_after_a_loss(*args, **kwargs):
-            if len(ends.ends) == 1 and not before:  # epoch 1's validation
-                before.update({k: float(v) for k, v in
+            if len(ends.ends) == 1 and not before and fault != "none":
+                before.update({k: float(v) for k, v in  # epoch 1's
                                model.get_metrics_result().items()})
+                if fault == "exit":
+                    say(before=before)
+                    print("LEAVING in epoch 1's validation", flush=True)
+                    os._exit(3)
                 cluster.kill("ps", 0)
                 cluster.restart("ps", 0)
                 print("KILLED AND RESTARTED ps 0 in epoch 1's validation",

@@ -60,6 +60,10 @@ LOST_SHARDS = "lost_shards"
 MAX_RECOVERIES_WITHOUT_PROGRESS = 3
 
 
+#: [epoch, its metrics] in a backup taken at the epoch's end.
+METRICS_KEY = "epoch_metrics"
+
+
 class Progress:
     """Where a fit loop is, in steps (shards, for a ShardedInput) since the
     start of training (epoch * steps per epoch + step), and what was rolled
@@ -116,14 +120,36 @@ class Progress:
                     and remote.status is RemoteValueStatus.READY)
         return resume, again
 
+    def keep_metrics_with(self, backup, read):
+        """Keeps in each backup of `backup` (a ResumableCallback, or None)
+        taken at an epoch's end the epoch's metrics (`read()`), for a fit
+        started from it after its process was lost in the epoch's
+        validation: see `epoch_metrics`."""
+        if backup is None:
+            return
+        restored = (backup.restored_state or {}).get(METRICS_KEY)
+        if restored:
+            self._metrics = tuple(restored)
+
+        def at_epoch_end():
+            epoch, step = self.position(self.reached)
+            if step or not epoch:
+                return None
+            if self._metrics is None or self._metrics[0] != epoch - 1:
+                self._metrics = (epoch - 1, read())
+            return list(self._metrics)
+
+        backup.state_providers[METRICS_KEY] = at_epoch_end
+
     def epoch_metrics(self, epoch, read, trained):
         """The epoch's metrics: `read()` when this pass of the epoch
         trained something. A recovery that resumes at the end of an epoch
         (a ps lost in its validation or its end's callbacks, after its last
         backup) trains nothing of it again, on metrics reset at the epoch's
-        begin: its metrics are then those read at its end before the loss,
-        not zeros that callbacks (EarlyStopping, ModelCheckpoint) would take
-        for the epoch's."""
+        begin: its metrics are then those read at its end before the loss
+        (or kept in the backup: `keep_metrics_with`), not zeros that
+        callbacks (EarlyStopping, ModelCheckpoint) would take for the
+        epoch's."""
         if trained or self._metrics is None or self._metrics[0] != epoch:
             self._metrics = (epoch, read())
         return dict(self._metrics[1])

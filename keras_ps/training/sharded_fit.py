@@ -88,6 +88,11 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                                     unit="shards")
     progress.rates.keep_with(backup)
 
+    def read_metrics():
+        return python_logs(model.get_metrics_result())
+
+    progress.keep_metrics_with(backup, read_metrics)
+
     def train_from(position):
         training_logs = None
         for epoch_index in range(position[0], epochs):
@@ -105,9 +110,8 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             except BaseException:
                 epoch.abandon()
                 raise
-            epoch_logs = progress.epoch_metrics(
-                epoch_index, lambda: python_logs(model.get_metrics_result()),
-                trained)
+            epoch_logs = progress.epoch_metrics(epoch_index, read_metrics,
+                                                trained)
             summary = epoch.summary()
             epoch_logs.update(summary)
             epoch_logs.update(progress.epoch_logs())

@@ -287,6 +287,36 @@ def test_a_resumed_epoch_begins_again_on_the_rate_it_began_with(resumed_by,
     assert result["final"] == pytest.approx(rate[2], rel=1e-6)
 
 
+@pytest.mark.timeout(300)
+def test_a_fit_run_again_after_a_loss_in_validation_keeps_the_epochs_metrics(
+        tmp_path):
+    # The coordinator's process leaves as epoch 1's validation begins,
+    # after the epoch's last backup; run again, fit resumes at epoch 1's
+    # end with nothing to train. Its callbacks and History got zeros for
+    # the epoch's loss and accuracy: the backup kept no metrics.
+    def job(fault):
+        return run_child([sys.executable, LOST_JOB, "in_validation",
+                          str(tmp_path / "backup"), fault], 240, env=dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONFAULTHANDLER="1"))
+
+    code, output = job("exit")
+    assert code == 3 and "LEAVING in epoch 1's validation" in output, \
+        output[-4000:]
+    before = last_report(output, code)["before"]
+    code, output = job("none")
+    assert code == 0, output[-4000:]
+    result = last_report(output, code)
+    assert result["epochs"] == [1, 2]
+    assert result["planned"] == result["iterations"]
+    assert [e for e, _ in result["ends"]] == [1, 2]
+    epoch_1 = result["ends"][0][1]
+    assert before["loss"] > 0
+    for name in ("loss", "accuracy"):
+        assert epoch_1[name] == pytest.approx(before[name]), (before, epoch_1)
+        assert result["history"][name][0] == epoch_1[name]
+    assert {"val_loss", "val_accuracy"} <= set(epoch_1)
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("restart", ["on_fits_thread", "beside"])
 def test_lost_ps_with_no_backup_yet_fails_within_10s_naming_it(restart,
