@@ -11,6 +11,7 @@ import time
 import portpicker
 import pytest
 
+from _clock import FakeClock  # tests/_clock.py
 from _polling import wait_until  # tests/_polling.py
 from keras_ps.elastic import api
 from keras_ps.elastic._ps_registry import PsRegistry
@@ -20,16 +21,8 @@ from keras_ps.elastic.rendezvous_server import RendezvousServer
 P0, P1, P2 = "127.0.0.1:21100", "127.0.0.1:21101", "127.0.0.1:21102"
 
 
-class _Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
-
-
 def test_an_announcement_holds_for_its_lease_and_renewals_extend_it():
-    clock = _Clock()
+    clock = FakeClock()
     registry = PsRegistry(lease=10.0, clock=clock)
     assert registry.addresses() == []
     assert registry.announce(1, P1, "b") == 10.0
@@ -43,7 +36,7 @@ def test_an_announcement_holds_for_its_lease_and_renewals_extend_it():
 
 
 def test_a_newer_ps_process_replaces_the_older_for_good():
-    clock = _Clock()
+    clock = FakeClock()
     registry = PsRegistry(lease=10.0, clock=clock)
     registry.announce(0, P0, "old")
     registry.announce(0, P2, "new")

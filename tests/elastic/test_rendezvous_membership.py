@@ -4,6 +4,7 @@ import pickle
 
 import pytest
 
+from _clock import FakeClock  # tests/_clock.py
 from keras_ps.elastic import _decisions
 from keras_ps.elastic import api
 from keras_ps.elastic._membership import MembershipState
@@ -16,17 +17,6 @@ from keras_ps.elastic.api import RendezvousPhase as Phase
 pytestmark = pytest.mark.timeout(30)
 
 A, B, C, D = (f"10.0.0.{i}:2222" for i in range(1, 5))
-
-
-class FakeClock:
-    def __init__(self, now=1000.0):
-        self.now = now
-
-    def __call__(self):
-        return self.now
-
-    def advance(self, seconds):
-        self.now += seconds
 
 
 def make_state(**knobs):

@@ -15,18 +15,11 @@ import numpy as np
 import pytest
 
 import keras_ps
+from _clock import FakeClock  # tests/_clock.py
 from keras_ps.callbacks import _backup_cost
 
 X = np.random.default_rng(0).normal(size=(64, 8)).astype("float32")
 Y = (X.sum(1, keepdims=True) > 0).astype("float32")
-
-
-class _Clock:
-    def __init__(self):
-        self.now = 100.0
-
-    def __call__(self):
-        return self.now
 
 
 def test_suggested_save_freq_brings_the_share_to_the_target():
@@ -42,7 +35,7 @@ def test_suggested_save_freq_brings_the_share_to_the_target():
 
 def test_an_epoch_over_a_quarter_is_warned_of_once_per_fit(caplog):
     caplog.set_level(logging.WARNING, logger=_backup_cost.__name__)
-    clock = _Clock()
+    clock = FakeClock()
     cost = _backup_cost.BackupCost(clock)
 
     def epoch(step_seconds, backup_seconds, backups):
@@ -105,7 +98,7 @@ class _Steps(keras.callbacks.Callback):
 def test_fit_says_what_its_backups_held_training(strategy, tmp_path, caplog,
                                                  backup_seconds, warned):
     caplog.set_level(logging.INFO)
-    clock = _Clock()
+    clock = FakeClock()
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
         model.compile("sgd", "mse", steps_per_execution=2)
