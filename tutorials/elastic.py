@@ -3,7 +3,8 @@
 Everything runs on this machine's loopback as real processes:
 
 1. a rendezvous server (in this process; `python -m keras_ps.elastic.launch
-   --standalone` on a real cluster) and one ps (`python -m keras_ps.server`);
+   --standalone` on a real cluster) and one ps (`python -m keras_ps.server
+   --rdzv_endpoint`, which announces its address to the rendezvous);
 2. two workers, each started by its own agent (`python -m
    keras_ps.elastic.launch --nnodes=2:3 --address=... -- TASK`);
 3. `model.fit` with a `keras_ps.elastic.ElasticClusterResolver`: the
@@ -213,7 +214,10 @@ def main(argv=None):
     ps_address = free_address()
     ps = subprocess.Popen(
         [sys.executable, "-m", "keras_ps.server", "--job_name", "ps",
-         "--cluster_spec", json.dumps({"ps": [ps_address]})],
+         "--cluster_spec", json.dumps({"ps": [ps_address]}),
+         # It announces its address to the rendezvous: a replacement on
+         # another address is followed there (docs/ps_recovery.md).
+         "--rdzv_endpoint", rdzv_endpoint],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     agents = [Agent(rdzv_endpoint, log_dir, f"agent-{i}") for i in range(2)]
