@@ -8,6 +8,10 @@ A ps that a coordinator watches for preemption notices serves on after
 SIGTERM until that coordinator has written its backup and releases it (at
 most --preemption_grace seconds; see keras_ps.cluster.ps_notices).
 
+A ps given --rdzv_endpoint announces its address to that keras_ps
+rendezvous while it runs (keras_ps.elastic._announce), so that a coordinator
+using ElasticClusterResolver follows a replacement ps to its new address.
+
 The task comes from TF_CONFIG, or from --cluster_spec/--job_name/--task_index
 (which win over TF_CONFIG; --job_name or --task_index alone is refused).
 Bad configuration ends the process with a one-line error and exit code 2; an

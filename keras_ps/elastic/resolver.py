@@ -2,8 +2,9 @@
 
 The chief's address is fixed; the workers are whoever the rendezvous
 admitted; a ps is where it last announced itself to the rendezvous
-(`python -m keras_ps.server --rdzv_endpoint`), else where it was given. The resolver only observes (`RendezvousClient.list_members`): it is
-no node of the rendezvous. This module imports TensorFlow, so
+(`python -m keras_ps.server --rdzv_endpoint`), else where it was given.
+The resolver only observes (`RendezvousClient.list_members`): it is no
+node of the rendezvous. This module imports TensorFlow, so
 `keras_ps.elastic` exports `ElasticClusterResolver` lazily (see its
 `__init__`), keeping the rendezvous server and agent free of TensorFlow.
 """
@@ -127,7 +128,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                          config_proto=None):
         return {}
 
-    # -- ps ---------------------------------------------------------------------
+    # -- ps --------------------------------------------------------------------
     def ps_address(self, index: int) -> str:
         """Where ps `index` serves now: the address it announced to the
         rendezvous, else the last one known. Asks the rendezvous at once
