@@ -27,12 +27,14 @@ Usage:
              leaves (SIGTERM to its agent) once it trained 2 shards
     backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
              the test SIGKILLs this process mid-epoch 1 and runs it again
-    ps_recover [in_validation]
+    ps_recover [in_validation|exit_in_validation|resume]
              1 ps, 3 workers, BackupAndRestore(save_freq=2): the ps (which
              holds the model, the counts and the shards' progress) is
              SIGKILLed and started again at once mid-epoch 0 (in_validation:
              as epoch 0's validation begins, after its last backup); the
-             same fit recovers it from the newest backup
+             same fit recovers it from the newest backup. exit_in_validation:
+             this process leaves there instead (exit status 3); resume: run
+             again, nothing happens
 """
 
 import json
@@ -393,9 +395,13 @@ def ps_recover(data_dir, backup_dir, when="mid_epoch"):
             evaluate = model.evaluate
 
             def evaluate_after_a_loss(*args, **kwargs):
-                if not before:
+                if not before and when != "resume":
                     before.update({k: float(v) for k, v in
                                    model.get_metrics_result().items()})
+                    if when == "exit_in_validation":
+                        say(before=before)
+                        print("LEAVING in epoch 0's validation", flush=True)
+                        os._exit(3)
                     kill_and_restart()
                 return evaluate(*args, **kwargs)
 

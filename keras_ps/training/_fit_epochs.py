@@ -90,6 +90,7 @@ class Progress:
         self._metrics = None
         # The learning rate each epoch began with.
         self.rates = EpochRates()
+        self.epoch_complete = None  # see ended_epoch
 
     def at(self, epoch, step):
         return epoch * self.steps_per_epoch + step
@@ -120,6 +121,15 @@ class Progress:
                     and remote.status is RemoteValueStatus.READY)
         return resume, again
 
+    def ended_epoch(self):
+        """The epoch all of whose steps are done, when the last execution
+        scheduled ended one (`epoch_complete()`, when set: a ShardedInput
+        epoch's ledger, whose shards end in any order); else None."""
+        if self.epoch_complete is not None:
+            return self.epoch_complete()
+        epoch, step = self.position(self.reached)
+        return epoch - 1 if epoch and not step else None
+
     def keep_metrics_with(self, backup, read):
         """Keeps in each backup of `backup` (a ResumableCallback, or None)
         taken at an epoch's end the epoch's metrics (`read()`), for a fit
@@ -132,11 +142,11 @@ class Progress:
             self._metrics = tuple(restored)
 
         def at_epoch_end():
-            epoch, step = self.position(self.reached)
-            if step or not epoch:
+            epoch = self.ended_epoch()
+            if epoch is None:
                 return None
-            if self._metrics is None or self._metrics[0] != epoch - 1:
-                self._metrics = (epoch - 1, read())
+            if self._metrics is None or self._metrics[0] != epoch:
+                self._metrics = (epoch, read())
             return list(self._metrics)
 
         backup.state_providers[METRICS_KEY] = at_epoch_end

@@ -9,6 +9,7 @@ shard ledger, so a restarted coordinator skips the shards already done.
 """
 
 import collections
+import functools
 import logging
 
 import keras
@@ -100,6 +101,8 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
                                _restored_ledger(backup, data, epoch_index))
             if backup is not None:
                 backup.state_providers[LEDGER_KEY] = epoch.snapshot
+            progress.epoch_complete = functools.partial(
+                _complete, epoch_index, epoch.ledger)
             model.reset_metrics()
             progress.rates.begin(epoch_index, model.optimizer)
             callback_list.on_epoch_begin(epoch_index)
@@ -140,6 +143,11 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             (start_epoch, resume[1] if resume is not None else 0), progress)
     return _fit_epochs.end_training(model, callback_list, epochs,
                                     training_logs)
+
+
+def _complete(index, ledger):
+    """`index` when every shard of its `ledger` is done, else None."""
+    return index if ledger.complete() else None
 
 
 def _run_epoch(model, coordinator, train_shard, epoch, callback_list,

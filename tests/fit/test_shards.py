@@ -427,6 +427,26 @@ def test_a_ps_lost_in_validation_keeps_the_epochs_metrics(tmp_path):
         _check_epoch(epoch, exactly_once=True)
 
 
+@pytest.mark.timeout(400)
+def test_a_fit_run_again_after_a_loss_in_validation_keeps_the_epochs_metrics(
+        tmp_path):
+    # The coordinator's process (with its LocalCluster) leaves as epoch 0's
+    # validation begins, after its last backup; run again, fit resumes at
+    # epoch 0's end with no shard to train. The epoch reported zeros.
+    code, output = run_child(
+        [sys.executable, JOB, "ps_recover", str(tmp_path / "data"),
+         str(tmp_path / "backup"), "exit_in_validation"], 260, env=_env())
+    assert code == 3 and "LEAVING in epoch 0's validation" in output, \
+        output[-4000:]
+    before = _result(output)["before"]
+    result = _run("ps_recover", tmp_path / "data", 260,
+                  str(tmp_path / "backup"), "resume")
+    assert result["history_epochs"] == [0, 1]
+    assert before["loss"] > 0
+    assert result["loss"][0] == pytest.approx(before["loss"])
+    assert result["accuracy"][0] == pytest.approx(before["accuracy"])
+
+
 # -m slow: a worker joining through the rendezvous and leaving, with every
 # record counted, is in the suite as
 # tests/elastic/test_elastic.py::test_elastic_tutorial_with_dynamic_shards.
