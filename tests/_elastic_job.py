@@ -5,7 +5,6 @@ Usage: python tests/_elastic_job.py wrong_members
 """
 
 import http.server
-import json
 import logging
 import signal
 import socket
@@ -17,6 +16,7 @@ import portpicker
 import tensorflow as tf
 
 import keras_ps
+from _kills import start_task
 from _paths import REPO
 from _polling import wait_until
 from _results import say
@@ -127,12 +127,8 @@ def wrong_members():
                 for a in wrong), 60, "the refused places' threads to end")
             run(10)  # on the good worker, with the wrong ones members
             # A worker task starts at last where nothing listened: it joins.
-            tasks.append(subprocess.Popen(
-                [sys.executable, "-m", "keras_ps.server", "--cluster_spec",
-                 json.dumps({"worker": [silent[1]]}), "--job_name",
-                 "worker", "--task_index", "0", "--exit_with_parent"],
-                cwd=REPO, stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL))
+            tasks.append(start_task({"worker": [silent[1]]}, "worker", 0,
+                                    subprocess.DEVNULL))
 
             def came_and_ran():
                 run(4)
