@@ -11,6 +11,7 @@ newer ps process announced the same index.
 import os
 import socket
 import threading
+import time
 import uuid
 from typing import Callable, Optional
 
@@ -23,7 +24,8 @@ _RETRY_MAX_S = 5.0
 
 class PsAnnouncer:
     """Announces ps `index` at `address` to the rendezvous at `endpoint`
-    from a daemon thread, every third of the lease the server grants.
+    from a daemon thread, every third of the lease the server grants, for
+    as long as the process runs.
 
     Args:
         say: Called with each line worth an operator's eye (the first
@@ -39,7 +41,6 @@ class PsAnnouncer:
         self._index, self._address, self._say = index, address, say
         self.incarnation = (f"{socket.gethostname()}:{os.getpid()}:"
                             f"{uuid.uuid4().hex[:12]}")
-        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name="keras_ps-announce-ps")
 
@@ -47,14 +48,10 @@ class PsAnnouncer:
         self._thread.start()
         return self
 
-    def stop(self):
-        self._stop.set()
-        self._client.close()
-
     def _run(self):
         endpoint = self._client.endpoint
         announced, failing, pause = False, False, 0.5
-        while not self._stop.is_set():
+        while True:
             try:
                 lease = self._client.announce_ps(self._index, self._address,
                                                  self.incarnation)
@@ -62,17 +59,15 @@ class PsAnnouncer:
                 self._say(f"stops announcing its address: {error}")
                 return
             except api.RendezvousError as error:
-                if self._stop.is_set():
-                    return
                 if not failing:
                     self._say(f"cannot announce its address to the "
                               f"rendezvous {endpoint} yet ({error}); trying "
                               "again until it answers")
                 failing, pause = True, min(pause * 2, _RETRY_MAX_S)
-                self._stop.wait(pause)
+                time.sleep(pause)
                 continue
             if not announced or failing:
                 self._say(f"announced {self._address} to the rendezvous "
                           f"{endpoint} (renewed every {lease / 3:.3g} s)")
             announced, failing, pause = True, False, 0.5
-            self._stop.wait(lease / 3)
+            time.sleep(lease / 3)

@@ -183,7 +183,8 @@ class RendezvousServicer(pb_grpc.RendezvousServicer):
                 f"min_nodes must be >= 1, got {request.min_nodes}")
         if request.max_nodes < request.min_nodes:
             raise checks.invalid(f"max_nodes must be >= min_nodes "
-                           f"({request.min_nodes}), got {request.max_nodes}")
+                                 f"({request.min_nodes}), got "
+                                 f"{request.max_nodes}")
         timeout = checks.timeout(request.timeout)
         started = time.monotonic()
         try:

@@ -39,14 +39,15 @@ class EpochRates:
         `state()`), so that a callback changing the rate relative to
         its value (`LearningRateScheduler(lambda epoch, lr: lr * 0.5)`)
         does so once for the epoch, not again on the restored rate. A
-        learning-rate schedule is left alone."""
+        learning-rate schedule is left alone, and nothing is read without
+        a backup."""
         resuming, self.resuming, self._epoch = self.resuming, False, epoch
-        if not optimizers.has_constant_learning_rate(optimizer):
-            return
+        if self._backup is None or \
+                not optimizers.has_constant_learning_rate(optimizer):
+            return  # nothing to resume from, or nothing to set back
         if resuming:
             rate = self._rates.get(epoch)
-            restored = (getattr(self._backup, "restored_state", None)
-                        or {}).get(RATE_KEY)
+            restored = (self._backup.restored_state or {}).get(RATE_KEY)
             if rate is None and restored and restored[0] == epoch:
                 rate = restored[1]
             if rate is not None:
