@@ -223,8 +223,10 @@ def main(argv=None):
     agents = [Agent(rdzv_endpoint, log_dir, f"agent-{i}") for i in range(2)]
     grow = None
     try:
+        # ps=1: the ps' address comes from its announcement (ps=[address]
+        # works too, when the addresses are known in advance).
         resolver = keras_ps.elastic.ElasticClusterResolver(
-            rdzv_endpoint, ps=[ps_address], min_workers=2, poll_interval=1.0,
+            rdzv_endpoint, ps=1, min_workers=2, poll_interval=1.0,
             startup_timeout=90)
         if not wait_for_port(ps_address, 90):
             raise RuntimeError(f"{ps_address} did not start; logs: {log_dir}")

@@ -14,7 +14,7 @@ import math
 import numbers
 import threading
 import time
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Union
 
 import tensorflow as tf
 
@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 #: Seconds the resolver's watch long-polls the rendezvous per call.
 DEFAULT_POLL_INTERVAL = 2.0
+# Seconds between two reads of the ps' announcements while some ps has no
+# address yet (an announcement does not move the membership's version, on
+# which the reads are held).
+_PS_POLL_S = 0.2
 
 
 class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
@@ -39,8 +43,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
 
     Args:
         rdzv_endpoint: The rendezvous server's HOST:PORT.
-        ps: The parameter-server addresses (their number is the job's;
-            each one is replaced by the address that ps announces).
+        ps: The parameter-server addresses (each one replaced by the
+            address that ps announces), or their number: `cluster_spec()`
+            then waits until each ps announced its address.
         chief: The coordinator's address, or None (the coordinator is then
             the process that builds the strategy, as with LocalCluster).
         min_workers: `cluster_spec()` waits until this many workers are
@@ -62,18 +67,23 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
     ```
     """
 
-    def __init__(self, rdzv_endpoint: str, ps: Sequence[str],
+    def __init__(self, rdzv_endpoint: str, ps: Union[Sequence[str], int],
                  chief: Optional[str] = None, min_workers: int = 1,
                  token: Optional[str] = None,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
                  startup_timeout: float = 300.0, rpc_layer: str = "grpc"):
         if isinstance(ps, str):
             raise TypeError(
-                f"ps must be a list of 'host:port' addresses. Received: "
-                f"ps={ps!r}, a string. Pass ps=[{ps!r}].")
+                f"ps must be a list of 'host:port' addresses, or their number "
+                f"when the ps announce themselves. Received: ps={ps!r}, a "
+                f"string. Pass ps=[{ps!r}].")
+        given = ps
+        if isinstance(ps, numbers.Integral) and not isinstance(ps, bool):
+            ps = [None] * max(0, ps)  # addresses to learn from the ps
         if not ps:
             raise ValueError(f"ElasticClusterResolver needs at least one ps "
-                             f"address. Received: ps={ps!r}.")
+                             f"address (or a number of ps, 1 or more). "
+                             f"Received: ps={given!r}.")
         if (isinstance(min_workers, bool)
                 or not isinstance(min_workers, numbers.Integral)
                 or min_workers < 1):
@@ -103,14 +113,16 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
 
     # -- tf.distribute.cluster_resolver.ClusterResolver ------------------------
     def cluster_spec(self) -> tf.train.ClusterSpec:
-        """The cluster now; waits until `min_workers` workers are admitted.
+        """The cluster now; waits until `min_workers` workers are admitted
+        (and, given a number of ps, until each announced its address).
 
         Raises:
-            RendezvousTimeoutError: Fewer than `min_workers` workers within
-                `startup_timeout` seconds.
+            RendezvousTimeoutError: Fewer than `min_workers` workers, or a
+                ps with no address, within `startup_timeout` seconds.
         """
+        deadline = time.monotonic() + self.startup_timeout
         members = self.wait_for_workers(self.min_workers, self.startup_timeout)
-        spec = {"ps": self._known_ps(members),
+        spec = {"ps": self._wait_for_ps(members, deadline),
                 "worker": {i: a for i, a in enumerate(members.workers)
                            if a is not None}}
         if self._chief is not None:
@@ -129,10 +141,10 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         return {}
 
     # -- ps --------------------------------------------------------------------
-    def ps_address(self, index: int) -> str:
+    def ps_address(self, index: int) -> Optional[str]:
         """Where ps `index` serves now: the address it announced to the
-        rendezvous, else the last one known. Asks the rendezvous at once
-        (it does not wait for workers).
+        rendezvous, else the last one known (None: none yet). Asks the
+        rendezvous at once (it does not wait for workers).
 
         Raises:
             RendezvousError: The rendezvous did not answer.
@@ -141,6 +153,29 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         with self._lock:
             self._members = members
         return self._known_ps(members)[index]
+
+    def _wait_for_ps(self, members: api.MembershipView,
+                     deadline: float) -> List[str]:
+        """The ps addresses once every ps has one (`ps` given as a number:
+        once each announced itself)."""
+        while True:
+            known = self._known_ps(members)
+            missing = [i for i, address in enumerate(known) if not address]
+            if not missing:
+                return known
+            if time.monotonic() >= deadline:
+                raise api.RendezvousTimeoutError(
+                    f"ps {missing} of ps={len(known)} announced no address "
+                    f"to the rendezvous {self._client.endpoint} within "
+                    f"{self.startup_timeout:.3g}s. Start each ps with python "
+                    f"-m keras_ps.server --rdzv_endpoint "
+                    f"{self._client.endpoint} (its own address in its "
+                    "cluster spec), give their addresses (ps=[...]), or "
+                    "raise startup_timeout")
+            time.sleep(min(_PS_POLL_S, max(0.0, deadline - time.monotonic())))
+            members = self._client.list_members()
+            with self._lock:
+                self._members = members
 
     def _known_ps(self, members: api.MembershipView) -> List[str]:
         """The ps addresses, those announced in `members` replacing the

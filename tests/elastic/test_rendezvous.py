@@ -125,6 +125,7 @@ def test_resolver_names_the_missing_workers_and_the_fix(rdzv):
     (dict(min_workers=0), "min_workers=0"),
     (dict(poll_interval=0), "poll_interval=0"),
     (dict(ps=[]), "ps=[]"),
+    (dict(ps=0), "ps=0"),
 ])
 def test_resolver_refuses_bad_arguments(kwargs, needle):
     from keras_ps.elastic.resolver import ElasticClusterResolver
