@@ -107,11 +107,12 @@ class _ReplaceWithoutKernels(keras.callbacks.Callback):
     a replacement machine of another keras_ps version would be."""
 
     AT = (0, 13)
+    AGAIN_AT = (1, 13)
 
-    def __init__(self, cluster, job, warnings):
+    def __init__(self, cluster, job, warnings, again=False):
         super().__init__()
         self.cluster, self.job, self.process = cluster, job, None
-        self.warnings = warnings
+        self.warnings, self.again, self.with_kernels = warnings, again, None
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -133,12 +134,19 @@ class _ReplaceWithoutKernels(keras.callbacks.Callback):
             self.cluster.kill(self.job, 0)
             self.process = start_task(self.cluster.spec, self.job, 0,
                                       KERAS_PS_NATIVE="0")
+        elif (self.again and self.with_kernels is None
+              and (self._epoch, batch) >= self.AGAIN_AT):
+            # Replaced in turn, by a server with the kernels.
+            self.process.kill()
+            self.process.wait()
+            self.with_kernels = start_task(self.cluster.spec, self.job, 0)
 
 
-def back_without_kernels(job, backup_dir):
+def back_without_kernels(job, backup_dir, again=""):
     """LazyAdam on a table split over 2 ps, incremental backups; `job`:0
     is replaced mid-fit by a server without the kernels the step functions
-    and the backups' writers were traced with."""
+    and the backups' writers were traced with; with `again` ("again"),
+    that server is replaced in turn in epoch 1 by one with them."""
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -159,7 +167,8 @@ def back_without_kernels(job, backup_dir):
                 context.num_input_pipelines,
                 context.input_pipeline_id).batch(8).repeat()
 
-        replace = _ReplaceWithoutKernels(cluster, job, warnings)
+        replace = _ReplaceWithoutKernels(cluster, job, warnings,
+                                         again == "again")
         try:
             history = model.fit(
                 keras_ps.DatasetCreator(dataset_fn), epochs=2,
@@ -167,15 +176,17 @@ def back_without_kernels(job, backup_dir):
                     replace, keras_ps.callbacks.BackupAndRestore(
                         backup_dir, save_freq=8, incremental=True)])
         finally:
-            if replace.process is not None:
-                replace.process.kill()
-                replace.process.wait()
+            for process in (replace.process, replace.with_kernels):
+                if process is not None:
+                    process.kill()
+                    process.wait()
         say(traced_with_kernels=traced_with_kernels,
             for_strategy=_native.kernels_for(strategy) is not None,
             iterations=int(model.optimizer.iterations.numpy()), planned=80,
             loss=float(history.history["loss"][-1]),
             recoveries=history.history.get("ps_recoveries"),
             came_back=[w for w in warnings if "came back without" in w],
+            kernels_again=[w for w in warnings if "kernels again" in w],
             worker_0_ran_after=keras_ps.ClusterCoordinator(strategy).workers[
                 0].closures_run - replace.run_before)
 

@@ -36,7 +36,9 @@ update made of TF's ops). A task that comes back during the job (a ps
 recovered, a worker re-admitted) is asked again (`recheck`): one that came
 back without them (another keras_ps version, a machine that cannot build
 them) would fail every graph traced with them ("Op type not registered"),
-so the strategy's graphs are then traced again with TF's ops.
+so the strategy's graphs are then traced again with TF's ops; once every
+task has them again (that one replaced in turn), `regain` turns the
+strategy back to them.
 """
 
 import contextlib
@@ -251,6 +253,11 @@ def _answers_of(lib, devices, timeout=ASK_TIMEOUT_S):
     return result
 
 
+def task_names(devices):
+    """"ps:0" and the like, for the tasks of `devices`."""
+    return [_task_of(device) for device in devices]
+
+
 def _task_of(device):
     import tensorflow as tf
 
@@ -307,8 +314,9 @@ _generation = 0
 
 
 def generation():
-    """Bumped each time `recheck` finds a task without the kernels: what
-    asked `kernels_on` before (a backup writer) asks again."""
+    """Bumped each time `recheck` finds a task without the kernels, or
+    `regain` every task with them again: what asked `kernels_on` before (a
+    backup writer) asks again."""
     return _generation
 
 
@@ -343,3 +351,21 @@ def recheck(strategy, devices):
             _answers[strategy] = False
             _generation += 1
     return missing if traced_with else []
+
+
+def regain(strategy):
+    """After a task came back with the kernels (`recheck` found none
+    without): when the strategy's answer had turned to no (a task came back
+    without them before), asks every task again. True when all have them
+    now: the strategy's answer is yes again and `generation()` moves on;
+    the caller traces its functions again, with the kernels."""
+    global _generation
+    with _answers_lock:
+        if _library is None or _answers.get(strategy) is not False:
+            return False
+    if not _ask_tasks(_library, strategy.cluster_spec):
+        return False
+    with _answers_lock:
+        _answers[strategy] = True
+        _generation += 1
+    return True

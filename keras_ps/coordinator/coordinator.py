@@ -300,14 +300,14 @@ class ClusterCoordinator:
         answered = time.monotonic()
         with self._gate.exclusive():
             ps_addresses.follow(self.strategy, self._readmission, lost)
-            without_kernels = self._readmission.reconnect(
+            kernels_changed = self._readmission.reconnect(
                 returned=[_ps_state.ps_device(i) for i in sorted(lost)])
             connected = time.monotonic()
             made = [self.strategy.recreate_ps_variables(
                 i, restore_follows=restore_follows) for i in sorted(lost)]
             count = sum(m.variables + m.resources for m in made)
             recreated = time.monotonic()
-            retraced = self._reuse_traces(made, without_kernels)
+            retraced = self._reuse_traces(made, kernels_changed)
             replaced = self._readmission.restart_iterators([  # the rollback's data
                 w.index for w in self._workers.all()
                 if w.state in worker_lib.RUNNABLE])
@@ -323,16 +323,16 @@ class ClusterCoordinator:
                     list(recovery.lost), count, retraced)
         return recovery
 
-    def _reuse_traces(self, made, without_kernels):
+    def _reuse_traces(self, made, kernels_changed):
         """Points the traced functions at the variables a recovery made
         again (`made`, `Recreated`s), so that none is traced again: a
         model's steps take seconds to trace. Resources made again as new
         objects (a dynamic table's) are captured as such: then every
-        function is traced again, as the push did for a ps back without
-        keras_ps' kernels (`without_kernels` functions). Returns what was
-        done, for the log. Under the gate: a re-admission traces datasets."""
-        if without_kernels:
-            return f"{without_kernels} functions to retrace without kernels"
+        function is traced again, as the push did when keras_ps' kernels
+        changed (`kernels_changed` functions). Returns what was done, for
+        the log. Under the gate: a re-admission traces datasets."""
+        if kernels_changed:
+            return f"{kernels_changed} functions to retrace for the kernels"
         if any(m.resources for m in made):
             self._packing.clear()
             return (f"{_tf_adapter.retrace_all_functions()} functions to "

@@ -318,13 +318,22 @@ class Readmission:
                 with TF's ops (slower, same results).
 
         Returns:
-            The number of functions to trace again for that, or 0.
+            The number of functions to trace again for that (or for tasks
+            that all have the kernels again, after one without), or 0.
         """
         _tf_adapter.update_server_def(self.membership_def())
         self.generation += 1
         missing = _native.recheck(self._strategy, returned) if returned else []
         if not missing:
-            return 0
+            if not (returned and _native.regain(self._strategy)):
+                return 0
+            self._packing.clear()
+            count = _tf_adapter.retrace_all_functions()
+            logger.warning(
+                "[chief] every task has keras_ps' C++ kernels again (%s "
+                "came back with them): every function (%d) is traced again "
+                "with them.", ", ".join(_native.task_names(returned)), count)
+            return count
         self._packing.clear()
         count = _tf_adapter.retrace_all_functions()
         logger.warning(

@@ -374,20 +374,28 @@ def test_a_task_back_without_the_kernels_gets_the_steps_traced_again(
     # kernels (another keras_ps version, a machine that cannot build them):
     # the traces that use them would fail there at every call ("Op type not
     # registered 'KerasPsLazyAdamRows'", which ended fit). They are traced
-    # again with TF's ops, and the same fit call finishes.
+    # again with TF's ops, and the same fit call finishes. The ps is then
+    # replaced in turn by a server with the kernels: the job goes back to
+    # them (it stayed on TF's ops for the rest of the process).
+    again = job == "ps"
     output, result = run_job("back_without_kernels", {}, job,
-                             str(tmp_path / "backup"))
+                             str(tmp_path / "backup"), *["again"] * again)
     assert result["traced_with_kernels"] is True
-    assert result["for_strategy"] is False
+    assert result["for_strategy"] is again
     assert result["came_back"] and result["came_back"][0].startswith(
         f"[chief] {job}:0 came back without keras_ps' C++ kernels"), \
         result["came_back"]
     assert "python -m keras_ps.server` of this keras_ps version" in \
         result["came_back"][0]
+    assert len(result["kernels_again"]) == again, result["kernels_again"]
+    if again:
+        assert result["kernels_again"][0].startswith(
+            "[chief] every task has keras_ps' C++ kernels again (ps:0 came "
+            "back with them): every function ("), result["kernels_again"]
     # A ps loss rolls back to the last backup, so the optimizer's count ends
     # at the plan; a worker's may run one packed execution twice.
     assert result["planned"] <= result["iterations"] <= result["planned"] + 2
-    assert sum(result["recoveries"]) == (1 if job == "ps" else 0)
+    assert sum(result["recoveries"]) == (2 if job == "ps" else 0)
     assert result["worker_0_ran_after"] > 0  # on the new server, for a worker
     # The backups after it (every 8 steps: fit raises when one fails) are
     # written on that ps with TF's ops too.
