@@ -19,7 +19,6 @@ from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.rendezvous_server import RendezvousServer
 
 P0, P1, P2 = "127.0.0.1:21100", "127.0.0.1:21101", "127.0.0.1:21102"
-A = "127.0.0.1:21200"  # a worker's
 
 
 def test_an_announcement_holds_for_its_lease_and_renewals_extend_it():
@@ -161,35 +160,3 @@ def test_a_ps_started_before_the_rendezvous_announces_once_it_answers(
             process.wait()
             if rendezvous is not None:
                 rendezvous.stop(0)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("server", [60.0], indirect=True)  # the lease
-def test_a_resolver_given_a_number_of_ps_waits_for_their_announcements(
-        server):
-    # Their addresses are not known in advance (pods addressed by IP): the
-    # strategy's cluster spec waits until each ps announced itself.
-    from keras_ps.elastic.resolver import ElasticClusterResolver
-
-    endpoint, client = server
-    client.announce_ps(0, P0, "ps-0")
-    worker = RendezvousClient(endpoint, timeout=5.0)
-    resolver = ElasticClusterResolver(endpoint, ps=2, startup_timeout=0.5)
-    try:
-        worker.get_cluster_spec(A, 1, 1, timeout=10)
-        started = time.monotonic()
-        with pytest.raises(api.RendezvousTimeoutError) as raised:
-            resolver.cluster_spec()
-        assert time.monotonic() - started >= 0.5
-        message = str(raised.value)
-        for needle in ("ps [1] of ps=2 announced no address", endpoint,
-                       "within 0.5s", "python -m keras_ps.server "
-                       f"--rdzv_endpoint {endpoint}", "raise startup_timeout"):
-            assert needle in message, message
-        assert resolver.ps_address(1) is None
-        client.announce_ps(1, P1, "ps-1")
-        spec = resolver.cluster_spec().as_dict()
-        assert spec == {"ps": [P0, P1], "worker": [A]}, spec
-    finally:
-        worker.close()
-        resolver.close()

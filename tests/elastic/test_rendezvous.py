@@ -107,15 +107,43 @@ def test_resolver_names_the_missing_workers_and_the_fix(rdzv):
     resolver = ElasticClusterResolver(endpoint, ps=["localhost:1"],
                                       min_workers=2, startup_timeout=0.5,
                                       poll_interval=0.1)
+    _gives_up_after(resolver, 0.5, "0 of min_workers=2 workers admitted",
+                    endpoint, "Start more worker agents")
+
+
+def _gives_up_after(resolver, seconds, *needles):
+    """`resolver.cluster_spec()` raises RendezvousTimeoutError after
+    `seconds` (its startup_timeout), with `needles` in its message."""
     started = time.monotonic()
     with pytest.raises(api.RendezvousTimeoutError) as raised:
         resolver.cluster_spec()
-    assert time.monotonic() - started >= 0.5
+    assert time.monotonic() - started >= seconds
     message = str(raised.value)
-    for needle in ("0 of min_workers=2 workers admitted", endpoint,
-                   "within 0.5s", "Start more worker agents",
-                   "raise startup_timeout"):
+    for needle in (*needles, f"within {seconds:g}s", "raise startup_timeout"):
         assert needle in message, message
+
+
+@pytest.mark.timeout(60)
+def test_a_resolver_given_a_number_of_ps_waits_for_their_announcements(rdzv):
+    # Their addresses are not known in advance (pods addressed by IP): the
+    # strategy's cluster spec waits until each ps announced itself.
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    _, endpoint = rdzv.start(keepalive_timeout=60.0)  # the ps' lease too
+    ps, worker = rdzv.client(endpoint), rdzv.client(endpoint)
+    ps.announce_ps(0, A, "ps-0")
+    resolver = ElasticClusterResolver(endpoint, ps=2, startup_timeout=0.5)
+    try:
+        worker.get_cluster_spec(C, 1, 1, timeout=10)
+        _gives_up_after(resolver, 0.5, "ps [1] of ps=2 announced no address",
+                        endpoint, "python -m keras_ps.server --rdzv_endpoint "
+                        f"{endpoint}")
+        assert resolver.ps_address(1) is None
+        ps.announce_ps(1, B, "ps-1")
+        spec = resolver.cluster_spec().as_dict()
+        assert spec == {"ps": [A, B], "worker": [C]}, spec
+    finally:
+        resolver.close()
 
 
 @pytest.mark.parametrize("kwargs, needle", [
