@@ -16,6 +16,7 @@ from keras_ps.errors import ParameterServerRecoveryError
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.training._epoch_rates import EpochRates
 from keras_ps.training.inputs import should_validate
+from keras_ps.training.logs import python_logs
 
 logger = logging.getLogger(__name__)
 
@@ -88,9 +89,9 @@ class Progress:
         self._executions = []
         # (epoch, its metrics as read at its end), see epoch_metrics.
         self._metrics = None
-        # The learning rate each epoch began with.
-        self.rates = EpochRates()
+        self.rates = EpochRates()  # the learning rate each epoch began with
         self.epoch_complete = None  # see ended_epoch
+        self._read = None  # the model's metrics, see keep_with
 
     def at(self, epoch, step):
         return epoch * self.steps_per_epoch + step
@@ -130,11 +131,14 @@ class Progress:
         epoch, step = self.position(self.reached)
         return epoch - 1 if epoch and not step else None
 
-    def keep_metrics_with(self, backup, read):
-        """Keeps in each backup of `backup` (a ResumableCallback, or None)
-        taken at an epoch's end the epoch's metrics (`read()`), for a fit
-        started from it after its process was lost in the epoch's
-        validation: see `epoch_metrics`."""
+    def keep_with(self, backup, model):
+        """Reads `model`'s metrics (`epoch_metrics`), and keeps in each
+        backup of `backup` (a ResumableCallback, or None) the learning rate
+        its epoch began with (`rates`) and, taken at an epoch's end, the
+        epoch's metrics: for a fit started from it after its process was
+        lost in the epoch's validation (see `epoch_metrics`)."""
+        self._read = lambda: python_logs(model.get_metrics_result())
+        self.rates.keep_with(backup)
         if backup is None:
             return
         restored = (backup.restored_state or {}).get(METRICS_KEY)
@@ -146,22 +150,22 @@ class Progress:
             if epoch is None:
                 return None
             if self._metrics is None or self._metrics[0] != epoch:
-                self._metrics = (epoch, read())
+                self._metrics = (epoch, self._read())
             return list(self._metrics)
 
         backup.state_providers[METRICS_KEY] = at_epoch_end
 
-    def epoch_metrics(self, epoch, read, trained):
-        """The epoch's metrics: `read()` when this pass of the epoch
+    def epoch_metrics(self, epoch, trained):
+        """The epoch's metrics: read now when this pass of the epoch
         trained something. A recovery that resumes at the end of an epoch
         (a ps lost in its validation or its end's callbacks, after its last
         backup) trains nothing of it again, on metrics reset at the epoch's
         begin: its metrics are then those read at its end before the loss
-        (or kept in the backup: `keep_metrics_with`), not zeros that
+        (or kept in the backup: `keep_with`), not zeros that
         callbacks (EarlyStopping, ModelCheckpoint) would take for the
         epoch's."""
         if trained or self._metrics is None or self._metrics[0] != epoch:
-            self._metrics = (epoch, read())
+            self._metrics = (epoch, self._read())
         return dict(self._metrics[1])
 
     def epoch_logs(self):

@@ -87,12 +87,7 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
         logger.info("[chief] resuming at epoch %d", start_epoch)
     progress = _fit_epochs.Progress(data.num_shards, recovering is not None,
                                     unit="shards")
-    progress.rates.keep_with(backup)
-
-    def read_metrics():
-        return python_logs(model.get_metrics_result())
-
-    progress.keep_metrics_with(backup, read_metrics)
+    progress.keep_with(backup, model)
 
     def train_from(position):
         training_logs = None
@@ -113,8 +108,7 @@ def fit(model, coordinator, data, epochs, verbose, callbacks,
             except BaseException:
                 epoch.abandon()
                 raise
-            epoch_logs = progress.epoch_metrics(epoch_index, read_metrics,
-                                                trained)
+            epoch_logs = progress.epoch_metrics(epoch_index, trained)
             summary = epoch.summary()
             epoch_logs.update(summary)
             epoch_logs.update(progress.epoch_logs())

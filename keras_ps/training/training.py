@@ -144,13 +144,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                     start_step)
     progress = _fit_epochs.Progress(
         steps_per_epoch, _fit_epochs.recovering_callback(callback_list) is not None)
-    backup = _fit_epochs.resumable_callback(callback_list)
-    progress.rates.keep_with(backup)
-
-    def read_metrics():
-        return python_logs(model.get_metrics_result())
-
-    progress.keep_metrics_with(backup, read_metrics)
+    progress.keep_with(_fit_epochs.resumable_callback(callback_list), model)
     lead = _fit_epochs.Lead(callback_list, coordinator)
 
     def train_from(position):
@@ -182,7 +176,7 @@ def fit(model, x=None, y=None, batch_size=None, epochs=1, verbose="auto",
                     break
             coordinator.join()
             progress.joined()
-            epoch_logs = progress.epoch_metrics(epoch, read_metrics, trained)
+            epoch_logs = progress.epoch_metrics(epoch, trained)
             epoch_logs.update(progress.epoch_logs())
             training_logs = epoch_logs
             if _fit_epochs.finish_epoch(
