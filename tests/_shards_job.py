@@ -165,17 +165,24 @@ def build(strategy, pause=False):
 
 
 class Counts(keras.callbacks.Callback):
-    """At each epoch end: the counts, then cleared; the ledger's view."""
+    """At each epoch end: the counts, then cleared; the ledger's view; the
+    last shard reported to the batch callbacks."""
 
     def __init__(self, data, coordinator):
         super().__init__()
         self.data, self.coordinator = data, coordinator
         self.epochs = {}
         self._iterations = 0  # the optimizer's, when the epoch began
+        self._last_batch = {}  # epoch: the highest batch (shard) index
 
     def on_epoch_begin(self, epoch, logs=None):
         # After BackupAndRestore's restore: a rerun counts its own steps.
         self._iterations = self._optimizer_iterations()
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last_batch[self._epoch] = max(
+            batch, self._last_batch.get(self._epoch, -1))
 
     def on_epoch_end(self, epoch, logs=None):
         counts = self.model.counts.numpy()
@@ -194,7 +201,8 @@ class Counts(keras.callbacks.Callback):
                   or k.startswith(("shards", "records"))},
             lost_shards=lost,
             lost_ids=[int(i) for s in lost for i in self.shard_ids(s)],
-            handed_out=[i for i in range(len(ledger)) if ledger.attempts(i)])
+            handed_out=[i for i in range(len(ledger)) if ledger.attempts(i)],
+            last_batch=self._last_batch.get(epoch))
         print(f"EPOCH {epoch} {json.dumps(self.epochs[epoch]['logs'])}",
               flush=True)
 

@@ -159,6 +159,10 @@ def _run_epoch(model, coordinator, train_shard, epoch, callback_list,
         while todo and scheduled - ledger.count(ShardState.DONE) < window:
             coordinator.schedule(train_shard, args=(todo.popleft(),))
             scheduled += 1
+        # Asked before the count: an epoch that completes after it has its
+        # last shards reported to the callbacks (a backup among them) on
+        # the next round, not skipped.
+        finished = not todo and ledger.complete()
         done = ledger.count(ShardState.DONE)
         progress.reached = progress.at(epoch.epoch, done)
         while reported < done:
@@ -168,7 +172,7 @@ def _run_epoch(model, coordinator, train_shard, epoch, callback_list,
             reported += 1
             if model.stop_training:
                 return scheduled > first
-        if not todo and ledger.complete():
+        if finished:
             return scheduled > first
         coordinator.done()  # raises a shard's error (and a ps failure)
         coordinator.raise_if_no_workers()

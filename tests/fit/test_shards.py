@@ -289,6 +289,10 @@ def _check_epoch(epoch, exactly_once, steps_in_flight=3):
     logs = epoch["logs"]
     assert epoch["missing"] == [], epoch
     assert logs["shards_done"] == logs["shards"] == 24, logs
+    # Every shard reached the batch callbacks (a backup's among them): the
+    # last ones done were skipped when the epoch completed between the
+    # count of done shards and the check for the end.
+    assert epoch["last_batch"] == 23, epoch
     assert logs["records_trained"] == RECORDS, logs
     assert epoch["steps"] == (len(epoch["handed_out"]) * RECORDS_PER_FILE +
                               logs["records_retrained"]) // BATCH, epoch
