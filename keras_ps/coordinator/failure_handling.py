@@ -324,26 +324,23 @@ class Readmission:
         _tf_adapter.update_server_def(self.membership_def())
         self.generation += 1
         missing = _native.recheck(self._strategy, returned) if returned else []
-        if not missing:
-            if not (returned and _native.regain(self._strategy)):
-                return 0
-            self._packing.clear()
-            count = _tf_adapter.retrace_all_functions()
-            logger.warning(
-                "[chief] every task has keras_ps' C++ kernels again (%s "
-                "came back with them): every function (%d) is traced again "
-                "with them.", ", ".join(_native.task_names(returned)), count)
-            return count
+        if missing:
+            why = (f"{', '.join(missing)} came back without keras_ps' C++ "
+                   "kernels (another keras_ps version, or none loaded), "
+                   "which this job's steps were traced with: every function "
+                   "(%d) is traced again with TF's ops, slower per step, "
+                   "with the same results. Start every task with `python -m "
+                   "keras_ps.server` of this keras_ps version to keep them.")
+        elif returned and _native.regain(self._strategy):
+            why = (f"every task has keras_ps' C++ kernels again "
+                   f"({', '.join(_native.task_names(returned))} came back "
+                   "with them): every function (%d) is traced again with "
+                   "them.")
+        else:
+            return 0
         self._packing.clear()
         count = _tf_adapter.retrace_all_functions()
-        logger.warning(
-            "[chief] %s came back without keras_ps' C++ kernels (another "
-            "keras_ps version, or none loaded), which this job's steps were "
-            "traced with: every function (%d) is traced again with TF's ops, "
-            "slower per step, with the same results. Start every task with "
-            "`python -m keras_ps.server` of this keras_ps version to keep "
-            "them.",
-            ", ".join(missing), count)
+        logger.warning("[chief] " + why, count)
         return count
 
     def move_ps(self, index, address):

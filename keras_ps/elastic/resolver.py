@@ -149,10 +149,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         Raises:
             RendezvousError: The rendezvous did not answer.
         """
-        members = self._client.list_members()
-        with self._lock:
-            self._members = members
-        return self._known_ps(members)[index]
+        return self._known_ps(self._list_members())[index]
 
     def _wait_for_ps(self, members: api.MembershipView,
                      deadline: float) -> List[str]:
@@ -173,9 +170,16 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
                     "cluster spec), give their addresses (ps=[...]), or "
                     "raise startup_timeout")
             time.sleep(min(_PS_POLL_S, max(0.0, deadline - time.monotonic())))
-            members = self._client.list_members()
-            with self._lock:
-                self._members = members
+            members = self._list_members()
+
+    def _list_members(self, known_version: int = -1,
+                      timeout: float = 0.0) -> api.MembershipView:
+        """`RendezvousClient.list_members`, kept as the membership last
+        seen."""
+        members = self._client.list_members(known_version, timeout)
+        with self._lock:
+            self._members = members
+        return members
 
     def _known_ps(self, members: api.MembershipView) -> List[str]:
         """The ps addresses, those announced in `members` replacing the
@@ -206,11 +210,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         deadline = time.monotonic() + timeout
         known = -1
         while True:
-            members = self._client.list_members(
+            members = self._list_members(
                 known, min(self.poll_interval,
                            max(0.0, deadline - time.monotonic())))
-            with self._lock:
-                self._members = members
             if members.size >= count:
                 return members
             if time.monotonic() >= deadline:
