@@ -17,6 +17,7 @@ import time
 import tensorflow as tf
 
 import keras_ps
+from _kills import reset_connections
 from _results import say
 from keras_ps.coordinator import packing as packing_lib
 from keras_ps.cluster._network import probe
@@ -429,6 +430,67 @@ def ps_loss_mid_read():
             total=float(total.numpy()))
 
 
+def connection_reset_mid_read():
+    """A step whose worker's connection to the ps is reset (ss -K, as a
+    network path that drops it) while the step's read of its iterator is
+    under way: the step fails on a worker that answers and a ps that holds
+    its variables, and is retried; TF cancelled the read, which ends the
+    iterator for good, so the retry reads the worker's iterator again
+    (started over) instead of failing with End of sequence."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        # Each element takes 5 s to read (no map under the sleep).
+        iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+                testing.sleep(5_000_000))))
+
+        @tf.function
+        def step(it):
+            # The update of the ps waits 2 s on the worker; the read, in
+            # parallel, 5 s: the worker's call to the ps is under way
+            # meanwhile, and the reset comes before the update is sent.
+            delay = tf.data.Dataset.from_tensors(0.0).apply(
+                testing.sleep(2_000_000)).get_single_element()
+            with tf.control_dependencies([delay]):
+                total.assign_add(1.0)
+            return next(it)
+
+        coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        log = []
+        handler = logging.Handler(logging.INFO)
+        handler.emit = lambda record: log.append(record.getMessage())
+        for name in ("keras_ps.coordinator.worker",
+                     "keras_ps.coordinator.failure_handling"):
+            logging.getLogger(name).setLevel(logging.INFO)
+            logging.getLogger(name).addHandler(handler)
+        result = coordinator.schedule(step, args=(iterator,))
+        worker = coordinator.workers[0]
+        seconds = None
+        while seconds is None or seconds < 0.3:
+            time.sleep(0.01)
+            seconds = worker.in_flight_seconds()
+        call_started = time.monotonic() - seconds
+        ps_port = int(cluster.address("ps", 0).rsplit(":", 1)[1])
+        reset = reset_connections(cluster.pid("worker", 0), ps_port)
+        reset_at = time.monotonic() - call_started  # seconds into the call
+        first = float(result.fetch())
+        values = [coordinator.schedule(step, args=(iterator,))
+                  for _ in range(2)]
+        coordinator.join()
+        say(reset=reset, reset_at=reset_at, first=first,
+            after=[float(v.fetch()) for v in values],
+            total=float(total.numpy()),
+            failed=[m for m in log if "closure failed with" in m],
+            made_again=[m for m in log if "datasets made again" in m],
+            states=[w.state.value for w in coordinator.workers])
+
+
 def trace_while_stopped():
     """A function of the user's first traced while a worker is stopped: TF
     registers it on every worker, and waits for the stopped one. Only the
@@ -592,6 +654,8 @@ if __name__ == "__main__":
         preempted_while_cancelling()
     elif sys.argv[1] == "ps_loss_mid_read":
         ps_loss_mid_read()
+    elif sys.argv[1] == "connection_reset_mid_read":
+        connection_reset_mid_read()
     elif sys.argv[1] == "trace_waits_for_an_idle_stopped_worker":
         trace_waits_for_an_idle_stopped_worker()
     else:

@@ -39,3 +39,58 @@ class KillAndRestartPs(keras.callbacks.Callback):
             self.cluster.kill("ps", 0)
             self.cluster.restart("ps", 0)
             print("KILLED AND RESTARTED ps 0", flush=True)
+
+
+def _tcp_sockets(pid, port):
+    """(local port, peer address) of the established TCP connections of
+    process `pid` to `port` on this machine (loopback)."""
+    out = subprocess.run(
+        ["ss", "-tnpH", "state", "established", f"( dport = :{port} )"],
+        capture_output=True, text=True, check=True).stdout
+    found = []
+    for line in out.splitlines():
+        if f"pid={pid}," not in line:
+            continue
+        local, peer = line.split()[2:4]
+        found.append((int(local.rsplit(":", 1)[1]), peer))
+    return found
+
+
+def reset_connections(pid, port):
+    """Aborts every established TCP connection of process `pid` to `port`
+    (both ends get ECONNABORTED / a reset, as when a network path between
+    two machines drops them), with `ss -K`; the process may connect again
+    at once. Returns how many were aborted."""
+    aborted = 0
+    for local, _ in _tcp_sockets(pid, port):
+        subprocess.run(
+            ["ss", "-K", "state", "established",
+             f"( sport = :{local} and dport = :{port} )"],
+            capture_output=True, text=True, check=True)
+        aborted += 1
+    return aborted
+
+
+def can_reset_connections():
+    """Whether this machine lets `ss -K` abort a TCP connection (the
+    kernel's sock_destroy and the right to use it)."""
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = server.accept()
+    try:
+        if reset_connections(os.getpid(), port) != 1:
+            return False
+        client.settimeout(5)
+        try:
+            client.send(b"x")
+            client.recv(1)
+        except OSError:
+            return True
+        return False
+    finally:
+        for s in (client, accepted, server):
+            s.close()

@@ -297,19 +297,10 @@ class Worker:
                         "elsewhere", self.index, len(batch), "in flight"
                         if call.sent else "before they were sent")
             queue.mark_cancelled(batch)
-            if not call.sent:  # its iterators were not touched
-                return
-            # A call cancelled inside an iterator's next() leaves that
-            # iterator ended: this worker's datasets are made again (its
-            # iterators start over); its context is kept (no cluster push).
-            try:
-                services.readmission.remake_datasets(self.index)
-            except Exception as rebuild_error:  # recovered like a failure
-                self.transition(WorkerState.FAILED,
-                                type(rebuild_error).__name__)
+            if call.sent:  # else its iterators were not touched
+                self._read_again()
             return
-        worker_alive = probe(
-            self.address, services.config.probe_timeout)
+        worker_alive = probe(self.address, services.config.probe_timeout)
         # Any error may come from a lost ps: a restarted ps fails calls with
         # connectivity errors first, then, once workers are rebuilt, with
         # others (its variables are gone), so the ps are always looked at.
@@ -344,6 +335,12 @@ class Worker:
                     decision.value)
         if decision is Decision.RETRY:
             queue.put_back(batch)
+            # Failed while it ran (a connection to a ps dropped): TF
+            # cancelled the rest of the call, its iterators' reads too (a
+            # restarted worker's re-admission makes them again).
+            if call.sent and not ran and batch[0].per_worker and \
+                    self._holds_context():
+                self._read_again()
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
             queue.put_back(batch)
@@ -370,10 +367,18 @@ class Worker:
                 c.cancel()
             queue.mark_failed(len(batch), error, batch[0].generation)
 
+    def _read_again(self):
+        """Makes this worker's datasets again (its iterators start over),
+        context kept: a call ended inside an iterator's next() (cancelled,
+        or failed while it ran) leaves that iterator ended for good."""
+        try:
+            self._services.readmission.remake_datasets(self.index)
+        except Exception as rebuild_error:  # recovered like a failure
+            self.transition(WorkerState.FAILED, type(rebuild_error).__name__)
+
     def _holds_context(self):
-        services = self._services
-        return services.readmission.holds_context(
-            self.index, self.address, services.config.probe_timeout)
+        return self._services.readmission.holds_context(
+            self.index, self.address, self._services.config.probe_timeout)
 
     def _fail_job(self, batch, fatal):
         for closure in batch:

@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+from _kills import can_reset_connections
 from _paths import TESTS
 from _results import last_report
 from _results import run_child
@@ -190,6 +191,32 @@ def test_closure_of_a_killed_worker_is_cancelled_after_another_error():
     # touched (they run on two workers: in any order).
     assert result["after"] == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], result
     assert result["total"] == 6.0, result
+
+
+@pytest.mark.timeout(240)
+def test_an_iterator_reads_again_after_a_connection_reset_mid_read():
+    # The worker's connection to the ps is aborted (ss -K) while its step
+    # reads a 3 s element: the step fails with UnavailableError on a worker
+    # that answers, the ps holding its variables, and is retried on it. TF
+    # cancelled the read, which ended the iterator for good: the retry
+    # failed with End of sequence and the loop ended with "ran out of data"
+    # (what ended a fit after a ps recovery in the Docker test). Now the
+    # worker's datasets are made again before the retry.
+    if not can_reset_connections():
+        pytest.skip("this machine does not let `ss -K` abort a connection")
+    result = run_job("connection_reset_mid_read", timeout=220)
+    assert result["reset"] >= 1, result
+    assert result["failed"] == [
+        "[worker:0] closure failed with UnavailableError; worker answers, "
+        "dead ps [] -> retry"], result
+    assert len(result["made_again"]) == 1, result
+    # The retried step and the two after each read an element, and each
+    # added 1; the failed attempt's update, 2 s into the call, never
+    # reached the ps.
+    assert result["reset_at"] < 2.0, result
+    assert (result["first"], result["after"]) == (1.0, [1.0, 1.0]), result
+    assert result["total"] == 4.0, result
+    assert result["states"] == ["healthy"], result
 
 
 @pytest.mark.timeout(240)
