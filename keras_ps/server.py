@@ -37,6 +37,8 @@ from keras_ps import cluster as cluster_lib
 from keras_ps._base_errors import ClusterConfigError
 from keras_ps.elastic._announce import PsAnnouncer
 from keras_ps.elastic.api import RendezvousConfig
+from keras_ps.elastic.api import parse_address
+from keras_ps.elastic.client import tls_root_cert_or_env
 
 
 def _fail(message, code=2):
@@ -73,7 +75,9 @@ def _parser():
                         help="a ps announces its address to this keras_ps "
                              "rendezvous while it runs, so that a coordinator "
                              "using ElasticClusterResolver finds it there "
-                             "after a move (token: $KERAS_PS_RDZV_TOKEN)")
+                             "after a move (token: $KERAS_PS_RDZV_TOKEN; "
+                             "a rendezvous speaking TLS: its certificate in "
+                             "the file $KERAS_PS_RDZV_TLS_ROOT_CERT names)")
     # LocalCluster's: serve no task, fork each of its tasks from this
     # process (keras_ps.cluster._forks).
     parser.add_argument("--fork_server", action="store_true",
@@ -164,14 +168,16 @@ def _announcer(endpoint, job, index, address):
             "keras_ps.elastic.launch --rdzv_endpoint ... -- python -m "
             "keras_ps.server ...). Drop --rdzv_endpoint here.")
     try:
-        return PsAnnouncer(
-            endpoint, index, address, token=os.environ.get(
-                RendezvousConfig.env_var("token")) or None,
-            say=lambda line: print(f"keras_ps.server: {job}:{index} {line}",
-                                   flush=True))
+        parse_address(endpoint, "endpoint")
     except ValueError as e:
         raise ValueError(f"--rdzv_endpoint {endpoint!r}: {e}. Pass the "
                          "rendezvous' HOST:PORT.") from None
+    return PsAnnouncer(
+        endpoint, index, address, token=os.environ.get(
+            RendezvousConfig.env_var("token")) or None,
+        tls_root_cert=tls_root_cert_or_env(None),
+        say=lambda line: print(f"keras_ps.server: {job}:{index} {line}",
+                               flush=True))
 
 
 def _stop_on_signals():

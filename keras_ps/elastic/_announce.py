@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 from keras_ps.elastic import api
 from keras_ps.elastic.client import RendezvousClient
+from keras_ps.elastic.rendezvous_server import PemSource
 
 # Seconds between two attempts while the rendezvous does not answer, at most.
 _RETRY_MAX_S = 5.0
@@ -32,12 +33,15 @@ class PsAnnouncer:
             announcement, the rendezvous unreachable, a newer ps).
 
     Raises:
-        ValueError: `endpoint` is not HOST:PORT.
+        ValueError: `endpoint` is not HOST:PORT, or `tls_root_cert` is no
+            readable certificate.
     """
 
     def __init__(self, endpoint: str, index: int, address: str,
-                 say: Callable[[str], None], token: Optional[str] = None):
-        self._client = RendezvousClient(endpoint, token=token, timeout=5.0)
+                 say: Callable[[str], None], token: Optional[str] = None,
+                 tls_root_cert: Optional[PemSource] = None):
+        self._client = RendezvousClient(endpoint, token=token, timeout=5.0,
+                                        tls_root_cert=tls_root_cert)
         self._index, self._address, self._say = index, address, say
         self.incarnation = (f"{socket.gethostname()}:{os.getpid()}:"
                             f"{uuid.uuid4().hex[:12]}")

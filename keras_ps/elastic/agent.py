@@ -25,6 +25,7 @@ from typing import Optional, Tuple
 from keras_ps.cluster import _network
 from keras_ps.elastic import api
 from keras_ps.elastic.client import RendezvousClient
+from keras_ps.elastic.rendezvous_server import PemSource
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,9 @@ class AgentConfig:
             keep-alives (keep it well below the server's keepalive_timeout).
         max_restarts: How often a failed task is started again.
         token: The rendezvous token, if the server needs one.
+        tls_root_cert: The root certificate (PEM bytes or file path) of a
+            rendezvous that speaks TLS (started with --tls_cert); None:
+            plaintext.
         join_timeout: Seconds to wait for admission; None waits forever.
         exit_barrier_timeout: Seconds to wait at the exit barrier.
     """
@@ -88,6 +92,7 @@ class AgentConfig:
     monitor_interval: float = 1.0
     max_restarts: int = 3
     token: Optional[str] = dataclasses.field(default=None, repr=False)
+    tls_root_cert: Optional[PemSource] = None
     join_timeout: Optional[float] = None
     exit_barrier_timeout: float = 60.0
 
@@ -154,8 +159,9 @@ class ElasticAgent:
         """
         if self._given_client is not None:
             return self._join_and_monitor()
-        self._client = RendezvousClient(self.config.rdzv_endpoint,
-                                        token=self.config.token)
+        self._client = RendezvousClient(
+            self.config.rdzv_endpoint, token=self.config.token,
+            tls_root_cert=self.config.tls_root_cert)
         try:
             return self._join_and_monitor()
         finally:

@@ -6,7 +6,9 @@ an answer or the caller's timeout passes. gRPC failures become the errors of
 """
 
 import logging
+import os
 import random
+import socket
 import threading
 import time
 from typing import Dict, Optional
@@ -24,6 +26,39 @@ logger = logging.getLogger(__name__)
 _NODE_STATE = {pb.WAITING: api.NodeState.WAITING,
                pb.ADMITTED: api.NodeState.ADMITTED}
 
+#: The file of the root certificate (PEM) a rendezvous' clients verify it
+#: with when none is given them: a rendezvous started with --tls_cert
+#: speaks TLS only.
+TLS_ROOT_CERT_ENV = "KERAS_PS_RDZV_TLS_ROOT_CERT"
+
+
+def tls_root_cert_or_env(given: Optional[PemSource]) -> Optional[PemSource]:
+    """`given`, else the file $KERAS_PS_RDZV_TLS_ROOT_CERT names, else None
+    (plaintext)."""
+    return given if given is not None else (
+        os.environ.get(TLS_ROOT_CERT_ENV) or None)
+
+
+def read_root_cert(source: PemSource) -> bytes:
+    """The PEM bytes of a root certificate given as bytes or a file path.
+
+    Raises:
+        ValueError: the file cannot be read, or holds no PEM certificate.
+    """
+    fix = ("Give the certificate the rendezvous server was started with "
+           "(its --tls_cert), as a PEM file.")
+    try:
+        pem = read_pem(source)
+    except OSError as error:
+        raise ValueError(f"Cannot read the rendezvous' TLS root certificate "
+                         f"{source!r}: {error.strerror or error}. {fix}"
+                         ) from None
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise ValueError(f"The rendezvous' TLS root certificate {source!r} "
+                         f"holds no PEM certificate (no '-----BEGIN "
+                         f"CERTIFICATE-----' line). {fix}")
+    return pem
+
 
 class _TransportDeadline(Exception):
     """The RPC's own deadline passed (not a timeout the server declared)."""
@@ -36,13 +71,15 @@ class RendezvousClient:
         endpoint: The server's HOST:PORT.
         token: Shared secret, sent as `x-keras-ps-token` metadata.
         tls_root_cert: Root certificate (PEM bytes or file path) to verify the
-            server with; when given, the client speaks TLS.
+            server with; when given, the client speaks TLS (see
+            `tls_root_cert_or_env`).
         timeout: Deadline in seconds of non-blocking calls, and the slack
             added to the hold time of each long poll.
         poll_timeout: Longest time one long poll may be held by the server.
 
     Raises:
-        ValueError: `endpoint` is not HOST:PORT.
+        ValueError: `endpoint` is not HOST:PORT, or `tls_root_cert` is no
+            readable certificate.
     """
 
     def __init__(self, endpoint: str, token: Optional[str] = None,
@@ -66,9 +103,10 @@ class RendezvousClient:
                    ("grpc.max_metadata_size", 256 * 1024),
                    ("grpc.initial_reconnect_backoff_ms", 100),
                    ("grpc.max_reconnect_backoff_ms", 2000)]
-        if tls_root_cert is not None:
+        self._tls = tls_root_cert is not None
+        if self._tls:
             credentials = grpc.ssl_channel_credentials(
-                root_certificates=read_pem(tls_root_cert))
+                root_certificates=read_root_cert(tls_root_cert))
             self._channel = grpc.secure_channel(endpoint, credentials, options)
         else:
             self._channel = grpc.insecure_channel(endpoint, options)
@@ -333,7 +371,28 @@ class RendezvousClient:
         cls = api.ERRORS_BY_STATUS_CODE.get(code.name, api.RendezvousError)
         if cls is api.RendezvousClosedError:
             details = (f"rendezvous server {self._endpoint} is unavailable: "
-                       f"{details}")
+                       f"{details}{self._tls_hint()}")
         elif cls is api.RendezvousError:
             details = f"rendezvous call failed with {code.name}: {details}"
         return cls(details)
+
+    def _tls_hint(self) -> str:
+        """What to check when the server's port takes connections and the
+        gRPC connection still fails: TLS on one side only (a server that is
+        down refuses them, and gets no hint)."""
+        host, port = api.parse_address(self._endpoint, "endpoint")
+        try:
+            socket.create_connection((host.strip("[]"), port), 1.0).close()
+        except OSError:
+            return ""
+        if self._tls:
+            return (". Its port takes connections but the TLS handshake "
+                    "failed: a rendezvous started without --tls_cert speaks "
+                    "plaintext; give its clients no root certificate (unset "
+                    f"${TLS_ROOT_CERT_ENV}), or start it with --tls_cert "
+                    "and --tls_key")
+        return (". Its port takes connections but closed this plaintext "
+                "one: a rendezvous started with --tls_cert speaks TLS only; "
+                "give its clients that certificate (the agent's "
+                "--tls_root_cert, ElasticClusterResolver(tls_root_cert=...), "
+                f"or ${TLS_ROOT_CERT_ENV}, which every one of them reads)")

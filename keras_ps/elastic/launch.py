@@ -14,7 +14,7 @@ Agent mode (see `keras_ps.elastic.agent`)::
 
     python -m keras_ps.elastic.launch --rdzv_endpoint=HOST:PORT \
         --nnodes=MIN:MAX --address=HOST:PORT [--monitor_interval=S] \
-        [--max_restarts=N] [--token T] -- TASK...
+        [--max_restarts=N] [--token T] [--tls_root_cert F] -- TASK...
 
 joins the rendezvous as the worker at --address, runs TASK, restarts it on
 failure, and on SIGTERM stops it and leaves (exit 0). It exits 1 when TASK
@@ -30,6 +30,9 @@ import threading
 from typing import List, Optional
 
 from keras_ps.elastic import api
+from keras_ps.elastic.client import TLS_ROOT_CERT_ENV
+from keras_ps.elastic.client import read_root_cert
+from keras_ps.elastic.client import tls_root_cert_or_env
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "at the task and between keep-alives")
     parser.add_argument("--max_restarts", type=int, default=3, metavar="N",
                         help="agent mode: restarts of a failed task")
+    parser.add_argument("--tls_root_cert", metavar="FILE",
+                        help="agent mode: the certificate (PEM) of a "
+                        "rendezvous started with --tls_cert (default: "
+                        f"${TLS_ROOT_CERT_ENV}; none: plaintext)")
     parser.add_argument("--log_level", default="INFO",
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return parser
@@ -177,13 +184,17 @@ def run_agent(args, task: List[str],
             parser.error(f"agent mode needs --{flag}")
     min_nodes, max_nodes = _parse_nnodes(parser, args.nnodes)
     try:
+        tls_root_cert = tls_root_cert_or_env(args.tls_root_cert)
+        if tls_root_cert is not None:
+            read_root_cert(tls_root_cert)  # a bad file: said at once
         config = AgentConfig(
             rdzv_endpoint=args.rdzv_endpoint, address=args.address,
             min_nodes=min_nodes, max_nodes=max_nodes, task=tuple(task),
             monitor_interval=args.monitor_interval,
             max_restarts=args.max_restarts,
             token=args.token or os.environ.get(
-                api.RendezvousConfig.env_var("token")) or None)
+                api.RendezvousConfig.env_var("token")) or None,
+            tls_root_cert=tls_root_cert)
     except ValueError as error:
         parser.error(str(error))
     agent = ElasticAgent(config)

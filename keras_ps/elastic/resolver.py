@@ -21,6 +21,8 @@ import tensorflow as tf
 from keras_ps import cluster as cluster_lib
 from keras_ps.elastic import api
 from keras_ps.elastic.client import RendezvousClient
+from keras_ps.elastic.client import tls_root_cert_or_env
+from keras_ps.elastic.rendezvous_server import PemSource
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         min_workers: `cluster_spec()` waits until this many workers are
             admitted: training starts once `min` workers are present.
         token: The rendezvous token, if the server needs one.
+        tls_root_cert: The root certificate (PEM bytes or file path) of a
+            rendezvous that speaks TLS (started with --tls_cert); default:
+            the file $KERAS_PS_RDZV_TLS_ROOT_CERT names, else plaintext.
         poll_interval: Longest time one watch call is held on the server;
             changes are reported as soon as they happen regardless.
         startup_timeout: Seconds `cluster_spec()` waits for `min_workers`.
@@ -70,6 +75,7 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
     def __init__(self, rdzv_endpoint: str, ps: Union[Sequence[str], int],
                  chief: Optional[str] = None, min_workers: int = 1,
                  token: Optional[str] = None,
+                 tls_root_cert: Optional[PemSource] = None,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
                  startup_timeout: float = 300.0, rpc_layer: str = "grpc"):
         if isinstance(ps, str):
@@ -104,7 +110,9 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         self.min_workers = min_workers
         self.poll_interval = poll_interval
         self.startup_timeout = startup_timeout
-        self._client = RendezvousClient(rdzv_endpoint, token=token)
+        self._client = RendezvousClient(
+            rdzv_endpoint, token=token,
+            tls_root_cert=tls_root_cert_or_env(tls_root_cert))
         self._lock = threading.Lock()
         self._members: Optional[api.MembershipView] = None
         self._watches: List["_Watch"] = []

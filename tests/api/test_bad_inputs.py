@@ -1621,6 +1621,21 @@ def rendezvous_client_bad_endpoint(env):
     elastic.RendezvousClient("rdzv.local", token=TOKEN)
 
 
+@case("rendezvous_client_missing_root_cert", ValueError,
+      "TLS root certificate '/nonexistent/rdzv.pem'",
+      "No such file or directory",
+      "Give the certificate the rendezvous server was started with")
+def rendezvous_client_missing_root_cert(env):
+    elastic.RendezvousClient("127.0.0.1:2", tls_root_cert="/nonexistent/rdzv.pem")
+
+
+@case("rendezvous_client_root_cert_not_pem", ValueError,
+      "holds no PEM certificate", "-----BEGIN CERTIFICATE-----",
+      "Give the certificate the rendezvous server was started with")
+def rendezvous_client_root_cert_not_pem(env):
+    elastic.RendezvousClient("127.0.0.1:2", tls_root_cert=b"not a certificate")
+
+
 @case("rendezvous_config_zero_keepalive", ValueError,
       "keepalive_timeout", "got 0", "finite number of seconds > 0")
 def rendezvous_config_zero_keepalive(env):
@@ -1709,6 +1724,12 @@ SERVER_CASES = [
                   "HOST:PORT", "Pass the rendezvous' HOST:PORT"],
                  id="server_rdzv_endpoint_without_port"),
     # A first item {"env": {...}} adds to the process' environment.
+    pytest.param([{"env": {"KERAS_PS_RDZV_TLS_ROOT_CERT": "/nonexistent/rdzv.pem"}},
+                  "--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "ps", "--rdzv_endpoint", "localhost:2003"],
+                 ["TLS root certificate '/nonexistent/rdzv.pem'",
+                  "Give the certificate the rendezvous server was started with"],
+                 id="server_env_tls_root_cert_missing"),
     pytest.param([{"env": {"KERAS_PS_PREEMPTION_GRACE": "30s"}},
                   "--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
                   "--job_name", "ps"],

@@ -337,6 +337,9 @@ def test_sigterm_stops_task_and_leaves(rdzv, agents):
       "--max_restarts=-1", "--", "true"], "max_restarts"),
     (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--address=127.0.0.1:2",
       "--monitor_interval=0", "--", "true"], "monitor_interval"),
+    (["--rdzv_endpoint=127.0.0.1:1", "--nnodes=1:2", "--address=127.0.0.1:2",
+      "--tls_root_cert=/nonexistent/rdzv.pem", "--", "true"],
+     "TLS root certificate '/nonexistent/rdzv.pem'"),
     ([], "--standalone"),
 ])
 def test_agent_rejects_bad_flags(capsys, argv, expected):

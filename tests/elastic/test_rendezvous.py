@@ -5,7 +5,6 @@ SIGTERM and the join flood. Loopback only; node addresses are identifiers."""
 import collections
 import concurrent.futures
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from keras_ps.elastic.api import RendezvousPhase
 from keras_ps.elastic.client import RendezvousClient
 from keras_ps.elastic.rendezvous_server import RendezvousServer
 
+from _certs import self_signed_cert  # tests/_certs.py
 from _paths import REPO  # noqa: E402
 
 
@@ -349,20 +349,6 @@ def test_token(rdzv):
     assert good.get_waiting_nodes(A) == 0
 
 
-def _self_signed_cert(directory):
-    if shutil.which("openssl") is None:
-        pytest.skip("needs the openssl CLI (cryptography is not installed)")
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
-         "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-         "-subj", "/CN=localhost", "-addext",
-         "subjectAltName=DNS:localhost,IP:127.0.0.1",
-         "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True, timeout=30)
-    return cert, key
-
-
 def _slow_to_answer(endpoint, delay):
     """A loopback TCP relay to `endpoint` that holds back the server's first
     bytes of each connection (its HTTP/2 SETTINGS frame) for `delay`
@@ -422,7 +408,7 @@ def test_a_server_slow_to_send_its_first_frame_is_joined(rdzv):
 
 @pytest.mark.timeout(30)
 def test_tls(rdzv, tmp_path):
-    cert, key = _self_signed_cert(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     _, endpoint = rdzv.start(tls={"tls_cert": str(cert),
                                   "tls_key": key.read_bytes()})
     secure = rdzv.client(endpoint, tls_root_cert=str(cert))
@@ -430,9 +416,28 @@ def test_tls(rdzv, tmp_path):
         (A,), 0, 1)
     plaintext = rdzv.client(endpoint, timeout=3.0)
     started = time.monotonic()
-    with pytest.raises(api.RendezvousClosedError, match="unavailable"):
+    with pytest.raises(api.RendezvousClosedError, match="unavailable") as info:
         plaintext.get_waiting_nodes(A)
     assert time.monotonic() - started < 5
+    # Its port takes connections: the error says to give the certificate.
+    assert "a rendezvous started with --tls_cert speaks TLS only" in \
+        str(info.value), info.value
+    for where in ("the agent's --tls_root_cert",
+                  "ElasticClusterResolver(tls_root_cert=...)",
+                  "$KERAS_PS_RDZV_TLS_ROOT_CERT"):
+        assert where in str(info.value), info.value
+    # The other way round: a client given a certificate, a plaintext server.
+    _, plain_endpoint = rdzv.start()
+    with pytest.raises(api.RendezvousClosedError) as info:
+        rdzv.client(plain_endpoint, tls_root_cert=cert.read_bytes(),
+                    timeout=3.0).get_waiting_nodes(A)
+    assert "a rendezvous started without --tls_cert speaks plaintext; give " \
+        "its clients no root certificate" in str(info.value), info.value
+    # A server that is down refuses connections: no word of TLS.
+    down = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    with pytest.raises(api.RendezvousClosedError) as info:
+        rdzv.client(down, timeout=3.0).get_waiting_nodes(A)
+    assert "TLS" not in str(info.value), info.value
 
 
 _BIG = b"x" * (api.MAX_DATA_BYTES + 1)
