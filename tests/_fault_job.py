@@ -9,6 +9,7 @@ Usage: python tests/_fault_job.py worker_kill|worker_restart|ps_kill|ps_restart|
 """
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -18,6 +19,7 @@ import tensorflow as tf
 
 import keras_ps
 from _kills import reset_connections
+from _kills import unread_bytes
 from _results import say
 from keras_ps.coordinator import packing as packing_lib
 from keras_ps.cluster._network import probe
@@ -361,7 +363,6 @@ def ps_loss_mid_read():
     its iterator is still under way (TF then cancels that read): after
     recover_parameter_servers() and a checkpoint restore, the next steps
     read their iterators again instead of ending with End of sequence."""
-    import os
     import tempfile
 
     from tensorflow.python.data.experimental.ops import testing
@@ -489,6 +490,43 @@ def connection_reset_mid_read():
             failed=[m for m in log if "closure failed with" in m],
             made_again=[m for m in log if "datasets made again" in m],
             states=[w.state.value for w in coordinator.workers])
+
+
+def marker_read_reset():
+    """The coordinator's check that a ps still holds this job's variables
+    (a read of its marker) has its connection aborted under it: the ps is
+    SIGSTOPped, so the read waits in flight, its connection is aborted (ss
+    -K), and the ps continued. The ps lost nothing."""
+    with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        coordinator = keras_ps.ClusterCoordinator(strategy)
+        with strategy.scope():
+            total = tf.Variable(0.0)
+        ps_port = int(cluster.address("ps", 0).rsplit(":", 1)[1])
+        assert strategy.ps_holds_state(0)
+        cluster.pause("ps", 0)
+        before = unread_bytes(os.getpid(), ps_port)
+        seen = {}
+        check = threading.Thread(
+            target=lambda: seen.update(holds=strategy.ps_holds_state(0)))
+        check.start()
+        deadline = time.monotonic() + 60
+        while unread_bytes(os.getpid(), ps_port) <= before:  # the read sent
+            assert time.monotonic() < deadline, "the marker read never left"
+            time.sleep(0.01)
+        reset = reset_connections(os.getpid(), ps_port)
+        cluster.resume("ps", 0)
+        check.join(60)
+
+        @tf.function
+        def step():
+            total.assign_add(1.0)
+
+        coordinator.schedule(step)
+        coordinator.join()
+        say(reset=reset, holds=seen.get("holds"),
+            lost=coordinator.lost_parameter_servers(),
+            total=float(total.numpy()))
 
 
 def trace_while_stopped():
@@ -656,6 +694,8 @@ if __name__ == "__main__":
         ps_loss_mid_read()
     elif sys.argv[1] == "connection_reset_mid_read":
         connection_reset_mid_read()
+    elif sys.argv[1] == "marker_read_reset":
+        marker_read_reset()
     elif sys.argv[1] == "trace_waits_for_an_idle_stopped_worker":
         trace_waits_for_an_idle_stopped_worker()
     else:

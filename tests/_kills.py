@@ -56,6 +56,20 @@ def _tcp_sockets(pid, port):
     return found
 
 
+def unread_bytes(pid, port):
+    """Bytes that process `pid` sent over its connections to `port` and the
+    process listening there has not read yet (its receive queues: a
+    stopped process reads nothing)."""
+    total = 0
+    for local, _ in _tcp_sockets(pid, port):
+        out = subprocess.run(
+            ["ss", "-tnH", "state", "established",
+             f"( sport = :{port} and dport = :{local} )"],
+            capture_output=True, text=True, check=True).stdout
+        total += sum(int(line.split()[0]) for line in out.splitlines())
+    return total
+
+
 def reset_connections(pid, port):
     """Aborts every established TCP connection of process `pid` to `port`
     (both ends get ECONNABORTED / a reset, as when a network path between

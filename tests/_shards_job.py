@@ -23,6 +23,10 @@ Usage:
              updates are on the ps and before its progress mark (the step
              waits PAUSE_US on the worker after its updates), and restart it
     chaos    a kill and a stop in epoch 0, a kill in epoch 1
+    reset    at shards 3, 7, 11, 15 and 19 of each epoch, every TCP
+             connection to the ps and from this process to the workers is
+             aborted (ss -K: a network path that drops them), every
+             process running on
     elastic  2 agents through a rendezvous; a third joins mid-epoch 0 and
              leaves (SIGTERM to its agent) once it trained 2 shards
     backup   fit with BackupAndRestore(save_freq=1) on an existing cluster;
@@ -37,6 +41,7 @@ Usage:
              again, nothing happens
 """
 
+import functools
 import json
 import os
 import signal
@@ -49,6 +54,7 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _kills import reset_connections
 from _results import say
 from keras_ps import _tf_adapter
 from keras_ps.tables import _blockwise_init
@@ -363,7 +369,22 @@ def on_local_cluster(mode, data_dir):
                 threading.Thread(target=run, daemon=True).start()
             return act
 
+        def reset(key):
+            """Aborts every connection to the ps (the workers' and this
+            process') and this process' to the workers."""
+            port = {(job, i): int(cluster.address(job, i).rsplit(":", 1)[1])
+                    for job, i in [("ps", 0)] + [("worker", i)
+                                                 for i in range(3)]}
+            aborted = sum(reset_connections(pid, port["ps", 0]) for pid in [
+                cluster.pid("worker", i) for i in range(3)] + [os.getpid()])
+            aborted += sum(reset_connections(os.getpid(), port["worker", i])
+                           for i in range(3))
+            events[f"reset_{key}"] = aborted
+
         callbacks = {
+            "reset": [AtShard(shard, functools.partial(reset, f"{e}_{shard}"),
+                              epoch=e)
+                      for e in range(EPOCHS) for shard in (3, 7, 11, 15, 19)],
             "plain": [], "kill": [AtShard(6, in_background(kill))],
             "stop": [AtShard(6, in_background(stop))],
             "kill_in_step": [AtShard(6, kill_inside_step)],

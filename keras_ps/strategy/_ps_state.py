@@ -5,8 +5,10 @@ Kubernetes, a fast preemption replacement) answers every connectivity probe
 and, once a worker is re-admitted, even runs ops in this job's context: only
 the variables it held are gone. So whether a ps lost its state is asked of a
 variable that lives on it: each ps holds a small incarnation marker, read
-back on demand. A read that fails (any error) means the ps no longer holds
-what this job placed there.
+back on demand. A read that fails means the ps no longer holds what this
+job placed there; one that fails on the connection is read again first (a
+connection dropped under it, the ps holding on: the next read connects
+again, while a restarted ps fails every read).
 
 The strategy also records every variable it places on a ps (weakly), by
 device, so that a ps that lost its state can be given its variables back in
@@ -17,6 +19,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 import weakref
 
 import tensorflow as tf
@@ -26,6 +29,14 @@ from keras_ps.tables import _blockwise_init
 from keras_ps import _tf_adapter
 
 logger = logging.getLogger(__name__)
+
+# A marker read failing with one of these may be the connection's, not the
+# ps': it is read again, at most _MARKER_READS times, _MARKER_REREAD_S apart.
+_CONNECTION_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
+                      tf.errors.CancelledError,
+                      tf.errors.DeadlineExceededError)
+_MARKER_READS = 3
+_MARKER_REREAD_S = 0.2
 
 
 def ps_device(index):
@@ -88,17 +99,29 @@ class PsMarkers:
                 name=f"keras_ps_marker_ps{index}")
 
     def holds_state(self, index):
-        """Whether ps `index` still holds this job's variables (one read of
-        its marker; False when the ps is unreachable or was restarted)."""
+        """Whether ps `index` still holds this job's variables (a read of its
+        marker; False when the ps is unreachable or was restarted). A read
+        that fails on the connection is tried again, up to
+        `_MARKER_READS` reads: a connection dropped under this one (the
+        network reset it, the ps holding on) fails a read in flight, and the
+        next connects again; a restarted ps fails every read ("Unable to find
+        a context_id": AbortedError)."""
         with self._lock:
             marker = self._markers[index]
-        try:
-            return int(marker.read_value().numpy()) == self._incarnation
-        except tf.errors.OpError as error:
-            logger.info("[ps:%d] its marker variable is gone (%s): the ps was "
-                        "restarted or cannot be reached", index,
-                        type(error).__name__)
-            return False
+        for read in range(_MARKER_READS):
+            try:
+                return int(marker.read_value().numpy()) == self._incarnation
+            except _CONNECTION_ERRORS as error:
+                failed = error
+                if read + 1 < _MARKER_READS:
+                    time.sleep(_MARKER_REREAD_S)
+            except tf.errors.OpError as error:
+                failed = error
+                break
+        logger.info("[ps:%d] its marker variable is gone (%s): the ps was "
+                    "restarted or cannot be reached", index,
+                    type(failed).__name__)
+        return False
 
     def renew(self, index):
         """Places a new marker on ps `index` (after it was given its state back)."""

@@ -220,6 +220,24 @@ def test_an_iterator_reads_again_after_a_connection_reset_mid_read():
 
 
 @pytest.mark.timeout(240)
+def test_a_marker_read_cut_by_a_reset_connection_keeps_the_ps():
+    # Whether a ps still holds the job's variables is a read of a marker
+    # variable on it. That read, in flight (the ps SIGSTOPped meanwhile),
+    # has its connection aborted (ss -K): the ps lost nothing, and a read
+    # on the next connection says so. Before, the one failed read counted
+    # the ps as restarted, and a loop without a backup ended with
+    # ParameterServerUnavailableError ("the model's variables there are
+    # lost"; a fit with one recovered it from its backup, rolled back).
+    if not can_reset_connections():
+        pytest.skip("this machine does not let `ss -K` abort a connection")
+    result = run_job("marker_read_reset", timeout=220)
+    assert result["reset"] == 1, result
+    assert result["holds"] is True, result
+    assert result["lost"] == {}, result
+    assert result["total"] == 1.0, result  # and steps run on
+
+
+@pytest.mark.timeout(240)
 def test_iterators_read_again_after_a_ps_lost_mid_read():
     # A step fails on a SIGKILLed ps while its iterator read is under way, so
     # TF cancels that read (which ends the iterator for good). After

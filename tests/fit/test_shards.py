@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from _backups import read_backup_state
+from _kills import can_reset_connections
 from _paths import TESTS
 from _polling import wait_until
 from _results import last_report
@@ -379,6 +380,30 @@ def test_fit_worker_sigstopped_past_hang_timeout(tmp_path):
     # retry); those late steps are the records trained twice, counted.
     _check_epoch(first, exactly_once=False)
     _check_epoch(result["epochs"]["1"], exactly_once=False)
+
+
+# -m slow: the two failures it found have short tests in the suite,
+# coordinator/test_worker_faults.py::test_a_marker_read_cut_by_a_reset_connection_keeps_the_ps
+# and ::test_an_iterator_reads_again_after_a_connection_reset_mid_read.
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_fit_trains_every_record_once_through_connections_reset(tmp_path):
+    # Five times an epoch every TCP connection to the ps, and the
+    # coordinator's to the workers, is aborted (ss -K), every process
+    # running on: the steps in flight fail on the connection and are
+    # retried. The coordinator's check of the ps' marker, read on a
+    # connection dropped under it, took the ps for one restarted ("the
+    # model's variables there are lost"), and the fit ended.
+    if not can_reset_connections():
+        pytest.skip("this machine does not let `ss -K` abort a connection")
+    result = _run("reset", tmp_path, 180)
+    assert sorted(result["events"]) == sorted(
+        f"reset_{e}_{shard}" for e in range(2) for shard in (3, 7, 11, 15, 19)
+    ), result
+    assert all(n >= 1 for n in result["events"].values()), result
+    for epoch in result["epochs"].values():
+        _check_epoch(epoch, exactly_once=False, steps_in_flight=4)
+    assert result["states"] == ["healthy"] * 3, result
 
 
 @pytest.mark.slow
