@@ -12,6 +12,7 @@ node of the rendezvous. This module imports TensorFlow, so
 import logging
 import math
 import numbers
+import os
 import threading
 import time
 from typing import Callable, List, Optional, Sequence, Union
@@ -52,7 +53,8 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
             the process that builds the strategy, as with LocalCluster).
         min_workers: `cluster_spec()` waits until this many workers are
             admitted: training starts once `min` workers are present.
-        token: The rendezvous token, if the server needs one.
+        token: The rendezvous token, if the server needs one; default:
+            $KERAS_PS_RDZV_TOKEN, as the agent and a ps read it.
         tls_root_cert: The root certificate (PEM bytes or file path) of a
             rendezvous that speaks TLS (started with --tls_cert); default:
             the file $KERAS_PS_RDZV_TLS_ROOT_CERT names, else plaintext.
@@ -110,8 +112,10 @@ class ElasticClusterResolver(tf.distribute.cluster_resolver.ClusterResolver,
         self.min_workers = min_workers
         self.poll_interval = poll_interval
         self.startup_timeout = startup_timeout
+        if token is None:
+            token = os.environ.get(api.RendezvousConfig.env_var("token"))
         self._client = RendezvousClient(
-            rdzv_endpoint, token=token,
+            rdzv_endpoint, token=token or None,
             tls_root_cert=tls_root_cert_or_env(tls_root_cert))
         self._lock = threading.Lock()
         self._members: Optional[api.MembershipView] = None

@@ -146,6 +146,34 @@ def test_a_resolver_given_a_number_of_ps_waits_for_their_announcements(rdzv):
         resolver.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_resolver_sends_the_token_from_the_environment(rdzv, monkeypatch):
+    # As the agent and a ps do: $KERAS_PS_RDZV_TOKEN unless given token=.
+    from keras_ps.elastic.resolver import ElasticClusterResolver
+
+    _, endpoint = rdzv.start(token="s3cret")
+    rdzv.client(endpoint, token="s3cret").get_cluster_spec(A, 1, 1, timeout=10)
+    monkeypatch.setenv("KERAS_PS_RDZV_TOKEN", "s3cret")
+    resolver = ElasticClusterResolver(endpoint, ps=[B], startup_timeout=10)
+    try:
+        assert resolver.cluster_spec().as_dict() == {"ps": [B], "worker": [A]}
+    finally:
+        resolver.close()
+    monkeypatch.setenv("KERAS_PS_RDZV_TOKEN", "wrong")
+    resolver = ElasticClusterResolver(endpoint, ps=[B], startup_timeout=5)
+    try:
+        with pytest.raises(api.RendezvousAuthError, match="token"):
+            resolver.cluster_spec()
+    finally:
+        resolver.close()
+    given = ElasticClusterResolver(endpoint, ps=[B], token="s3cret",
+                                   startup_timeout=10)
+    try:
+        assert given.cluster_spec().as_dict()["worker"] == [A]
+    finally:
+        given.close()
+
+
 @pytest.mark.parametrize("kwargs, needle", [
     (dict(startup_timeout=-1), "startup_timeout=-1"),
     (dict(startup_timeout=float("nan")), "startup_timeout=nan"),

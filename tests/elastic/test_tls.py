@@ -63,12 +63,14 @@ def test_every_client_reaches_a_tls_rendezvous_given_its_certificate(
                 "--job_name", "ps", "--exit_with_parent",
                 "--rdzv_endpoint", endpoint], logs[1],
                KERAS_PS_RDZV_TLS_ROOT_CERT=str(cert))]
+    resolvers = []
     try:
         # The coordinator's resolver: the certificate from the environment
         # here (given as tls_root_cert= in the next one).
         monkeypatch.setenv("KERAS_PS_RDZV_TLS_ROOT_CERT", str(cert))
         resolver = ElasticClusterResolver(endpoint, ps=1, min_workers=1,
                                           startup_timeout=120)
+        resolvers.append(resolver)
         spec = resolver.cluster_spec().as_dict()
         assert spec == {"ps": [f"localhost:{ps_port}"], "worker": [worker]}, \
             spec
@@ -76,6 +78,7 @@ def test_every_client_reaches_a_tls_rendezvous_given_its_certificate(
         given = ElasticClusterResolver(endpoint, ps=1, min_workers=1,
                                        tls_root_cert=str(cert),
                                        startup_timeout=60)
+        resolvers.append(given)
         assert given.ps_address(0) == f"localhost:{ps_port}"
         for process, log in zip(processes, logs):
             assert process.poll() is None, open(log.name).read()[-2000:]
@@ -83,6 +86,8 @@ def test_every_client_reaches_a_tls_rendezvous_given_its_certificate(
                    f"rendezvous {endpoint}" in open(logs[1].name).read(), 30,
                    "the ps' line saying it announced itself")
     finally:
+        for resolver in resolvers:
+            resolver.close()
         for process in processes:
             process.kill()
             process.wait()
