@@ -4,12 +4,17 @@ import logging
 
 from keras_ps.backups import _checks
 from keras_ps.coordinator import ClusterCoordinator
+from keras_ps.coordinator.failure_handling import is_connectivity_error
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.backups.incremental_backup import IncrementalBackup
 from keras_ps.strategy import ParameterServerStrategy
 from keras_ps.training._fit_epochs import LOST_SHARDS
 
 logger = logging.getLogger(__name__)
+
+# Writes of one backup, at most, when each fails on a connection while every
+# ps still holds its variables.
+WRITE_ATTEMPTS = 3
 
 
 def check_modes(incremental, recover_ps):
@@ -119,3 +124,28 @@ def raise_if_ps_lost(model, error):
             f"Parameter server(s) {sorted(lost)} at "
             f"{[lost[i] for i in sorted(lost)]} were lost while the backup "
             "was being restored.") from error
+
+
+def written_again_on_dropped_connections(model, write, what):
+    """`write()`, made again when it fails on a connection while every ps
+    of `model`'s keras_ps strategy still holds its variables (the network
+    dropped a connection under a read or a write: nothing of a failed
+    attempt is published, and an incremental backup's delta covers the
+    rows since its base again), up to WRITE_ATTEMPTS writes in all. A lost
+    ps' error passes on, to the fit's recovery. Returns what `write`
+    returns."""
+    strategy = model.distribute_strategy
+    for attempt in range(1, WRITE_ATTEMPTS + 1):
+        try:
+            return write()
+        except Exception as error:  # noqa: BLE001  (re-raised unless retried)
+            if (not is_connectivity_error(error) or attempt == WRITE_ATTEMPTS
+                    or not isinstance(strategy, ParameterServerStrategy)
+                    or ClusterCoordinator(strategy).lost_parameter_servers()):
+                raise
+            logger.warning(
+                "[chief] %s failed on a connection (%s: %s), every ps "
+                "holding its variables; writing it again (%d of %d)", what,
+                type(error).__name__,
+                (str(error).strip().splitlines() or [""])[0][:200],
+                attempt + 1, WRITE_ATTEMPTS)

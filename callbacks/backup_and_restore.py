@@ -416,6 +416,17 @@ class BackupAndRestore(ResumableCallback):
         extra = {key: provide() for key, provide in self.state_providers.items()}
         state = {"epoch": epoch, "step": step, "serial": self._serial,
                  "extra": extra}
+        _backup_modes.written_again_on_dropped_connections(
+            self.model, lambda: self._write(state), f"backup {self._serial}")
+        self._steps_since_save = 0
+        self._newest_backup_at = (epoch, step)
+        logger.info("[chief] backup %d written: epoch %d, step %d (training "
+                    "waited %.2f s)", self._serial, epoch, step,
+                    self._cost.written(started))
+        self._ps_notices.release(self._incremental.wait if self._incremental
+                                 else lambda: None, self._serial, epoch, step)
+
+    def _write(self, state):
         if self._incremental is not None:
             # Published by the manifest's rename; the state file follows.
             entry = self._incremental.save(metadata=state)
@@ -427,13 +438,6 @@ class BackupAndRestore(ResumableCallback):
             _weights_files.write(self.model, self.backup_dir,
                                  self._state_path, state, self._read_state(),
                                  self.double_checkpoint)
-        self._steps_since_save = 0
-        self._newest_backup_at = (epoch, step)
-        logger.info("[chief] backup %d written: epoch %d, step %d (training "
-                    "waited %.2f s)", self._serial, epoch, step,
-                    self._cost.written(started))
-        self._ps_notices.release(self._incremental.wait if self._incremental
-                                 else lambda: None, self._serial, epoch, step)
 
     def _read_state(self):
         return _state_file.read(self._state_path, self._incremental_path)

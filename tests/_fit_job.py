@@ -90,6 +90,8 @@ import numpy as np
 import tensorflow as tf
 
 import keras_ps
+from _kills import reset_connections
+from _kills import unread_bytes
 from _results import say
 
 EPOCHS, STEPS, PER_EXECUTION = 3, 40, 2
@@ -697,6 +699,54 @@ class _PauseInBackup(keras_ps.callbacks.BackupAndRestore):
             self.cluster.restart("ps", 0)
 
 
+class _ResetInBackup(keras_ps.callbacks.BackupAndRestore):
+    """As its first backup of epoch 1 starts, once the steps in flight
+    ended, stops ps 0; once the backup's read of ps 0 is sent (unread there),
+    aborts this process' connections to ps 0 (ss -K), and continues it.
+    `reset`: how many were aborted."""
+
+    def __init__(self, cluster, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cluster, self.reset = cluster, None
+
+    def _backup(self, epoch, step):
+        if epoch == 1 and self.reset is None:
+            keras_ps.ClusterCoordinator(self.model.distribute_strategy).join()
+            port = int(self.cluster.address("ps", 0).rsplit(":", 1)[1])
+            before = unread_bytes(os.getpid(), port)
+            self.cluster.pause("ps", 0)
+            self.reset = 0
+            threading.Thread(target=self._reset, args=(port, before),
+                             daemon=True).start()
+        return super()._backup(epoch, step)
+
+    def _reset(self, port, before):
+        deadline = time.monotonic() + 60
+        while (unread_bytes(os.getpid(), port) <= before
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        self.reset = reset_connections(os.getpid(), port)
+        self.cluster.resume("ps", 0)
+
+
+def backup_reset(backup_dir):
+    warnings = _Warnings("keras_ps.callbacks._backup_modes")
+    with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
+        model = build(strategy)
+        backup = _ResetInBackup(cluster, backup_dir, save_freq=4)
+        history = model.fit(dataset_creator(), epochs=EPOCHS,
+                            steps_per_epoch=STEPS, callbacks=[backup],
+                            verbose=0)
+        x, y = data(seed=1, n=1024)
+        _, accuracy = model.evaluate(x, y, batch_size=128, verbose=0)
+        say(iterations=int(model.optimizer.iterations.numpy()),
+            planned=EPOCHS * STEPS, epochs=history.epoch, reset=backup.reset,
+            accuracy=float(accuracy), warnings=warnings.messages,
+            recoveries=history.history.get("ps_recoveries"),
+            rolled_back=history.history.get("steps_rolled_back"))
+
+
 def ps_pause_in_backup(backup_dir):
     warnings = _Warnings("keras_ps.coordinator.watchdog", "ps 0 at localhost")
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
@@ -816,6 +866,8 @@ if __name__ == "__main__":
         ps_notice(sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1")
     elif sys.argv[1] == "ps_pause":
         ps_pause(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "backup_reset":
+        backup_reset(sys.argv[2])
     elif sys.argv[1] == "ps_pause_in_backup":
         ps_pause_in_backup(sys.argv[2])
     elif sys.argv[1] == "ps_pause_loop":

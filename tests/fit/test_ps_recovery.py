@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from _kills import can_reset_connections
 from _paths import TESTS
 from _results import last_report
 from _results import run_child
@@ -37,6 +38,30 @@ def run(tmp_path, kills, in_restore=None, recover_ps=None):
         "-" if in_restore is None else str(in_restore),
         *([recover_ps] if recover_ps else []))
     return code, output, last_report(output, code)
+
+
+@pytest.mark.timeout(240)
+def test_a_backup_whose_connection_drops_is_written_again(tmp_path):
+    # The backup's read of ps 0 is in flight (the ps SIGSTOPped meanwhile)
+    # when the chief's connections to it are aborted (ss -K): every ps holds
+    # its variables, so the backup is written again and fit goes on with
+    # nothing rolled back. Before, the UnavailableError ended fit.
+    if not can_reset_connections():
+        pytest.skip("this machine does not let `ss -K` abort a connection")
+    code, output = run_job("backup_reset", str(tmp_path / "backup"))
+    assert code == 0, output[-4000:]
+    result = last_report(output, code)
+    assert result["reset"] >= 1, result
+    assert result["epochs"] == [0, 1, 2]
+    assert result["planned"] <= result["iterations"] <= \
+        result["planned"] + 2 * PER_EXECUTION, result
+    assert result["recoveries"] == [0, 0, 0], result
+    assert result["rolled_back"] == [0, 0, 0], result
+    assert len(result["warnings"]) == 1, result["warnings"]
+    assert re.fullmatch(
+        r"\[chief\] backup \d+ failed on a connection \(UnavailableError: "
+        r".*\), every ps holding its variables; writing it again \(2 of 3\)",
+        result["warnings"][0]), result["warnings"]
 
 
 @pytest.fixture(scope="module")
