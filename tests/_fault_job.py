@@ -358,6 +358,31 @@ def preempted_while_cancelling():
             total=float(total.numpy()))
 
 
+def _reading_slowly(coordinator, strategy, read_s, update_after_s):
+    """(total, iterator, step): a variable on the ps; per-worker iterators
+    whose every element takes `read_s` seconds to read (no map under the
+    sleep); a tf.function `step(iterator)` that adds 1 to `total` once it
+    waited `update_after_s` seconds on the worker, reading its element in
+    parallel, and returns the element."""
+    from tensorflow.python.data.experimental.ops import testing
+
+    with strategy.scope():
+        total = tf.Variable(0.0)
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
+            testing.sleep(int(read_s * 1e6)))))
+
+    @tf.function
+    def step(it):
+        delay = tf.data.Dataset.from_tensors(0.0).apply(
+            testing.sleep(int(update_after_s * 1e6))).get_single_element()
+        with tf.control_dependencies([delay]):
+            total.assign_add(1.0)
+        return next(it)
+
+    return total, iterator, step
+
+
 def ps_loss_mid_read():
     """A custom loop whose step fails on a lost ps while the step's read of
     its iterator is still under way (TF then cancels that read): after
@@ -365,28 +390,12 @@ def ps_loss_mid_read():
     read their iterators again instead of ending with End of sequence."""
     import tempfile
 
-    from tensorflow.python.data.experimental.ops import testing
-
     with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         coordinator = keras_ps.ClusterCoordinator(strategy)
-        with strategy.scope():
-            total = tf.Variable(0.0)
-        # Each element takes 3 s to read (no map under the sleep).
-        iterator = iter(coordinator.create_per_worker_dataset(
-            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
-                testing.sleep(3_000_000))))
-
-        @tf.function
-        def step(it):
-            # The update of the ps waits 1 s on the worker; the read, in
-            # parallel, 3 s: a ps lost meanwhile fails the update mid-read.
-            delay = tf.data.Dataset.from_tensors(0.0).apply(
-                testing.sleep(1_000_000)).get_single_element()
-            with tf.control_dependencies([delay]):
-                total.assign_add(1.0)
-            return next(it)
-
+        # A ps lost while the update waits fails it mid-read.
+        total, iterator, step = _reading_slowly(coordinator, strategy,
+                                                read_s=3, update_after_s=1)
         coordinator.schedule(step, args=(iterator,))
         coordinator.join()
         path = tf.train.Checkpoint(total=total).write(
@@ -438,29 +447,13 @@ def connection_reset_mid_read():
     its variables, and is retried; TF cancelled the read, which ends the
     iterator for good, so the retry reads the worker's iterator again
     (started over) instead of failing with End of sequence."""
-    from tensorflow.python.data.experimental.ops import testing
-
     with keras_ps.LocalCluster(num_workers=1, num_ps=1) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
         coordinator = keras_ps.ClusterCoordinator(strategy)
-        with strategy.scope():
-            total = tf.Variable(0.0)
-        # Each element takes 5 s to read (no map under the sleep).
-        iterator = iter(coordinator.create_per_worker_dataset(
-            lambda: tf.data.Dataset.from_tensors(1.0).repeat().apply(
-                testing.sleep(5_000_000))))
-
-        @tf.function
-        def step(it):
-            # The update of the ps waits 2 s on the worker; the read, in
-            # parallel, 5 s: the worker's call to the ps is under way
-            # meanwhile, and the reset comes before the update is sent.
-            delay = tf.data.Dataset.from_tensors(0.0).apply(
-                testing.sleep(2_000_000)).get_single_element()
-            with tf.control_dependencies([delay]):
-                total.assign_add(1.0)
-            return next(it)
-
+        # The worker's call to the ps is under way while the update waits,
+        # and the reset comes before the update is sent.
+        total, iterator, step = _reading_slowly(coordinator, strategy,
+                                                read_s=5, update_after_s=2)
         coordinator.schedule(step, args=(iterator,))
         coordinator.join()
         log = []
