@@ -24,6 +24,15 @@ from keras_ps.errors import ClusterUnreachableError
 
 logger = logging.getLogger(__name__)
 
+# Errors a lost or restarted task, or a connection dropped under a call,
+# can surface as. Any other error type is the call's own.
+CONNECTION_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+)
+
 COORDINATOR_JOB = "chief"
 # The coordinator's own device: results are copied to it, and values made on
 # it are copied to a task (not made on the task: see strategy._ps_state).

@@ -14,10 +14,9 @@ import enum
 import logging
 import time
 
-import tensorflow as tf
-
 from keras_ps import _native
 from keras_ps import _tf_adapter
+from keras_ps.cluster import _connection
 from keras_ps.cluster._network import incarnation
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import RepeatedFailureError
@@ -27,14 +26,6 @@ from keras_ps.strategy._per_worker import worker_device
 logger = logging.getLogger(__name__)
 
 # -- the policy ------------------------------------------------------------------
-# Errors a lost or restarted task can surface as. Any other error type is the
-# user's function failing.
-_CONNECTIVITY_ERRORS = (
-    tf.errors.UnavailableError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.AbortedError,
-    tf.errors.CancelledError,
-)
 
 MAX_TRANSIENT_RETRIES = 3
 # Failures in a row, with no call done in between, of a worker that answers
@@ -63,7 +54,9 @@ class Decision(enum.Enum):
 
 
 def is_connectivity_error(error):
-    return isinstance(error, _CONNECTIVITY_ERRORS)
+    """Whether `error` may be a lost or restarted task's, or a dropped
+    connection's (any other type is the user's function failing)."""
+    return isinstance(error, _connection.CONNECTION_ERRORS)
 
 
 def decide(error, worker_alive, dead_ps, context_lost=False,

@@ -185,8 +185,8 @@ def run_agent(args, task: List[str],
     min_nodes, max_nodes = _parse_nnodes(parser, args.nnodes)
     try:
         tls_root_cert = tls_root_cert_or_env(args.tls_root_cert)
-        if tls_root_cert is not None:
-            read_root_cert(tls_root_cert)  # a bad file: said at once
+        if tls_root_cert is not None:  # read now: a bad file is said at once
+            tls_root_cert = read_root_cert(tls_root_cert)
         config = AgentConfig(
             rdzv_endpoint=args.rdzv_endpoint, address=args.address,
             min_nodes=min_nodes, max_nodes=max_nodes, task=tuple(task),

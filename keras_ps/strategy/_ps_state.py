@@ -30,11 +30,8 @@ from keras_ps import _tf_adapter
 
 logger = logging.getLogger(__name__)
 
-# A marker read failing with one of these may be the connection's, not the
-# ps': it is read again, at most _MARKER_READS times, _MARKER_REREAD_S apart.
-_CONNECTION_ERRORS = (tf.errors.UnavailableError, tf.errors.AbortedError,
-                      tf.errors.CancelledError,
-                      tf.errors.DeadlineExceededError)
+# A marker read failing on the connection (_connection.CONNECTION_ERRORS) is
+# made again, at most _MARKER_READS times, _MARKER_REREAD_S apart.
 _MARKER_READS = 3
 _MARKER_REREAD_S = 0.2
 
@@ -111,7 +108,7 @@ class PsMarkers:
         for read in range(_MARKER_READS):
             try:
                 return int(marker.read_value().numpy()) == self._incarnation
-            except _CONNECTION_ERRORS as error:
+            except _connection.CONNECTION_ERRORS as error:
                 failed = error
                 if read + 1 < _MARKER_READS:
                     time.sleep(_MARKER_REREAD_S)
