@@ -106,18 +106,20 @@ class PsMarkers:
         with self._lock:
             marker = self._markers[index]
         for read in range(_MARKER_READS):
+            # Only the error's name is kept: the error itself would hold the
+            # callers' frames (its traceback's), and with them what they
+            # hold (a recovery's replaced iterators), past this call.
             try:
                 return int(marker.read_value().numpy()) == self._incarnation
             except _connection.CONNECTION_ERRORS as error:
-                failed = error
+                failed = type(error).__name__
                 if read + 1 < _MARKER_READS:
                     time.sleep(_MARKER_REREAD_S)
             except tf.errors.OpError as error:
-                failed = error
+                failed = type(error).__name__
                 break
         logger.info("[ps:%d] its marker variable is gone (%s): the ps was "
-                    "restarted or cannot be reached", index,
-                    type(failed).__name__)
+                    "restarted or cannot be reached", index, failed)
         return False
 
     def renew(self, index):
