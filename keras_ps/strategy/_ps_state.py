@@ -30,8 +30,12 @@ from keras_ps import _tf_adapter
 
 logger = logging.getLogger(__name__)
 
-# A marker read failing on the connection (_connection.CONNECTION_ERRORS) is
-# made again, at most _MARKER_READS times, _MARKER_REREAD_S apart.
+# A marker read failing on the connection itself is made again, at most
+# _MARKER_READS times, _MARKER_REREAD_S apart. Not an AbortedError: that is
+# the ps' own answer ("Unable to find a context_id": it knows nothing of
+# this job, it was restarted), final at once.
+_REREAD_ERRORS = (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+                  tf.errors.CancelledError)
 _MARKER_READS = 3
 _MARKER_REREAD_S = 0.2
 
@@ -101,8 +105,8 @@ class PsMarkers:
         that fails on the connection is tried again, up to
         `_MARKER_READS` reads: a connection dropped under this one (the
         network reset it, the ps holding on) fails a read in flight, and the
-        next connects again; a restarted ps fails every read ("Unable to find
-        a context_id": AbortedError)."""
+        next connects again; a restarted ps answers AbortedError ("Unable to
+        find a context_id"), at once final."""
         with self._lock:
             marker = self._markers[index]
         for read in range(_MARKER_READS):
@@ -111,7 +115,7 @@ class PsMarkers:
             # hold (a recovery's replaced iterators), past this call.
             try:
                 return int(marker.read_value().numpy()) == self._incarnation
-            except _connection.CONNECTION_ERRORS as error:
+            except _REREAD_ERRORS as error:
                 failed = type(error).__name__
                 if read + 1 < _MARKER_READS:
                     time.sleep(_MARKER_REREAD_S)
