@@ -6,9 +6,9 @@ and, once a worker is re-admitted, even runs ops in this job's context: only
 the variables it held are gone. So whether a ps lost its state is asked of a
 variable that lives on it: each ps holds a small incarnation marker, read
 back on demand. A read that fails means the ps no longer holds what this
-job placed there; one that fails on the connection is read again first (a
-connection dropped under it, the ps holding on: the next read connects
-again, while a restarted ps fails every read).
+job placed there; one that fails on the connection itself is read again
+first (a connection dropped under it, the ps holding on: the next read
+connects again), while a restarted ps' answer (AbortedError) is final.
 
 The strategy also records every variable it places on a ps (weakly), by
 device, so that a ps that lost its state can be given its variables back in
