@@ -46,6 +46,13 @@ DEFAULT_READMIT_WORKERS = 1
 NO_WORKER_TIMEOUT_ENV_VAR = "KERAS_PS_NO_WORKER_TIMEOUT"
 DEFAULT_NO_WORKER_TIMEOUT = 0.0
 
+# Seconds every worker of a job may stay cut off from a ps that the
+# coordinator reaches (each worker's calls failing on a connection while it
+# and every ps answer) before the job fails with NoWorkersAvailableError
+# naming the cause (keras_ps/coordinator/cut_off.py). 0 waits forever.
+CUT_OFF_TIMEOUT_ENV_VAR = "KERAS_PS_CUT_OFF_TIMEOUT"
+DEFAULT_CUT_OFF_TIMEOUT = 60.0
+
 # Exactly-once evaluation splits the data into this many shards per worker:
 # more shards balance better and redo less after a worker loss.
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"

@@ -66,7 +66,10 @@ class ClusterUnreachableError(_TFErrorMixin, tf.errors.UnavailableError):
 
 
 class NoWorkersAvailableError(_TFErrorMixin, tf.errors.UnavailableError):
-    """Every worker has been unreachable for longer than the allowed time."""
+    """No worker can train: every worker has been unreachable for longer
+    than `KERAS_PS_NO_WORKER_TIMEOUT`, or every worker's calls have failed on
+    a connection to a ps that the coordinator reaches (cut off by the
+    network) for `KERAS_PS_CUT_OFF_TIMEOUT` seconds."""
 
     def __init__(self, message):
         super().__init__(None, None, message)

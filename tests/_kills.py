@@ -108,3 +108,82 @@ def can_reset_connections():
     finally:
         for s in (client, accepted, server):
             s.close()
+
+
+# -- a network path cut between two processes of this machine ----------------
+_NET_CLS = "/sys/fs/cgroup/net_cls"
+RULE_COMMENT = "keras_ps_test_cut"
+
+
+class NetworkCut:
+    """Cuts the TCP connections that processes `pids` open to `port`, as a
+    firewall rule between two machines would, every other path left
+    working: the processes are moved into a cgroup (v1 `net_cls`) of their
+    own, and iptables and ip6tables reject (with a reset) their packets to
+    that port. `heal()` removes the rules; the processes stay in the cgroup,
+    which nothing else matches."""
+
+    def __init__(self, pids, port):
+        self.classid = 0x10000 + os.getpid() % 0xFFFF
+        self.group = os.path.join(_NET_CLS, f"keras_ps_test_{os.getpid()}")
+        os.makedirs(self.group, exist_ok=True)
+        with open(os.path.join(self.group, "net_cls.classid"), "w") as f:
+            f.write(str(self.classid))
+        for pid in pids:
+            with open(os.path.join(self.group, "cgroup.procs"), "w") as f:
+                f.write(str(pid))
+        self._rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-m",
+                      "cgroup", "--cgroup", hex(self.classid), "-m",
+                      "comment", "--comment", RULE_COMMENT, "-j", "REJECT",
+                      "--reject-with", "tcp-reset"]
+        self.cut = False
+        for tool in ("iptables", "ip6tables"):
+            subprocess.run([tool, "-I", *self._rule], check=True,
+                           capture_output=True)
+        self.cut = True
+
+    def heal(self):
+        if self.cut:
+            self.cut = False
+            for tool in ("iptables", "ip6tables"):
+                subprocess.run([tool, "-D", *self._rule], capture_output=True)
+
+
+def heal_every_cut():
+    """Removes every rule a NetworkCut left (its process killed before it
+    healed); returns how many."""
+    removed = 0
+    for tool in ("iptables", "ip6tables"):
+        listed = subprocess.run([tool, "-S", "OUTPUT"], capture_output=True,
+                                text=True).stdout
+        for line in listed.splitlines():
+            if RULE_COMMENT in line and line.startswith("-A "):
+                subprocess.run([tool, "-D", *line.split()[1:]],
+                               capture_output=True)
+                removed += 1
+    return removed
+
+
+def can_cut_network():
+    """'' when this machine lets a test cut a process' connections to a
+    port (root, a cgroup v1 net_cls hierarchy, mounted here if needed,
+    iptables and ip6tables with the cgroup match), else why not."""
+    if os.geteuid() != 0:
+        return "needs root (iptables and a net_cls cgroup)"
+    if not os.path.exists(os.path.join(_NET_CLS, "net_cls.classid")):
+        os.makedirs(_NET_CLS, exist_ok=True)
+        mounted = subprocess.run(
+            ["mount", "-t", "cgroup", "-o", "net_cls", "net_cls", _NET_CLS],
+            capture_output=True, text=True)
+        if mounted.returncode != 0:
+            return f"cannot mount a net_cls cgroup: {mounted.stderr.strip()}"
+    for tool in ("iptables", "ip6tables"):
+        listed = subprocess.run([tool, "-m", "cgroup", "-h"],
+                                capture_output=True, text=True)
+        if listed.returncode != 0 or "--cgroup" not in listed.stdout:
+            return f"{tool} with the cgroup match is missing"
+        listed = subprocess.run([tool, "-m", "comment", "-h"],
+                                capture_output=True, text=True)
+        if listed.returncode != 0 or "--comment" not in listed.stdout:
+            return f"{tool} with the comment match is missing"
+    return ""

@@ -20,6 +20,8 @@ class CoordinatorConfig:
         rebuild_retry_delay: seconds before retrying a failed re-admission.
         readmit_workers: whether a failed worker that answers again is re-admitted.
         no_worker_timeout: seconds `join` tolerates no healthy worker (0: forever).
+        cut_off_timeout: seconds every worker may stay cut off from a ps the
+            coordinator reaches before the job fails (0: forever).
         hang_timeout: seconds a call may run before its worker is probed and,
             if it does not answer, set aside as hung (0: no hang watchdog,
             and no call given up as stuck either).
@@ -36,6 +38,7 @@ class CoordinatorConfig:
     rebuild_retry_delay: float = _constants.REBUILD_RETRY_DELAY
     readmit_workers: bool = bool(_constants.DEFAULT_READMIT_WORKERS)
     no_worker_timeout: float = _constants.DEFAULT_NO_WORKER_TIMEOUT
+    cut_off_timeout: float = _constants.DEFAULT_CUT_OFF_TIMEOUT
     hang_timeout: float = _constants.DEFAULT_HANG_TIMEOUT
     stuck_timeout: Optional[float] = None
     ps_recovery_timeout: float = _constants.DEFAULT_PS_RECOVERY_TIMEOUT
@@ -63,7 +66,7 @@ class CoordinatorConfig:
                 f"{self.probe_timeout!r}. Leave it unset for the default "
                 f"{_constants.DEFAULT_PROBE_TIMEOUT:g} s.")
         for name in ("rebuild_retry_delay", "no_worker_timeout", "hang_timeout",
-                     "ps_recovery_timeout"):
+                     "ps_recovery_timeout", "cut_off_timeout"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(
@@ -116,6 +119,9 @@ class CoordinatorConfig:
             no_worker_timeout=_constants.env_float(
                 _constants.NO_WORKER_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_NO_WORKER_TIMEOUT, minimum=0),
+            cut_off_timeout=_constants.env_float(
+                _constants.CUT_OFF_TIMEOUT_ENV_VAR,
+                _constants.DEFAULT_CUT_OFF_TIMEOUT, minimum=0),
             hang_timeout=_constants.env_float(
                 _constants.HANG_TIMEOUT_ENV_VAR,
                 _constants.DEFAULT_HANG_TIMEOUT, minimum=0),

@@ -35,9 +35,8 @@ logger = logging.getLogger(__name__)
 # of worker threads and one watchdog.
 _by_strategy = weakref.WeakKeyDictionary()
 _by_strategy_lock = threading.Lock()
-# Seconds a ps recovery waits for the calls in flight at the loss to end by
-# themselves (those that touch the lost ps fail at once: servers fail fast)
-# before it cancels them.
+# Seconds a ps recovery lets the calls in flight at the loss end by themselves
+# (those touching the lost ps fail at once) before it cancels them.
 _PS_LOSS_GRACE = 2.0
 # Seconds `cancel_scheduled` waits for the calls in flight, cancelled or not.
 _ABANDON_TIMEOUT = 10.0
@@ -120,6 +119,7 @@ class ClusterCoordinator:
         self._services = worker_services.WorkerServices(
             queue=self._queue, packing=self._packing, gate=self._gate,
             readmission=self._readmission, config=config,
+            cut_off=self._workers.cut_off,
             num_workers=self._workers.count,
             num_healthy=self._workers.num_healthy, dead_ps=self._dead_ps,
             trace_is_safe=self._workers.trace_is_safe,

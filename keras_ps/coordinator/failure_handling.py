@@ -18,6 +18,7 @@ from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.cluster import _connection
 from keras_ps.cluster._network import incarnation
+from keras_ps.cluster._network import why_silent
 from keras_ps.errors import ParameterServerUnavailableError
 from keras_ps.errors import RepeatedFailureError
 from keras_ps.strategy import strategy as strategy_lib
@@ -176,6 +177,18 @@ def silent_member(index, address, seconds, why):
         "steps until one does; the other workers go on. Check that its "
         f"agent's --address is {_WORKER_ADDRESS}, reachable from this "
         "machine, and that the task runs.")
+
+
+def warn_if_silent(index, address, waited, warn_after, probe_timeout):
+    """Warns when new member `index` has not answered at `address` for
+    `warn_after` seconds (0: never) since it joined, `waited` seconds ago (a
+    wrong --address, a task that does not run); returns when to warn next
+    (twice as long)."""
+    if not warn_after or waited < warn_after:
+        return warn_after
+    logger.warning("%s", silent_member(index, address, waited, why_silent(
+        address, probe_timeout)))
+    return warn_after * 2
 
 
 # -- re-admission -------------------------------------------------------------------

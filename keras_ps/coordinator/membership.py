@@ -15,6 +15,8 @@ import time
 from keras_ps import errors
 from keras_ps.cluster import _network
 from keras_ps.coordinator import worker as worker_lib
+from keras_ps.coordinator.cut_off import CutOffWorkers
+from keras_ps.coordinator.worker_states import GONE
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class Workers:
         self._list = []
         self._lock = threading.Lock()  # membership updates
         self._unhealthy_since = None
+        # Workers whose calls fail on a connection while every ps answers.
+        self.cut_off = CutOffWorkers(self.in_job, config.cut_off_timeout)
 
     def start(self, services, addresses):
         """Starts a worker thread for each address (the cluster spec's)."""
@@ -63,6 +67,11 @@ class Workers:
         """{index: address} of the workers in the cluster now."""
         return {w.index: w.address for w in self._list
                 if w.state in worker_lib.IN_CLUSTER}
+
+    def in_job(self):
+        """The indices of the workers of the job now, out of training or
+        not (not those refused, left or stopped)."""
+        return [w.index for w in self._list if w.state not in GONE]
 
     def num_healthy(self):
         """How many workers take closures now."""

@@ -16,7 +16,6 @@ import tensorflow as tf
 from keras_ps import _tf_adapter
 from keras_ps.cluster._network import look_at_new_worker
 from keras_ps.cluster._network import probe
-from keras_ps.cluster._network import why_silent
 from keras_ps.strategy._per_worker import PerWorkerValues
 from keras_ps.strategy._per_worker import dispatch_scope
 from keras_ps.strategy._per_worker import worker_device
@@ -224,6 +223,7 @@ class Worker:
         except TypeError:  # no weak reference to it: no history kept
             pass
         self.closures_run += len(batch)
+        services.cut_off.ran(self.index)
         self._consecutive_failures = 0
         self._failed_readmissions = 0
         services.queue.mark_finished(len(batch))
@@ -343,7 +343,13 @@ class Worker:
                 self._read_again()
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
-            queue.put_back(batch)
+            # Failed on a connection while it and every ps answer: cut off.
+            fatal = worker_alive and connectivity and not context_lost and \
+                services.cut_off.put_out(self.index, self.address, error)
+            if fatal:  # every worker is
+                self._fail_job(batch, fatal)
+            else:
+                queue.put_back(batch)
         elif decision is Decision.RAISE_PS_FAILURE:
             self._fail_job(batch, failure_handling.ps_failure(dead_ps, error))
         elif decision is Decision.RAISE_REPEATED:
@@ -399,19 +405,6 @@ class Worker:
                 self.index, self.address, why))
         return answers and why is None
 
-    def _warn_if_silent(self, joined, warn_after):
-        """Warns once a new member's address has not answered for the hang
-        timeout since it joined (a wrong --address, a task that does not
-        run), and again each time that doubles; returns when to warn next."""
-        waited = time.monotonic() - joined
-        if (self.state is not WorkerState.JOINING or not warn_after
-                or waited < warn_after):
-            return warn_after
-        logger.warning("%s", failure_handling.silent_member(
-            self.index, self.address, waited, why_silent(
-                self.address, self._services.config.probe_timeout)))
-        return warn_after * 2
-
     def _recover(self):
         """Waits until the worker answers, then has it re-admitted."""
         config = self._services.config
@@ -420,6 +413,8 @@ class Worker:
                         "off: KERAS_PS_READMIT_WORKERS=0)", self.index)
             self.wait_for_state(_GONE, timeout=float("inf"))
             return
+        self._services.cut_off.wait_out(self.index, self._state_changed,
+                                        lambda: self.state in OUT)
         joined, warn_after = time.monotonic(), config.hang_timeout
         while self.state in (*OUT, WorkerState.JOINING):
             if self._answers(config.probe_timeout):
@@ -429,7 +424,10 @@ class Worker:
                         self.index, self.address, time.monotonic() - joined)
                 self.transition(WorkerState.RECOVERING, "answers")
                 break
-            warn_after = self._warn_if_silent(joined, warn_after)
+            if self.state is WorkerState.JOINING:
+                warn_after = failure_handling.warn_if_silent(
+                    self.index, self.address, time.monotonic() - joined,
+                    warn_after, config.probe_timeout)
             with self._state_lock:
                 if self.state not in _GONE:
                     self._state_changed.wait(config.recovery_interval)

@@ -10,6 +10,7 @@ from typing import Callable
 
 from keras_ps.coordinator.closures import ClosureQueue
 from keras_ps.coordinator.config import CoordinatorConfig
+from keras_ps.coordinator.cut_off import CutOffWorkers
 from keras_ps.coordinator.failure_handling import Readmission
 from keras_ps.coordinator.gate import SharedExclusiveLock
 from keras_ps.coordinator.packing import PackedFunctions
@@ -24,6 +25,8 @@ class WorkerServices:
         packing: the packed functions.
         gate: held shared during every remote call.
         readmission: re-admits this worker when it answers again.
+        cut_off: the workers whose calls fail on a connection while they
+            and every ps answer (rounds, waits before re-admission).
         config: the coordinator's settings.
         num_workers: () -> the number of worker places.
         num_healthy: () -> how many workers take closures now.
@@ -37,6 +40,7 @@ class WorkerServices:
     packing: PackedFunctions
     gate: SharedExclusiveLock
     readmission: Readmission
+    cut_off: CutOffWorkers
     config: CoordinatorConfig
     num_workers: Callable[[], int]
     num_healthy: Callable[[], int]

@@ -644,6 +644,14 @@ def env_hang_timeout_not_number(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_cut_off_timeout_negative", ValueError,
+      "KERAS_PS_CUT_OFF_TIMEOUT='-1'", "must be at least 0",
+      "Unset it to use the default")
+def env_cut_off_timeout_negative(env):
+    _with_env("KERAS_PS_CUT_OFF_TIMEOUT", "-1",
+              lambda: keras_ps.ClusterCoordinator(env.strategy))
+
+
 @case("env_probe_timeout_negative", ValueError,
       "KERAS_PS_PROBE_TIMEOUT='-1'", "must be at least 0.1",
       "Unset it to use the default")
