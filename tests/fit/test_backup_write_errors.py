@@ -11,8 +11,10 @@ why."""
 import contextlib
 import errno
 import json
+import logging
 import os
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -169,3 +171,48 @@ def test_a_full_volume_ends_fit_with_the_error_and_keeps_the_last_backup(
         if incremental:
             folders = os.listdir(os.path.join(backup_dir, "incremental"))
             assert sorted(f for f in folders if "-0" in f) == ["full-000001"]
+
+
+def test_a_write_failing_on_a_connection_is_made_again_while_every_ps_holds(
+        strategy, caplog):
+    # The policy on the shared real cluster (its marker reads are real; the
+    # write raises TF's own UnavailableError): made again with a warning,
+    # at most 3 writes; any other error, and the third failure, raised.
+    # fit/test_ps_recovery.py::test_a_backup_whose_connection_drops_is_written_again
+    # (-m slow) drops a backup's connection for real.
+    import tensorflow as tf
+    from keras_ps.callbacks import _backup_modes
+
+    model = types.SimpleNamespace(distribute_strategy=strategy)
+    calls = []
+
+    def write(errors):
+        calls.append(1)
+        if len(calls) <= errors:
+            raise tf.errors.UnavailableError(
+                None, None, "recvmsg:Connection reset by peer\nmore")
+        return "written"
+
+    with caplog.at_level(logging.WARNING, "keras_ps.callbacks._backup_modes"):
+        assert _backup_modes.written_again_on_dropped_connections(
+            model, lambda: write(2), "backup 7") == "written"
+    assert len(calls) == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"[chief] backup 7 failed on a connection (UnavailableError: "
+        f"recvmsg:Connection reset by peer), every ps holding its "
+        f"variables; writing it again ({n} of 3)" for n in (2, 3)]
+    calls.clear()
+    with pytest.raises(tf.errors.UnavailableError):
+        _backup_modes.written_again_on_dropped_connections(
+            model, lambda: write(3), "backup 8")
+    assert len(calls) == 3
+
+    def disk_full():
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    calls.clear()
+    with pytest.raises(OSError):
+        _backup_modes.written_again_on_dropped_connections(
+            model, disk_full, "backup 9")
+    assert len(calls) == 1

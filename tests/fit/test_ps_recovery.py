@@ -40,6 +40,9 @@ def run(tmp_path, kills, in_restore=None, recover_ps=None):
     return code, output, last_report(output, code)
 
 
+# -m slow (10-60 s): the policy's short test is
+# fit/test_backup_write_errors.py::test_a_write_failing_on_a_connection_is_made_again_while_every_ps_holds.
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_a_backup_whose_connection_drops_is_written_again(tmp_path):
     # The backup's read of ps 0 is in flight (the ps SIGSTOPped meanwhile)
