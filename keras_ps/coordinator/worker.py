@@ -343,8 +343,10 @@ class Worker:
                 self._read_again()
         elif decision is Decision.RETRY_ELSEWHERE:
             self.transition(WorkerState.FAILED, type(error).__name__)
-            # Failed on a connection while it and every ps answer: cut off.
+            # On a connection, while it (the same process) and every ps
+            # answer: cut off from a ps (a restarted worker is not).
             fatal = worker_alive and connectivity and not context_lost and \
+                self._holds_context() and \
                 services.cut_off.put_out(self.index, self.address, error)
             if fatal:  # every worker is
                 self._fail_job(batch, fatal)
