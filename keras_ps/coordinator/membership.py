@@ -70,8 +70,10 @@ class Workers:
 
     def in_job(self):
         """The indices of the workers of the job now, out of training or
-        not (not those refused, left or stopped)."""
-        return [w.index for w in self._list if w.state not in GONE]
+        not (not those refused, left or stopped, nor a new member not
+        admitted yet)."""
+        return [w.index for w in self._list
+                if w.state not in GONE and w.state is not _S.JOINING]
 
     def num_healthy(self):
         """How many workers take closures now."""

@@ -89,6 +89,11 @@ def test_a_join_past_the_end_fills_the_gap_with_left_places(workers):
     assert [w.index for w in workers.all()] == [0, 1, 2, 3]
     assert not workers[2].started and workers[3].started
     assert workers.members() == [True, True, False, False]
+    # Who counts when every worker is cut off from a ps (cut_off.py): not
+    # a place left, nor a member not admitted yet; one out of training does.
+    assert workers.in_job() == [0, 1]
+    workers[1].state = WorkerState.FAILED
+    assert workers.in_job() == [0, 1]
 
 
 def test_a_shorter_membership_lets_the_places_past_it_leave(workers):
