@@ -7,8 +7,8 @@ security group that lets the coordinator through, a broken route): its
 calls fail at their first read of that ps, before any update. It is put
 out and re-admitted as after any failure, but each round in a row waits
 longer before its re-admission (without the wait it was re-admitted
-several times a second for as long as the cut lasted, and each
-re-admission held every worker's next call), and the user is told once
+several times a second for as long as the cut lasted, each re-admission
+holding every worker's next call a moment), and the user is told once
 which worker and what error. A call that runs on it again ends its
 rounds. When every worker of the job has been cut off for the config's
 `cut_off_timeout` seconds, no worker can train: the job fails with
