@@ -9,8 +9,8 @@ rejected, every other path works, the coordinator's included):
 1. A custom loop (`coordinator.schedule`, a step that adds 1 to a variable
    on each ps): worker 1 is cut off from ps 0 for HOLD_SECONDS of steps,
    then healed; steps go on until worker 1 has run 20 more. Reports the
-   re-admissions of worker 1 while it was cut, the coordinator's warnings,
-   the steps scheduled and the variables' values.
+   re-admissions and failed calls of worker 1 while it was cut, the
+   coordinator's warnings, the steps scheduled and the variables' values.
 2. Model.fit: at batch 4 of epoch 1, both workers are cut off from ps 0 for
    good. Reports what fit raised and how long after the cut
    (KERAS_PS_CUT_OFF_TIMEOUT comes from the test).
@@ -97,6 +97,8 @@ def custom_loop(cluster, strategy, log, hold):
     return dict(scheduled=scheduled, on_ps0=float(on_ps0.numpy()),
                 on_ps1=float(on_ps1.numpy()), devices=devices,
                 readmitted_while_cut=readmitted_while_cut,
+                failed_calls=log.count("[worker:1] closure failed with"),
+                max_pack=coordinator.max_pack,
                 ran_while_cut=ran_while_cut,
                 ran_after_heal=worker.closures_run - back,
                 state=worker.state.value)

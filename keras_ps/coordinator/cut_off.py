@@ -4,7 +4,9 @@ A worker whose calls fail on a connection while it answers probes, holds
 this job's context and every ps answers the coordinator is most likely
 cut off from a ps by the network between the two (a firewall rule or
 security group that lets the coordinator through, a broken route): its
-calls fail at their first read of that ps, before any update. It is put
+calls fail on their first use of that ps, so nothing of them reaches
+it (a failed step's updates on the other ps may apply, as for any step
+that fails). It is put
 out and re-admitted as after any failure, but each round in a row waits
 longer before its re-admission (without the wait it was re-admitted
 several times a second for as long as the cut lasted, each re-admission

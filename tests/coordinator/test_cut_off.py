@@ -58,10 +58,15 @@ def test_a_worker_cut_off_from_a_ps_waits_longer_each_round_and_comes_back(
     assert "(it names ps 0)" in told[0] and \
         "most likely cut off from a ps by the network" in told[0], told
     assert told[1].startswith(f"[worker:1] {worker} runs calls again, "), told
-    # Its failed steps never reached the ps it was cut off from, and each
-    # step was applied once on both ps (nothing ran twice here).
+    # Its failed steps never reached the ps it was cut off from: each step
+    # was applied there once. On the other ps, a failed call's steps may
+    # have applied their update before the call failed (TF orders a step's
+    # updates per variable only), then ran again elsewhere: at least once,
+    # at most once more per closure of a failed call.
     assert job["devices"][0].startswith("/job:ps/replica:0/task:0"), job
-    assert job["on_ps0"] == job["scheduled"] == job["on_ps1"], job
+    assert job["on_ps0"] == job["scheduled"], job
+    assert job["scheduled"] <= job["on_ps1"] <= \
+        job["scheduled"] + job["failed_calls"] * job["max_pack"], job
 
 
 @pytest.mark.timeout(360)
