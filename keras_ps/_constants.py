@@ -53,6 +53,15 @@ DEFAULT_NO_WORKER_TIMEOUT = 0.0
 CUT_OFF_TIMEOUT_ENV_VAR = "KERAS_PS_CUT_OFF_TIMEOUT"
 DEFAULT_CUT_OFF_TIMEOUT = 60.0
 
+# Seconds a connection between tasks may go without an answer from the
+# peer's host (its kernel: a stopped process on a live host still answers)
+# before the kernel gives it up and its calls fail (keepalive probes and
+# TCP_USER_TIMEOUT, keras_ps/cluster/_dead_peers.py): a machine that vanished
+# without resetting its connections. 0 leaves TF's connections as they are
+# (a call to a vanished machine then waits about 15 minutes).
+PEER_TIMEOUT_ENV_VAR = "KERAS_PS_PEER_TIMEOUT"
+DEFAULT_PEER_TIMEOUT = 30.0
+
 # Exactly-once evaluation splits the data into this many shards per worker:
 # more shards balance better and redo less after a worker loss.
 EVAL_SHARDS_PER_WORKER_ENV_VAR = "KERAS_PS_EVAL_SHARDS_PER_WORKER"

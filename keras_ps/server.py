@@ -27,6 +27,7 @@ import threading
 
 # keras_ps/__init__ sets GRPC_FAIL_FAST before anything starts gRPC; none of
 # these modules imports TensorFlow (a task serves sooner without its Python API).
+from keras_ps.cluster import _dead_peers
 from keras_ps.cluster import _forks
 from keras_ps.cluster import _network
 from keras_ps.cluster import ps_notices
@@ -279,6 +280,10 @@ def main(argv=None):
             "seconds. Pass 0 to stop at once on SIGTERM, or the seconds a ps "
             "may wait for its coordinator's backup (default "
             f"{ps_notices.DEFAULT_GRACE_S:g}).")
+    try:  # a bad value fails before the server starts
+        _dead_peers.timeout_from_env()
+    except ValueError as e:
+        return _fail(str(e))
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:
@@ -326,6 +331,9 @@ def main(argv=None):
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")
                + f"; {native}")
+    # Every connection of this process is TF's: calls to a task whose
+    # machine vanished fail within a bound.
+    _dead_peers.watch(every_socket=True)
     if announcer is not None:
         announcer.start()
     library = _native.server_library()

@@ -149,10 +149,36 @@ class NetworkCut:
                 subprocess.run([tool, "-D", *self._rule], capture_output=True)
 
 
+class Vanish:
+    """Drops every packet to or from `port` (a task's), as when the task's
+    machine vanishes (a preempted VM, a deleted pod): nothing answers, not
+    even with a reset, and a connection open to it stays open while its
+    data goes unacknowledged. Kill the task with it, or its peers' calls
+    keep running on it. `heal()` removes the rules."""
+
+    def __init__(self, port):
+        self._rules = [["OUTPUT", "-p", "tcp", f"--{side}", str(port), "-m",
+                        "comment", "--comment", RULE_COMMENT, "-j", "DROP"]
+                       for side in ("dport", "sport")]
+        self.cut = False
+        for tool in ("iptables", "ip6tables"):
+            for rule in self._rules:
+                subprocess.run([tool, "-I", *rule], check=True,
+                               capture_output=True)
+        self.cut = True
+
+    def heal(self):
+        if self.cut:
+            self.cut = False
+            for tool in ("iptables", "ip6tables"):
+                for rule in self._rules:
+                    subprocess.run([tool, "-D", *rule], capture_output=True)
+
+
 def heal_every_cut():
-    """Removes every rule a NetworkCut left (its process killed before it
-    healed), and its cgroups once their processes are gone; returns how
-    many rules."""
+    """Removes every rule a NetworkCut or Vanish left (its process killed
+    before it healed), and the cuts' cgroups once their processes are gone;
+    returns how many rules."""
     for name in os.listdir(_NET_CLS) if os.path.isdir(_NET_CLS) else ():
         if name.startswith("keras_ps_test_"):
             try:

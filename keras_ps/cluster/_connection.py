@@ -18,6 +18,7 @@ import tensorflow as tf
 from keras_ps import _constants
 from keras_ps import _exit_guard
 from keras_ps import _tf_adapter
+from keras_ps.cluster import _dead_peers
 from keras_ps.cluster import _network
 from keras_ps.errors import ClusterConfigError
 from keras_ps.errors import ClusterUnreachableError
@@ -84,11 +85,15 @@ def connect(spec):
         ClusterUnreachableError: some task did not answer in time.
         ClusterConfigError: another process holds the chief's port, or a
             ps or worker address is a gRPC server of another service.
+        ValueError: a bad KERAS_PS_PEER_TIMEOUT.
     """
     global _current
     jobs = {job: list(spec[job]) for job in ("ps", "worker")}
     if spec.get(COORDINATOR_JOB):
         jobs[COORDINATOR_JOB] = list(spec[COORDINATOR_JOB][:1])
+    # A call to a task whose machine vanished fails within a bound (a bad
+    # KERAS_PS_PEER_TIMEOUT is a ValueError before anything connects).
+    _dead_peers.watch([a for addresses in jobs.values() for a in addresses])
     with _lock:
         if _current is not None and _current.jobs == jobs:
             return _current

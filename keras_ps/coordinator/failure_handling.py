@@ -17,6 +17,7 @@ import time
 from keras_ps import _native
 from keras_ps import _tf_adapter
 from keras_ps.cluster import _connection
+from keras_ps.cluster import _dead_peers
 from keras_ps.cluster._network import incarnation
 from keras_ps.cluster._network import why_silent
 from keras_ps.errors import ParameterServerUnavailableError
@@ -327,7 +328,10 @@ class Readmission:
             The number of functions to trace again for that (or for tasks
             that all have the kernels again, after one without), or 0.
         """
-        _tf_adapter.update_server_def(self.membership_def())
+        server_def = self.membership_def()
+        _tf_adapter.update_server_def(server_def)
+        _dead_peers.watch([address for job in server_def.cluster.job
+                           for address in job.tasks.values()])
         self.generation += 1
         missing = _native.recheck(self._strategy, returned) if returned else []
         if missing:

@@ -652,6 +652,14 @@ def env_cut_off_timeout_negative(env):
               lambda: keras_ps.ClusterCoordinator(env.strategy))
 
 
+@case("env_peer_timeout_below_a_second", ValueError,
+      "KERAS_PS_PEER_TIMEOUT='0.5'", "must be 0 (off) or at least 1 second",
+      "Unset it for the default 30")
+def env_peer_timeout_below_a_second(env):
+    _with_env("KERAS_PS_PEER_TIMEOUT", "0.5",
+              lambda: keras_ps.ParameterServerStrategy(env.resolver))
+
+
 @case("env_probe_timeout_negative", ValueError,
       "KERAS_PS_PROBE_TIMEOUT='-1'", "must be at least 0.1",
       "Unset it to use the default")
@@ -1744,6 +1752,11 @@ SERVER_CASES = [
                  ["KERAS_PS_PREEMPTION_GRACE must be a number",
                   "KERAS_PS_PREEMPTION_GRACE='30s'", "Unset it"],
                  id="server_env_preemption_grace_not_number"),
+    pytest.param([{"env": {"KERAS_PS_PEER_TIMEOUT": "-3"}},
+                  "--cluster_spec", json.dumps(_spec(ps=[2001], worker=[2002])),
+                  "--job_name", "worker"],
+                 ["KERAS_PS_PEER_TIMEOUT='-3'", "must be at least 0", "Unset it"],
+                 id="server_env_peer_timeout_negative"),
     # Any other first item, a dict, is the process' TF_CONFIG.
     pytest.param([{"cluster": _spec(ps=[2001], worker=[2002]),
                    "task": {"type": "ps", "index": 0}},

@@ -1,0 +1,164 @@
+"""A task's machine that vanishes without a reset (a preempted VM, a deleted
+pod), for real (tests/_vanish_job.py: every packet to or from worker 1's
+port dropped, its process SIGKILLed), and the socket options that bound it
+(keras_ps/cluster/_dead_peers.py) on real loopback connections.
+
+Before: the connections to the vanished worker stayed open for about 15
+minutes of retransmissions; a function traced meanwhile waited on its
+registration there, and `fit` waited with it (in the job below, for good:
+it timed out)."""
+
+import os
+import socket
+import sys
+
+import pytest
+
+from _kills import can_cut_network
+from _kills import heal_every_cut
+from _paths import TESTS
+from _results import last_report
+from _results import run_child
+from keras_ps.cluster import _dead_peers
+
+PER_EXECUTION = 2  # tests/_fit_job.py's steps_per_execution
+
+
+@pytest.fixture(scope="module")
+def job():
+    why = can_cut_network()
+    if why:
+        pytest.skip(f"cannot drop a port's packets on this machine: {why}")
+    try:
+        code, output = run_child(
+            [sys.executable, os.path.join(TESTS, "_vanish_job.py")], 240,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                     KERAS_PS_PEER_TIMEOUT="5", KERAS_PS_HANG_TIMEOUT="3"))
+    finally:
+        heal_every_cut()  # a job that died before it healed
+    assert code == 0, output[-4000:]
+    return last_report(output, code)
+
+
+@pytest.mark.timeout(300)
+def test_fit_goes_on_when_a_workers_machine_vanishes_for_good(job):
+    fit = job["fit"]
+    assert fit["vanished"], fit
+    # Every planned step ran on the worker left; a step of the lost worker
+    # whose outcome was lost ran again (at least once, as any worker loss).
+    assert fit["planned"] <= fit["iterations"] <= \
+        fit["planned"] + 2 * PER_EXECUTION, fit
+    assert any("given up after 5s without an answer from the peer's host "
+               "(KERAS_PS_PEER_TIMEOUT)" in m for m in job["told"]), job
+
+
+@pytest.mark.timeout(300)
+def test_a_function_traced_while_a_machine_is_gone_runs_on_the_others(job):
+    loop = job["loop"]
+    # Each closure ran once, on worker 0; the vanished worker is out.
+    assert loop["values"] == [2.0 * i for i in range(8)], loop
+    assert loop["total"] == sum(range(8)), loop
+    assert loop["states"][0] == "healthy", loop
+    assert loop["states"][1] in ("failed", "hung"), loop
+
+
+# -- the socket options, on loopback connections -----------------------------
+
+
+def _options(sock):
+    return dict(
+        keepalive=sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+        user_timeout_ms=sock.getsockopt(socket.IPPROTO_TCP,
+                                        socket.TCP_USER_TIMEOUT),
+        idle=sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+        interval=sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+        probes=sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+
+
+@pytest.fixture
+def connections():
+    """Two listening sockets and a connection to each: (watched server,
+    its client, its accepted end), (other server, client, accepted)."""
+    made = []
+    for _ in range(2):
+        server = socket.create_server(("127.0.0.1", 0))
+        client = socket.create_connection(server.getsockname())
+        accepted, _ = server.accept()
+        made.append((server, client, accepted))
+    yield made
+    for trio in made:
+        for sock in trio:
+            sock.close()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                    reason="needs /proc/self/fd (Linux)")
+def test_connections_to_or_from_a_tasks_port_get_the_bound_once(connections):
+    (server, client, accepted), (_, other_client, other_accepted) = connections
+    seen, skipped = set(), set()
+    port = server.getsockname()[1]
+    assert _dead_peers.configure(12, seen, {port}, False, skipped) == 2
+    for sock in (client, accepted):  # to the port, and accepted on it
+        assert _options(sock) == dict(keepalive=1, user_timeout_ms=12000,
+                                      idle=6, interval=1, probes=5)
+    for sock in (other_client, other_accepted):
+        assert _options(sock)["keepalive"] == 0
+        assert _options(sock)["user_timeout_ms"] == 0
+    # Set once: a second look finds nothing new; a closed socket is
+    # forgotten.
+    assert _dead_peers.configure(12, seen, {port}, False, skipped) == 0
+    inode = os.fstat(client.fileno()).st_ino
+    assert inode in seen
+    client.close()
+    _dead_peers.configure(12, seen, {port}, False, skipped)
+    assert inode not in seen
+    # The other connection's port becomes a task's (a worker joined): once
+    # the sockets passed over are looked at again, it is set too.
+    other_port = other_accepted.getsockname()[1]
+    assert _dead_peers.configure(12, seen, {port, other_port}, False,
+                                 skipped) == 0
+    skipped.clear()
+    assert _dead_peers.configure(12, seen, {port, other_port}, False,
+                                 skipped) == 2
+    assert _options(other_client)["user_timeout_ms"] == 12000
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                    reason="needs /proc/self/fd (Linux)")
+def test_a_tasks_server_process_sets_every_connection(connections):
+    # This process may hold others (the session's cluster's): at least 4.
+    assert _dead_peers.configure(7, set(), set(), True) >= 4
+    for trio in connections:
+        for sock in trio[1:]:
+            assert _options(sock)["user_timeout_ms"] == 7000
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                    reason="needs /proc/self/fd (Linux)")
+def test_a_socket_not_connected_yet_is_looked_at_again():
+    sock = socket.socket()
+    try:
+        seen = set()
+        _dead_peers.configure(5, seen, set(), True)
+        assert os.fstat(sock.fileno()).st_ino not in seen
+        assert _options(sock)["user_timeout_ms"] == 0
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize("value, wanted", [
+    ("0.5", "must be 0 (off) or at least 1 second"),
+    ("-1", "must be at least 0"), ("soon", "must be a number")])
+def test_a_bad_peer_timeout_names_the_variable(monkeypatch, value, wanted):
+    monkeypatch.setenv("KERAS_PS_PEER_TIMEOUT", value)
+    with pytest.raises(ValueError, match="KERAS_PS_PEER_TIMEOUT") as raised:
+        _dead_peers.timeout_from_env()
+    assert wanted in str(raised.value) and repr(value) in str(raised.value)
+
+
+def test_the_default_and_off(monkeypatch):
+    monkeypatch.delenv("KERAS_PS_PEER_TIMEOUT", raising=False)
+    assert _dead_peers.timeout_from_env() == 30.0
+    monkeypatch.setenv("KERAS_PS_PEER_TIMEOUT", "0")
+    assert _dead_peers.timeout_from_env() == 0.0
+    assert _dead_peers.watch(["localhost:1"]) == 0.0  # off: nothing watched
