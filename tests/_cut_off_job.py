@@ -1,6 +1,6 @@
 """A coordinator process for the network-cut tests; prints one JSON line.
 
-Usage: python tests/_cut_off_job.py HOLD_SECONDS
+Usage: python tests/_cut_off_job.py HOLD_SECONDS [drop]
 
 On its own LocalCluster (2 workers, 2 ps), with real firewall rules
 (tests/_kills.py NetworkCut: worker processes' packets to ps 0's port are
@@ -14,6 +14,8 @@ rejected, every other path works, the coordinator's included):
 2. Model.fit: at batch 4 of epoch 1, both workers are cut off from ps 0 for
    good. Reports what fit raised and how long after the cut
    (KERAS_PS_CUT_OFF_TIMEOUT comes from the test).
+With `drop`, only 1, its packets dropped without an answer instead
+(KERAS_PS_PEER_TIMEOUT comes from the test).
 """
 
 import logging
@@ -56,7 +58,7 @@ def _steps(coordinator, step, iterator, n=20):
     return n
 
 
-def custom_loop(cluster, strategy, log, hold):
+def custom_loop(cluster, strategy, log, hold, drop=False):
     coordinator = keras_ps.ClusterCoordinator(strategy)
     with strategy.scope():
         on_ps0 = tf.Variable(0.0)  # variables go to the ps in turn
@@ -80,7 +82,7 @@ def custom_loop(cluster, strategy, log, hold):
     ran_before = worker.closures_run
     port = int(cluster.address("ps", 0).rsplit(":", 1)[1])
     readmitted_before = log.count("[worker:1] rebuilt in")
-    cut = NetworkCut([cluster.pid("worker", 1)], port)
+    cut = NetworkCut([cluster.pid("worker", 1)], port, drop=drop)
     try:
         cut_at = time.monotonic()
         while time.monotonic() - cut_at < hold:  # the fault lasts `hold` s
@@ -139,17 +141,18 @@ def fit_cut_off(cluster, strategy):
                 else time.monotonic() - callback.at)
 
 
-def main(hold):
+def main(hold, drop):
     log = _Log()
     with keras_ps.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = keras_ps.ParameterServerStrategy(cluster.resolver)
-        report = custom_loop(cluster, strategy, log, hold)
-        report.update(fit=fit_cut_off(cluster, strategy),
-                      workers=[cluster.address("worker", i) for i in (0, 1)],
+        report = custom_loop(cluster, strategy, log, hold, drop)
+        if not drop:
+            report.update(fit=fit_cut_off(cluster, strategy))
+        report.update(workers=[cluster.address("worker", i) for i in (0, 1)],
                       warnings=[m for m in log.messages
                                 if "cut off" in m or "runs calls again" in m])
         say(**report)
 
 
 if __name__ == "__main__":
-    main(float(sys.argv[1]))
+    main(float(sys.argv[1]), sys.argv[2:] == ["drop"])

@@ -120,10 +120,11 @@ class NetworkCut:
     firewall rule between two machines would, every other path left
     working: the processes are moved into a cgroup (v1 `net_cls`) of their
     own, and iptables and ip6tables reject (with a reset) their packets to
-    that port. `heal()` removes the rules; the processes stay in the cgroup,
-    which nothing else matches."""
+    that port, or with `drop` drop them without an answer (a security
+    group's default). `heal()` removes the rules; the processes stay in the
+    cgroup, which nothing else matches."""
 
-    def __init__(self, pids, port):
+    def __init__(self, pids, port, drop=False):
         self.classid = 0x10000 + os.getpid() % 0xFFFF
         self.group = os.path.join(_NET_CLS, f"keras_ps_test_{os.getpid()}")
         os.makedirs(self.group, exist_ok=True)
@@ -134,8 +135,9 @@ class NetworkCut:
                 f.write(str(pid))
         self._rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-m",
                       "cgroup", "--cgroup", hex(self.classid), "-m",
-                      "comment", "--comment", RULE_COMMENT, "-j", "REJECT",
-                      "--reject-with", "tcp-reset"]
+                      "comment", "--comment", RULE_COMMENT, "-j",
+                      *(["DROP"] if drop else
+                        ["REJECT", "--reject-with", "tcp-reset"])]
         self.cut = False
         for tool in ("iptables", "ip6tables"):
             subprocess.run([tool, "-I", *self._rule], check=True,

@@ -22,6 +22,7 @@ from keras_ps.coordinator import cut_off
 from keras_ps.errors import NoWorkersAvailableError
 
 HOLD_S = 4  # how long worker 1 stays cut off in the custom loop
+DROP_HOLD_S = 45  # the same, its packets dropped
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +68,43 @@ def test_a_worker_cut_off_from_a_ps_waits_longer_each_round_and_comes_back(
     assert job["on_ps0"] == job["scheduled"], job
     assert job["scheduled"] <= job["on_ps1"] <= \
         job["scheduled"] + job["failed_calls"] * job["max_pack"], job
+
+
+# Run apart (-m slow): about 70 s, most of it the cut held. The suite keeps
+# a vanished machine's connections given up (coordinator/
+# test_vanished_machines.py) and the rejected cut above.
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_worker_whose_packets_to_a_ps_are_dropped_is_cut_off_once_given_up():
+    # Dropped without an answer, the worker's calls to ps 0 wait on their
+    # connection until KERAS_PS_PEER_TIMEOUT (5 s here) ends it, then fail
+    # as a rejected cut's (before: until the stuck-call watchdog, 120 s).
+    why = can_cut_network()
+    if why:
+        pytest.skip(f"cannot cut a connection on this machine: {why}")
+    try:
+        code, output = run_child(
+            [sys.executable, os.path.join(TESTS, "_cut_off_job.py"),
+             str(DROP_HOLD_S), "drop"], 360,
+            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
+                     KERAS_PS_PEER_TIMEOUT="5"))
+    finally:
+        heal_every_cut()
+    assert code == 0, output[-4000:]
+    job = last_report(output, code)
+    worker = job["workers"][1]
+    told = [w for w in job["warnings"] if w.startswith("[worker:1]")]
+    assert told and told[0].startswith(
+        f"[worker:1] {worker} fails its calls on a connection "), told
+    assert "most likely cut off from a ps by the network" in told[0], told
+    assert told[-1].startswith(f"[worker:1] {worker} runs calls again, "), \
+        told
+    # Rounds 0, 0.5, 1, 2, 4, 8, 16 s apart at most in the cut's 45 s.
+    assert 1 <= job["readmitted_while_cut"] <= 8, job
+    assert job["ran_after_heal"] >= 20 and job["state"] == "healthy", job
+    for on_ps in (job["on_ps0"], job["on_ps1"]):
+        assert job["scheduled"] <= on_ps <= \
+            job["scheduled"] + job["failed_calls"] * job["max_pack"], job
 
 
 @pytest.mark.timeout(360)
