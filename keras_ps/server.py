@@ -281,9 +281,11 @@ def main(argv=None):
             "may wait for its coordinator's backup (default "
             f"{ps_notices.DEFAULT_GRACE_S:g}).")
     try:  # a bad value fails before the server starts
-        _dead_peers.timeout_from_env()
+        peer_timeout = _dead_peers.timeout_from_env()
     except ValueError as e:
         return _fail(str(e))
+    # Before TF starts gRPC, which reads its channels' options once.
+    _dead_peers.bound_connect_attempts(peer_timeout)
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:

@@ -12,6 +12,10 @@ Usage:
       the same under ElasticClusterResolver, the workers admitted by a
       rendezvous: the new ps 0 announces its address to the rendezvous
       (python -m keras_ps.server --rdzv_endpoint).
+  python tests/_ps_lost_job.py moved_vanished BACKUP_DIR
+      as moved, ps 0's old machine vanishing instead of its process
+      dying: every packet to or from its old port is dropped (no reset
+      tells anyone), then it is SIGKILLed.
   python tests/_ps_lost_job.py in_validation BACKUP_DIR [kill|exit|none]
       with validation_data: ps 0 is SIGKILLed and started again on its
       address as epoch 1's validation begins (after the epoch's last
@@ -41,7 +45,7 @@ from keras_ps.elastic import RendezvousClient
 from keras_ps.elastic import RendezvousConfig
 from keras_ps.elastic import RendezvousServer
 from _fit_job import EPOCHS, STEPS, build, data, dataset_creator
-from _kills import KillAndRestartPs, start_task
+from _kills import KillAndRestartPs, Vanish, start_task
 from _results import say
 
 AT = (1, 21)
@@ -62,10 +66,10 @@ class _PlatformResolver(tf.distribute.cluster_resolver.ClusterResolver):
 
 
 class _MovePs(keras.callbacks.Callback):
-    def __init__(self, cluster, resolver, rendezvous=None):
+    def __init__(self, cluster, resolver, rendezvous=None, vanish=False):
         super().__init__()
         self.cluster, self.resolver = cluster, resolver
-        self.rendezvous = rendezvous
+        self.rendezvous, self.vanish = rendezvous, vanish
         self.process = self.old = self.new = None
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -74,6 +78,9 @@ class _MovePs(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if self.process is not None or (self._epoch, batch) < AT:
             return
+        if self.vanish:
+            self.vanish = Vanish(int(self.cluster.address("ps", 0).rsplit(
+                ":", 1)[1]))
         self.cluster.kill("ps", 0)
         self.old = self.cluster.address("ps", 0)
         self.new = f"localhost:{portpicker.pick_unused_port()}"
@@ -107,7 +114,7 @@ def _lines(cluster, needle):
         return [line.strip() for line in log if needle in line]
 
 
-def moved(backup_dir, elastic=False):
+def moved(backup_dir, elastic=False, vanish=False):
     warnings = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
@@ -128,7 +135,7 @@ def moved(backup_dir, elastic=False):
                 {job: list(tasks) for job, tasks in cluster.spec.items()})
         strategy = keras_ps.ParameterServerStrategy(resolver)
         model = build(strategy)
-        move = _MovePs(cluster, resolver, rendezvous)
+        move = _MovePs(cluster, resolver, rendezvous, vanish)
         try:
             history = model.fit(
                 dataset_creator(), epochs=EPOCHS, steps_per_epoch=STEPS,
@@ -145,6 +152,8 @@ def moved(backup_dir, elastic=False):
                 moved=[w for w in warnings if "answers at" in w],
                 announced=_lines(cluster, "announced"))
         finally:  # the moved ps, before the cluster's tasks
+            if vanish and move.vanish is not True:
+                move.vanish.heal()
             if move.process is not None:
                 move.process.kill()
                 move.process.wait()
@@ -235,4 +244,5 @@ def lr_schedule(backup_dir, fault="kill"):
 if __name__ == "__main__":
     {"moved": moved, "in_validation": in_validation,
      "moved_elastic": lambda backup: moved(backup, elastic=True),
+     "moved_vanished": lambda backup: moved(backup, vanish=True),
      "lr_schedule": lr_schedule}[sys.argv[1]](*sys.argv[2:])

@@ -162,3 +162,21 @@ def test_the_default_and_off(monkeypatch):
     monkeypatch.setenv("KERAS_PS_PEER_TIMEOUT", "0")
     assert _dead_peers.timeout_from_env() == 0.0
     assert _dead_peers.watch(["localhost:1"]) == 0.0  # off: nothing watched
+
+
+@pytest.mark.parametrize("timeout, before, after", [
+    (30, None, "grpc.min_reconnect_backoff_ms=5000"),
+    (5, "grpc.keepalive_time_ms=60000",
+     "grpc.keepalive_time_ms=60000,grpc.min_reconnect_backoff_ms=2000"),
+    (600, None, "grpc.min_reconnect_backoff_ms=20000"),
+    (30, "grpc.min_reconnect_backoff_ms=9000",  # the user's, kept
+     "grpc.min_reconnect_backoff_ms=9000"),
+    (0, None, None)])
+def test_grpc_gives_a_connection_attempt_a_sixth_of_the_peer_timeout(
+        monkeypatch, timeout, before, after):
+    if before is None:
+        monkeypatch.delenv("TF_GRPC_DEFAULT_OPTIONS", raising=False)
+    else:
+        monkeypatch.setenv("TF_GRPC_DEFAULT_OPTIONS", before)
+    _dead_peers.bound_connect_attempts(timeout)
+    assert os.environ.get("TF_GRPC_DEFAULT_OPTIONS") == after
