@@ -115,7 +115,34 @@ _NET_CLS = "/sys/fs/cgroup/net_cls"
 RULE_COMMENT = "keras_ps_test_cut"
 
 
-class NetworkCut:
+class _Rules:
+    """iptables and ip6tables rules of the OUTPUT chain ("-j TARGET" last
+    in each), inserted at once, each marked with RULE_COMMENT; `heal()`
+    removes them."""
+
+    def __init__(self, rules):
+        self._rules, self.cut = [self._marked(rule) for rule in rules], False
+        for tool in ("iptables", "ip6tables"):
+            for rule in self._rules:
+                subprocess.run([tool, "-I", *rule], check=True,
+                               capture_output=True)
+        self.cut = True
+
+    @staticmethod
+    def _marked(rule):
+        target = rule.index("-j")
+        return ["OUTPUT", *rule[:target], "-m", "comment", "--comment",
+                RULE_COMMENT, *rule[target:]]
+
+    def heal(self):
+        if self.cut:
+            self.cut = False
+            for tool in ("iptables", "ip6tables"):
+                for rule in self._rules:
+                    subprocess.run([tool, "-D", *rule], capture_output=True)
+
+
+class NetworkCut(_Rules):
     """Cuts the TCP connections that processes `pids` open to `port`, as a
     firewall rule between two machines would, every other path left
     working: the processes are moved into a cgroup (v1 `net_cls`) of their
@@ -133,25 +160,13 @@ class NetworkCut:
         for pid in pids:
             with open(os.path.join(self.group, "cgroup.procs"), "w") as f:
                 f.write(str(pid))
-        self._rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-m",
-                      "cgroup", "--cgroup", hex(self.classid), "-m",
-                      "comment", "--comment", RULE_COMMENT, "-j",
-                      *(["DROP"] if drop else
-                        ["REJECT", "--reject-with", "tcp-reset"])]
-        self.cut = False
-        for tool in ("iptables", "ip6tables"):
-            subprocess.run([tool, "-I", *self._rule], check=True,
-                           capture_output=True)
-        self.cut = True
-
-    def heal(self):
-        if self.cut:
-            self.cut = False
-            for tool in ("iptables", "ip6tables"):
-                subprocess.run([tool, "-D", *self._rule], capture_output=True)
+        super().__init__([[
+            "-p", "tcp", "--dport", str(port), "-m", "cgroup", "--cgroup",
+            hex(self.classid), "-j",
+            *(["DROP"] if drop else ["REJECT", "--reject-with", "tcp-reset"])]])
 
 
-class Vanish:
+class Vanish(_Rules):
     """Drops every packet to or from `port` (a task's), as when the task's
     machine vanishes (a preempted VM, a deleted pod): nothing answers, not
     even with a reset, and a connection open to it stays open while its
@@ -159,22 +174,25 @@ class Vanish:
     keep running on it. `heal()` removes the rules."""
 
     def __init__(self, port):
-        self._rules = [["OUTPUT", "-p", "tcp", f"--{side}", str(port), "-m",
-                        "comment", "--comment", RULE_COMMENT, "-j", "DROP"]
-                       for side in ("dport", "sport")]
-        self.cut = False
-        for tool in ("iptables", "ip6tables"):
-            for rule in self._rules:
-                subprocess.run([tool, "-I", *rule], check=True,
-                               capture_output=True)
-        self.cut = True
+        super().__init__([["-p", "tcp", f"--{side}", str(port), "-j", "DROP"]
+                          for side in ("dport", "sport")])
 
-    def heal(self):
-        if self.cut:
-            self.cut = False
-            for tool in ("iptables", "ip6tables"):
-                for rule in self._rules:
-                    subprocess.run([tool, "-D", *rule], capture_output=True)
+
+def run_cutting_job(argv, timeout, **env):
+    """Runs the job `argv`, which cuts network paths with the classes above,
+    with `env` added to the environment; skips the calling test where this
+    machine cannot cut (see can_cut_network), and removes any rule the job
+    left (it died before it healed). Returns (exit code, output)."""
+    import pytest
+    from _results import run_child
+    why = can_cut_network()
+    if why:
+        pytest.skip(f"cannot cut a network path on this machine: {why}")
+    try:
+        return run_child(argv, timeout, env=dict(
+            os.environ, TF_CPP_MIN_LOG_LEVEL="3", **env))
+    finally:
+        heal_every_cut()
 
 
 def heal_every_cut():

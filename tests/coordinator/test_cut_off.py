@@ -13,11 +13,9 @@ import sys
 
 import pytest
 
-from _kills import can_cut_network
-from _kills import heal_every_cut
+from _kills import run_cutting_job
 from _paths import TESTS
 from _results import last_report
-from _results import run_child
 from keras_ps.coordinator import cut_off
 from keras_ps.errors import NoWorkersAvailableError
 
@@ -27,17 +25,9 @@ DROP_HOLD_S = 45  # the same, its packets dropped
 
 @pytest.fixture(scope="module")
 def job():
-    why = can_cut_network()
-    if why:
-        pytest.skip(f"cannot cut a connection on this machine: {why}")
-    try:
-        code, output = run_child(
-            [sys.executable, os.path.join(TESTS, "_cut_off_job.py"),
-             str(HOLD_S)], 300,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                     KERAS_PS_CUT_OFF_TIMEOUT="3"))
-    finally:
-        heal_every_cut()  # a job that died before it healed
+    code, output = run_cutting_job(
+        [sys.executable, os.path.join(TESTS, "_cut_off_job.py"), str(HOLD_S)],
+        300, KERAS_PS_CUT_OFF_TIMEOUT="3")
     assert code == 0, output[-4000:]
     return last_report(output, code)
 
@@ -79,17 +69,9 @@ def test_a_worker_whose_packets_to_a_ps_are_dropped_is_cut_off_once_given_up():
     # Dropped without an answer, the worker's calls to ps 0 wait on their
     # connection until KERAS_PS_PEER_TIMEOUT (5 s here) ends it, then fail
     # as a rejected cut's (before: until the stuck-call watchdog, 120 s).
-    why = can_cut_network()
-    if why:
-        pytest.skip(f"cannot cut a connection on this machine: {why}")
-    try:
-        code, output = run_child(
-            [sys.executable, os.path.join(TESTS, "_cut_off_job.py"),
-             str(DROP_HOLD_S), "drop"], 360,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                     KERAS_PS_PEER_TIMEOUT="5"))
-    finally:
-        heal_every_cut()
+    code, output = run_cutting_job(
+        [sys.executable, os.path.join(TESTS, "_cut_off_job.py"),
+         str(DROP_HOLD_S), "drop"], 360, KERAS_PS_PEER_TIMEOUT="5")
     assert code == 0, output[-4000:]
     job = last_report(output, code)
     worker = job["workers"][1]

@@ -14,11 +14,9 @@ import sys
 
 import pytest
 
-from _kills import can_cut_network
-from _kills import heal_every_cut
+from _kills import run_cutting_job
 from _paths import TESTS
 from _results import last_report
-from _results import run_child
 from keras_ps.cluster import _dead_peers
 
 PER_EXECUTION = 2  # tests/_fit_job.py's steps_per_execution
@@ -26,16 +24,9 @@ PER_EXECUTION = 2  # tests/_fit_job.py's steps_per_execution
 
 @pytest.fixture(scope="module")
 def job():
-    why = can_cut_network()
-    if why:
-        pytest.skip(f"cannot drop a port's packets on this machine: {why}")
-    try:
-        code, output = run_child(
-            [sys.executable, os.path.join(TESTS, "_vanish_job.py")], 240,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                     KERAS_PS_PEER_TIMEOUT="5", KERAS_PS_HANG_TIMEOUT="3"))
-    finally:
-        heal_every_cut()  # a job that died before it healed
+    code, output = run_cutting_job(
+        [sys.executable, os.path.join(TESTS, "_vanish_job.py")], 240,
+        KERAS_PS_PEER_TIMEOUT="5", KERAS_PS_HANG_TIMEOUT="3")
     assert code == 0, output[-4000:]
     return last_report(output, code)
 

@@ -13,9 +13,8 @@ import sys
 
 import pytest
 
-from _kills import can_cut_network
 from _kills import can_reset_connections
-from _kills import heal_every_cut
+from _kills import run_cutting_job
 from _paths import TESTS
 from _results import last_report
 from _results import run_child
@@ -222,17 +221,9 @@ def test_a_ps_whose_machine_vanishes_is_recovered_on_its_replacement(
     # KERAS_PS_PS_RECOVERY_TIMEOUT (300 s by default: past this job's 200 s).
     # Now they fail once KERAS_PS_PEER_TIMEOUT (30 s) ends the connections,
     # and the same fit call recovers the ps at its new address.
-    why = can_cut_network()
-    if why:
-        pytest.skip(f"cannot drop a port's packets on this machine: {why}")
-    try:
-        code, output = run_child(
-            [sys.executable, LOST_JOB, "moved_vanished",
-             str(tmp_path / "backup")], 200,
-            env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3",
-                     PYTHONFAULTHANDLER="1"))
-    finally:
-        heal_every_cut()
+    code, output = run_cutting_job(
+        [sys.executable, LOST_JOB, "moved_vanished", str(tmp_path / "backup")],
+        200, PYTHONFAULTHANDLER="1")
     assert code == 0, output[-4000:]
     result = last_report(output, code)
     assert result["ps_now"] == result["new"] != result["old"], result
