@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -112,13 +113,15 @@ def can_reset_connections():
 
 # -- a network path cut between two processes of this machine ----------------
 _NET_CLS = "/sys/fs/cgroup/net_cls"
+# Each rule's comment names the process that made it (RULE_COMMENT_<pid>):
+# tests run side by side, and a test heals only the rules of jobs that died.
 RULE_COMMENT = "keras_ps_test_cut"
 
 
 class _Rules:
     """iptables and ip6tables rules of the OUTPUT chain ("-j TARGET" last
-    in each), inserted at once, each marked with RULE_COMMENT; `heal()`
-    removes them."""
+    in each), inserted at once, each marked with RULE_COMMENT and this
+    process' pid; `heal()` removes them."""
 
     def __init__(self, rules):
         self._rules, self.cut = [self._marked(rule) for rule in rules], False
@@ -132,7 +135,7 @@ class _Rules:
     def _marked(rule):
         target = rule.index("-j")
         return ["OUTPUT", *rule[:target], "-m", "comment", "--comment",
-                RULE_COMMENT, *rule[target:]]
+                f"{RULE_COMMENT}_{os.getpid()}", *rule[target:]]
 
     def heal(self):
         if self.cut:
@@ -196,9 +199,10 @@ def run_cutting_job(argv, timeout, **env):
 
 
 def heal_every_cut():
-    """Removes every rule a NetworkCut or Vanish left (its process killed
-    before it healed), and the cuts' cgroups once their processes are gone;
-    returns how many rules."""
+    """Removes every rule a NetworkCut or Vanish left whose process is gone
+    (killed before it healed; a live one's, of a test beside this one, are
+    kept), and the cuts' cgroups once their processes are gone; returns
+    how many rules."""
     for name in os.listdir(_NET_CLS) if os.path.isdir(_NET_CLS) else ():
         if name.startswith("keras_ps_test_"):
             try:
@@ -210,11 +214,23 @@ def heal_every_cut():
         listed = subprocess.run([tool, "-S", "OUTPUT"], capture_output=True,
                                 text=True).stdout
         for line in listed.splitlines():
-            if RULE_COMMENT in line and line.startswith("-A "):
+            maker = re.search(rf"{RULE_COMMENT}_(\d+)", line)
+            if (maker and line.startswith("-A ")
+                    and not _alive(int(maker.group(1)))):
                 subprocess.run([tool, "-D", *line.split()[1:]],
                                capture_output=True)
                 removed += 1
     return removed
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def can_cut_network():

@@ -10,10 +10,15 @@ it timed out)."""
 
 import os
 import socket
+import subprocess
 import sys
 
+import portpicker
 import pytest
 
+from _kills import Vanish
+from _kills import can_cut_network
+from _kills import heal_every_cut
 from _kills import run_cutting_job
 from _paths import TESTS
 from _results import last_report
@@ -51,6 +56,29 @@ def test_a_function_traced_while_a_machine_is_gone_runs_on_the_others(job):
     assert loop["total"] == sum(range(8)), loop
     assert loop["states"][0] == "healthy", loop
     assert loop["states"][1] in ("failed", "hung"), loop
+
+
+def test_healing_a_dead_jobs_rules_keeps_a_live_ones():
+    # Tests that cut run side by side: one's cleanup once removed the
+    # rules another's job was still testing with.
+    why = can_cut_network()
+    if why:
+        pytest.skip(f"cannot drop a port's packets on this machine: {why}")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid, port = int(dead.stdout), portpicker.pick_unused_port()
+    live = Vanish(port)
+    try:
+        rule = ["OUTPUT", "-p", "tcp", "--dport", str(port), "-m", "comment",
+                "--comment", f"keras_ps_test_cut_{dead_pid}", "-j", "DROP"]
+        subprocess.run(["iptables", "-I", *rule], check=True)
+        assert heal_every_cut() >= 1  # (a dead job of a test beside too)
+        listed = subprocess.run(["iptables", "-S", "OUTPUT"], check=True,
+                                capture_output=True, text=True).stdout
+        assert f"keras_ps_test_cut_{dead_pid}" not in listed
+        assert listed.count(f"keras_ps_test_cut_{os.getpid()}") == 2
+    finally:
+        live.heal()
 
 
 # -- the socket options, on loopback connections -----------------------------
