@@ -204,7 +204,8 @@ def heal_every_cut():
     kept), and the cuts' cgroups once their processes are gone; returns
     how many rules."""
     for name in os.listdir(_NET_CLS) if os.path.isdir(_NET_CLS) else ():
-        if name.startswith("keras_ps_test_"):
+        maker = re.fullmatch(r"keras_ps_test_(\d+)", name)
+        if maker and not _alive(int(maker.group(1))):
             try:
                 os.rmdir(os.path.join(_NET_CLS, name))
             except OSError:  # a process of it still runs
