@@ -16,7 +16,8 @@ gRPC fails its calls with UnavailableError, which keras_ps' failure handling
 takes from there (a worker set aside, a ps recovered). Only the peer's
 kernel has to answer: a stopped (SIGSTOP) or busy process on a live host
 keeps its connections, its slow calls running (one whose receive buffer
-stays full that long is given up too). TF offers no option for either
+stays full that long may be given up too: Linux counts its probes of a
+closed window against the timeout). TF offers no option for either
 setting, and its sockets are gRPC's, so a thread finds this process' new
 sockets in /proc/self/fd once a second and sets them on a duplicate of the
 descriptor. Linux only; elsewhere nothing is set.
