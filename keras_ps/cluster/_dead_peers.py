@@ -51,18 +51,26 @@ _SCAN_INTERVAL_S = 1.0
 # timeout, and are sent this many times within the rest of it.
 _IDLE_SHARE, _PROBES = 0.5, 5
 
-_lock = threading.Lock()
-_ports = set()      # a socket to or from one of these ports is a task's
-_every_socket = [False]
-_generation = [0]   # counts changes of the two above
-_thread = [None]
+class _Watched:
+    """What this process' thread sets the options on (under `lock`)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ports = set()  # a socket to or from one of these is a task's
+        self.every_socket = False
+        self.generation = 0  # counts changes of the two above
+        self.thread = None
 
 
-def _forget_thread():  # a forked child has none of its parent's threads
-    _thread[0] = None
+_watched = _Watched()
 
 
-os.register_at_fork(after_in_child=_forget_thread)
+def _forget():  # a forked child has none of its parent's threads or locks
+    global _watched
+    _watched = _Watched()
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def timeout_from_env():
@@ -112,32 +120,33 @@ def watch(addresses=(), every_socket=False):
     if not timeout or not os.path.isdir(_FD_DIR):
         return 0.0
     bound_connect_attempts(timeout)
-    with _lock:
-        before = (len(_ports), _every_socket[0])
-        _ports.update(int(a.rpartition(":")[2]) for a in addresses
-                      if a.rpartition(":")[2].isdigit())
-        _every_socket[0] = _every_socket[0] or every_socket
-        if (len(_ports), _every_socket[0]) != before:
-            _generation[0] += 1
-        if _thread[0] is None:
-            _thread[0] = threading.Thread(
-                target=_run, args=(timeout,), daemon=True,
+    watched = _watched
+    with watched.lock:
+        before = (len(watched.ports), watched.every_socket)
+        watched.ports.update(int(a.rpartition(":")[2]) for a in addresses
+                             if a.rpartition(":")[2].isdigit())
+        watched.every_socket = watched.every_socket or every_socket
+        if (len(watched.ports), watched.every_socket) != before:
+            watched.generation += 1
+        if watched.thread is None:
+            watched.thread = threading.Thread(
+                target=_run, args=(watched, timeout), daemon=True,
                 name="keras_ps-dead-peers")
-            _thread[0].start()
+            watched.thread.start()
             logger.info("connections to tasks are given up after %gs "
                         "without an answer from the peer's host (%s)",
                         timeout, _constants.PEER_TIMEOUT_ENV_VAR)
     return timeout
 
 
-def _run(timeout):
+def _run(watched, timeout):
     seen, skipped, generation = set(), set(), None
     while True:
-        with _lock:
-            ports, every_socket = set(_ports), _every_socket[0]
-            if generation != _generation[0]:
+        with watched.lock:
+            ports, every_socket = set(watched.ports), watched.every_socket
+            if generation != watched.generation:
                 # New tasks: sockets passed over may be theirs now.
-                generation = _generation[0]
+                generation = watched.generation
                 skipped.clear()
         try:
             configure(timeout, seen, ports, every_socket, skipped)
