@@ -202,10 +202,11 @@ def _set_options(fd, inode, timeout, ports, every_socket):
     except OSError:
         return False
     try:
-        if os.fstat(dup).st_ino != inode:
-            return False
-        sock = socket.socket(fileno=dup)
+        sock = (socket.socket(fileno=dup) if os.fstat(dup).st_ino == inode
+                else None)
     except OSError:
+        sock = None
+    if sock is None:
         os.close(dup)
         return False
     try:

@@ -165,6 +165,19 @@ def test_a_socket_not_connected_yet_is_looked_at_again():
         sock.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"),
+                    reason="needs /proc/self/fd (Linux)")
+def test_a_descriptor_reused_since_it_was_listed_is_left_alone(connections):
+    # Listed as one socket, the number now another's: nothing set, and the
+    # duplicate made to look is closed.
+    client = connections[0][1]
+    before = len(os.listdir("/proc/self/fd"))
+    assert _dead_peers._set_options(client.fileno(), -1, 9, set(), True) \
+        is False
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert _options(client)["user_timeout_ms"] == 0
+
+
 @pytest.mark.parametrize("value, wanted", [
     ("0.5", "must be 0 (off) or at least 1 second"),
     ("-1", "must be at least 0"), ("soon", "must be a number")])
