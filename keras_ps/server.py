@@ -280,12 +280,13 @@ def main(argv=None):
             "seconds. Pass 0 to stop at once on SIGTERM, or the seconds a ps "
             "may wait for its coordinator's backup (default "
             f"{ps_notices.DEFAULT_GRACE_S:g}).")
-    try:  # a bad value fails before the server starts
-        peer_timeout = _dead_peers.timeout_from_env()
+    # Every connection of this process is TF's: calls to a task whose
+    # machine vanished fail within a bound. Before TF starts gRPC, which
+    # reads its channels' options once; a bad value fails before serving.
+    try:
+        _dead_peers.watch(every_socket=True)
     except ValueError as e:
         return _fail(str(e))
-    # Before TF starts gRPC, which reads its channels' options once.
-    _dead_peers.bound_connect_attempts(peer_timeout)
     try:
         cluster, job, index = _task(args)
     except ClusterConfigError as e:
@@ -333,9 +334,6 @@ def main(argv=None):
                + (f"{args.intra_op_threads} intra-op"
                   if args.intra_op_threads else "intra-op: one per core")
                + f"; {native}")
-    # Every connection of this process is TF's: calls to a task whose
-    # machine vanished fail within a bound.
-    _dead_peers.watch(every_socket=True)
     if announcer is not None:
         announcer.start()
     library = _native.server_library()

@@ -38,6 +38,7 @@ import threading
 import time
 
 from keras_ps import _constants
+from keras_ps.cluster import _network
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +115,8 @@ def watch(addresses=(), every_socket=False):
     off, or not Linux).
 
     Raises:
-        ValueError: a bad KERAS_PS_PEER_TIMEOUT (see timeout_from_env).
+        ValueError: a bad KERAS_PS_PEER_TIMEOUT (see timeout_from_env), or
+            an address that is not "host:port".
     """
     timeout = timeout_from_env()
     if not timeout or not os.path.isdir(_FD_DIR):
@@ -123,8 +125,8 @@ def watch(addresses=(), every_socket=False):
     watched = _watched
     with watched.lock:
         before = (len(watched.ports), watched.every_socket)
-        watched.ports.update(int(a.rpartition(":")[2]) for a in addresses
-                             if a.rpartition(":")[2].isdigit())
+        watched.ports.update(_network.split_address(a)[1]
+                             for a in addresses)
         watched.every_socket = watched.every_socket or every_socket
         if (len(watched.ports), watched.every_socket) != before:
             watched.generation += 1
